@@ -17,7 +17,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from rlactors.models import batch_invariant as bi
 from rlactors.models.args import ModelArgs
@@ -198,29 +197,22 @@ class Qwen3ForCausalLM(nn.Module):
                        chunk_size: int = 1024) -> torch.Tensor:
         """fp32 ``log p(target_ids[t] | hidden[t])`` for every ``t``; differentiable.
 
-        The vocabulary projection and fp32 log_softmax run ``chunk_size`` tokens at a time, and
-        under autograd each chunk is recomputed in backward rather than kept, so the fp32
-        full-vocab logits of the whole batch never exist at once.
+        The vocabulary projection and fp32 log_softmax run ``chunk_size`` tokens at a time and
+        backward recomputes each chunk's logits (``_TokenLogprobs``), so the fp32 full-vocab
+        logits of the whole batch never exist at once.
         """
-        return self._chunked(self._logprob_chunk, hidden, target_ids, chunk_size)[0]
+        return self._token_logprobs(hidden, target_ids, chunk_size, with_entropy=False)[0]
 
     def token_logprobs_and_entropy(self, hidden: torch.Tensor, target_ids: torch.Tensor,
                                    chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logprobs, entropy)``, both fp32 ``[T]``; entropy of the full next-token distribution."""
-        return self._chunked(self._logprob_entropy_chunk, hidden, target_ids, chunk_size)
+        """``(logprobs, entropy)``, both fp32 ``[T]``; entropy of the full next-token distribution.
 
-    def _logprob_chunk(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor]:
-        logprobs = self.log_softmax(self.lm_head(hidden))
-        return (logprobs.gather(-1, targets[:, None]).squeeze(-1),)
+        Only the logprobs are differentiable: the entropy is a metric and comes back detached.
+        """
+        return self._token_logprobs(hidden, target_ids, chunk_size, with_entropy=True)
 
-    def _logprob_entropy_chunk(self, hidden: torch.Tensor,
-                               targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs = self.log_softmax(self.lm_head(hidden))
-        entropy = -(logprobs.exp() * logprobs).sum(-1)
-        return logprobs.gather(-1, targets[:, None]).squeeze(-1), entropy
-
-    def _chunked(self, chunk_fn, hidden: torch.Tensor, target_ids: torch.Tensor,
-                 chunk_size: int) -> tuple[torch.Tensor, ...]:
+    def _token_logprobs(self, hidden: torch.Tensor, target_ids: torch.Tensor, chunk_size: int,
+                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         if hidden.dim() != 2 or target_ids.shape != hidden.shape[:1]:
             raise ValueError(
                 f"hidden must be [T, hidden_size] and target_ids [T], got {tuple(hidden.shape)} "
@@ -228,11 +220,63 @@ class Qwen3ForCausalLM(nn.Module):
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         target_ids = target_ids.long()  # gather wants int64; batches may carry int32 ids
-        outputs = []
+        return _TokenLogprobs.apply(hidden, self.lm_head.weight, target_ids, self, chunk_size, with_entropy)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """``model.log_softmax(model.logits(hidden))`` at the targets (and, if asked, the entropy),
+    ``chunk_size`` tokens at a time; no ``[T, vocab]`` tensor outlives its chunk.
+
+    ``weight`` is ``model.lm_head.weight``, the matrix ``model.logits`` multiplies by: it is an
+    input so that autograd hands its gradient to the parameter (the embedding too, when tied).
+
+    Forward keeps each token's logsumexp, so backward recomputes a chunk's logits with one matmul
+    and gets the softmax from them with one exp, instead of replaying the log_softmax and the
+    entropy and differentiating through them:
+    ``d logp[y] / d logits = onehot(y) - softmax(logits)``, ``softmax = exp(logits - logsumexp)``.
+    The entropy is a metric: not differentiable, so backward never touches it.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, model, chunk_size, with_entropy):
+        logprobs, logsumexp, entropy = [], [], []
         for start in range(0, max(hidden.shape[0], 1), chunk_size):  # one empty chunk when T == 0
-            h, t = hidden[start:start + chunk_size], target_ids[start:start + chunk_size]
-            if torch.is_grad_enabled():
-                outputs.append(checkpoint(chunk_fn, h, t, use_reentrant=False))
-            else:
-                outputs.append(chunk_fn(h, t))
-        return tuple(torch.cat(parts) for parts in zip(*outputs))
+            rows = slice(start, start + chunk_size)
+            logits = model.logits(hidden[rows])
+            chunk_logprobs = model.log_softmax(logits)
+            target = targets[rows, None]
+            target_logprobs = chunk_logprobs.gather(-1, target).squeeze(-1)
+            logprobs.append(target_logprobs)
+            # log_softmax = logits - logsumexp, so the target's entries give the logsumexp at
+            # O(T) cost, consistent with the log_softmax's own rounding (measured at Qwen3's
+            # vocab: exp(logits - logsumexp) is within 4e-6 relative of exp(log_softmax)).
+            logsumexp.append(logits.gather(-1, target).squeeze(-1) - target_logprobs)
+            if with_entropy:
+                entropy.append(-(chunk_logprobs.exp() * chunk_logprobs).sum(-1))
+        ctx.save_for_backward(hidden, weight, targets, torch.cat(logsumexp))
+        ctx.model, ctx.chunk_size = model, chunk_size
+        if not with_entropy:
+            return torch.cat(logprobs), None
+        entropy = torch.cat(entropy)
+        ctx.mark_non_differentiable(entropy)
+        return torch.cat(logprobs), entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, weight, targets, logsumexp = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            chunk_hidden, grad = hidden[rows], grad_logprobs[rows, None]
+            logits = ctx.model.logits(chunk_hidden)  # the forward's, bit for bit
+            probs = (logits - logsumexp[rows, None]).exp_()  # fp32, like the log-probs
+            probs.scatter_add_(-1, targets[rows, None], torch.full_like(grad, -1.0))  # p - onehot(y)
+            # grad * (onehot(y) - p), rounded once into the logits' dtype as autograd through the
+            # log_softmax's .float() would; it overwrites the logits, which are done with.
+            grad_logits = torch.mul(probs, -grad, out=logits)
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t(), chunk_hidden)
+        return grad_hidden, grad_weight, None, None, None, None

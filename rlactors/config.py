@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -217,6 +219,20 @@ def gpu_layout(config: Config) -> tuple[list[int], list[list[int]]]:
     tp = config.generator.tp
     replicas = [list(range(first + r * tp, first + (r + 1) * tp)) for r in range(config.generator.replicas)]
     return trainer, replicas
+
+
+def cuda_visible_devices(gpu_ids: Sequence[int]) -> str:
+    """CUDA_VISIBLE_DEVICES for a child proc given GPUs `gpu_ids` of this process's view.
+
+    Ids count the GPUs this process sees: when it was itself started with CUDA_VISIBLE_DEVICES
+    (say "4,5,6,7"), id 0 is GPU 4, so a job confined to part of a node stays there.
+    """
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        return ",".join(str(i) for i in gpu_ids)
+    if max(gpu_ids) >= len(visible):
+        raise ValueError(f"GPU ids {list(gpu_ids)} exceed the {len(visible)} GPUs of CUDA_VISIBLE_DEVICES={visible}")
+    return ",".join(visible[i] for i in gpu_ids)
 
 
 # ---------------------------------------------------------------------------------------------

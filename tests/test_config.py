@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from rlactors.config import Config, ConfigError, build_dataclass, dump_toml, gpu_layout, load_config
+from rlactors.config import Config, ConfigError, build_dataclass, cuda_visible_devices, dump_toml, gpu_layout, load_config
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 
@@ -71,6 +71,15 @@ def test_gpu_layout_separate_and_colocated():
     assert gpu_layout(load_config(overrides=single, available_gpus=1)) == ([0], [[0]])
     with pytest.raises(ConfigError, match=r"^controller\.device: max\(trainer\.ranks, .*\) = 2 GPUs, but 1"):
         load_config(overrides=single + ["generator.replicas=2"], available_gpus=1)
+
+
+def test_child_gpus_stay_inside_the_parents_visible_devices(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert cuda_visible_devices([2, 3]) == "2,3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 5,6,7")
+    assert cuda_visible_devices([0]) == "4" and cuda_visible_devices([2, 3]) == "6,7"
+    with pytest.raises(ValueError, match="exceed the 4 GPUs"):
+        cuda_visible_devices([4])
 
 
 def test_file_errors(tmp_path):

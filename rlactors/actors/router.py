@@ -29,6 +29,7 @@ import torch
 from monarch.actor import Actor, ActorError, concurrent_endpoint, default_bootstrap_cmd, this_host
 
 from rlactors.actors.generator import Generator
+from rlactors.config import cuda_visible_devices
 from rlactors.engines.async_engine import EngineDeadError
 from rlactors.types import Completion, SamplingParams
 
@@ -112,7 +113,7 @@ class GeneratorRouter(Actor):
         name = f"generator{index}x{self._spawned}"
         bootstrap = None
         if self.gpu_ids is not None:
-            env = {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in self.gpu_ids[index])}
+            env = {"CUDA_VISIBLE_DEVICES": cuda_visible_devices(self.gpu_ids[index])}
             bootstrap = default_bootstrap_cmd().with_env(env)
         procs = this_host().spawn_procs(per_host={"gpus": 1}, bootstrap_command=bootstrap)
         actor = procs.spawn(name, Generator, self.generator_config, self.model_config, index)

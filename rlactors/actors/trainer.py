@@ -16,7 +16,7 @@ import torch
 from monarch.actor import Actor, HostMesh, ProcMesh, default_bootstrap_cmd, endpoint
 from monarch.spmd import setup_torch_elastic_env_async
 
-from rlactors.config import LossConfig, ModelConfig, TrainerConfig
+from rlactors.config import LossConfig, ModelConfig, TrainerConfig, cuda_visible_devices
 from rlactors.losses import LossNorm
 from rlactors.rollout.types import MicroBatch
 from rlactors.trainer.core import PolicyTrainerCore, VersionedWeights
@@ -95,7 +95,7 @@ async def spawn_trainer(host: HostMesh, model: ModelConfig, trainer: TrainerConf
     Returns (procs, actor mesh)."""
     if device == "cuda":
         def bootstrap_command(point):
-            gpu = str(first_gpu + point["gpus"])
+            gpu = cuda_visible_devices([first_gpu + point["gpus"]])
             return default_bootstrap_cmd().with_env({"CUDA_VISIBLE_DEVICES": gpu})
     else:
         bootstrap_command = None

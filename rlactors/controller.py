@@ -74,6 +74,7 @@ class Controller:
         self._next_step_state: dict[int, ResumeState] = {}
         self._faults: list[str] = []
         self._procs: list[Any] = []
+        self._generator_busy: tuple[float, float] | None = None  # (time, busy seconds of all replicas)
         self.trainer = None
         self.router = None
 
@@ -202,6 +203,7 @@ class Controller:
         c = self.config
         ahead = 0 if c.controller.mode == "sync" else c.controller.max_staleness
         metrics_log = MetricsLogger(self.run_dir, c.controller.steps, resume_step=self.step)
+        await self._generator_metrics()  # the first reading of generator busy time, for step 1's idle fraction
         queue: asyncio.Queue = asyncio.Queue()
         producer = asyncio.ensure_future(self._produce(queue, ahead))
         history = []
@@ -359,8 +361,20 @@ class Controller:
 
     async def _generator_metrics(self) -> dict[str, float]:
         stats = await self.router.stats.call_one()
-        return {"generator/live_replicas": float(stats["live"]), "generator/dead_replicas": float(stats["dead"]),
-                "generator/retries": float(stats["retries"]), "generator/restarts": float(stats["restarts"])}
+        metrics = {"generator/live_replicas": float(stats["live"]), "generator/dead_replicas": float(stats["dead"]),
+                   "generator/retries": float(stats["retries"]), "generator/restarts": float(stats["restarts"])}
+        # Idle = the share of replica time since the last step spent outside engine steps (not
+        # generating). A restarted replica's counter starts again at 0, so a step that saw a restart
+        # reports nothing.
+        now = time.perf_counter()
+        busy = sum(r["engine"]["busy_s"] for r in stats["replicas"] if r["engine"] is not None)
+        if self._generator_busy is not None and stats["live"]:
+            then, busy_then = self._generator_busy
+            if busy >= busy_then:
+                idle = 1.0 - (busy - busy_then) / ((now - then) * stats["live"])
+                metrics["time/generator_idle_fraction"] = min(max(idle, 0.0), 1.0)
+        self._generator_busy = (now, busy)
+        return metrics
 
     def _samples(self, groups: Sequence[RolloutGroup]) -> list[dict[str, Any]]:
         """The best and the worst rollout of each group, decoded."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 import torch
@@ -79,6 +80,20 @@ def test_drain_update_finishes_in_flight_requests_on_the_old_weights(tiny_ckpt):
         assert timings["version"] == 1 and timings["mode"] == "drain" and timings["wait_s"] > 0
         fresh = await later
         assert fresh.versions == [1] * 4 and fresh.timings["queue_s"] > 0
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_busy_time_counts_engine_steps_only(tiny_ckpt):
+    async def main():
+        engine = async_engine(tiny_ckpt)
+        start = time.perf_counter()
+        await engine.generate([5, 6, 7], SamplingParams(max_tokens=40), "r")
+        generating = time.perf_counter() - start
+        busy = engine.stats()["busy_s"]
+        await asyncio.sleep(0.3)  # no request: the engine idles and its busy time stays put
+        assert 0 < busy <= generating and engine.stats()["busy_s"] == busy
         await engine.close()
 
     asyncio.run(main())

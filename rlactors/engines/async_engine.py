@@ -72,6 +72,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._closed = False
         self.counters = {"requests": 0, "completed": 0, "rejected": 0, "updates": 0}
+        self.busy_s = 0.0  # wall time in engine steps: the replica is generating, not idle
 
     @property
     def healthy(self) -> bool:
@@ -143,6 +144,7 @@ class AsyncEngine:
             "error": None if self._dead is None else repr(self._dead),
             "in_flight": len(self._incoming) + len(self._in_engine),
             "updating": self._update is not None,
+            "busy_s": self.busy_s,
             **self.counters,
             **self.engine.stats(),
         }
@@ -196,7 +198,10 @@ class AsyncEngine:
             if not draining:
                 self._admit()
             if self.engine.has_unfinished():
-                for completion in await loop.run_in_executor(self._executor, self.engine.step):
+                start = time.perf_counter()
+                completions = await loop.run_in_executor(self._executor, self.engine.step)
+                self.busy_s += time.perf_counter() - start
+                for completion in completions:
                     self._finish(completion)
             elif self._closed:
                 return

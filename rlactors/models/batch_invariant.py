@@ -52,7 +52,7 @@ KEY_BLOCK = 64  # keys per attention block, counted from position 0 of a sequenc
 # MKL's strict conditional-numerical-reproducibility mode: every gemm sums each output element
 # in one fixed order, whatever the number of threads and (measured) whatever the number of rows.
 # MKL reads this once, at its first call in the process, so it is set at import, before any
-# matmul; a value the user set is kept. The cost is small (see /tmp/h6_findings.md).
+# matmul; a value the user set is kept. Its cost is part of benchmarks/results/on_policy_cost_cpu.md.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 

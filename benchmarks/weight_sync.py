@@ -35,7 +35,9 @@ def _broadcast_worker(rank: int, world_size: int, num_bytes: int, gpus: list[int
     import torch.distributed as dist
 
     torch.cuda.set_device(gpus[rank])
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    # device_id: ranks on GPUs [0, 2, 3] must not let NCCL guess GPU = rank (that hangs the barrier).
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            device_id=torch.device("cuda", gpus[rank]))
     buffer = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     times = []
     for _ in range(iters + 1):

@@ -47,7 +47,6 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     mixed_precision: bool = True  # bf16 compute with fp32 master weights on CUDA
     activation_checkpointing: bool = False
-    seed: int = 0
     logprob_chunk_tokens: int = 1024  # tokens per chunk of the fp32 log-softmax
 
     def validate(self, key: str) -> None:
@@ -58,7 +57,6 @@ class TrainerConfig:
         _check(self.warmup_steps >= 0, f"{key}.warmup_steps", "must be >= 0")
         _check(self.max_grad_norm > 0, f"{key}.max_grad_norm", "must be > 0")
         _check(self.logprob_chunk_tokens >= 1, f"{key}.logprob_chunk_tokens", "must be >= 1")
-        _check(0 <= self.seed < 2**63, f"{key}.seed", f"must be in [0, 2**63), got {self.seed}")
 
 
 @dataclass

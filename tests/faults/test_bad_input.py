@@ -60,7 +60,6 @@ IMPOSSIBLE = [
     (["trainer.weight_decay=inf"], "trainer.weight_decay"),
     (["trainer.warmup_steps=-1"], "trainer.warmup_steps"),
     (["trainer.max_grad_norm=0"], "trainer.max_grad_norm"),
-    (["trainer.seed=-1"], "trainer.seed"),
     (["trainer.logprob_chunk_tokens=0"], "trainer.logprob_chunk_tokens"),
     (['generator.engine="sglang"'], "generator.engine"),
     (['generator.engine="vllm"'], "generator.engine"),  # vllm needs controller.device = "cuda"

@@ -1,7 +1,22 @@
 """Checksums of weight sets, equal on CPU and GPU, used to verify every weight sync.
 
-Integer sums of the raw bits wrap the same way in any reduction order, so the trainer (GPU or CPU)
-and a generator replica compute the same value without copying tensors to the host.
+A tensor's bytes are read as 32-bit words and summed into PERIOD columns (word i into column
+i % PERIOD) in one pass, in int32: integer sums wrap the same way in any reduction order and on
+any device, and a native int32 sum reads the data once (an int32 -> int64 sum would first copy
+the whole tensor to int64). The small vector of column sums is then reduced exactly in int64 to
+a plain sum and a column-weighted sum. Every result stays on the device until one transfer per
+call, so a state of hundreds of tensors costs one host sync, not hundreds.
+
+What it detects:
+- any change confined to one 32-bit word (a flipped bit anywhere): that column's sum changes
+  mod 2**32, so the exact int64 plain sum changes;
+- a swap of two unequal words in different columns: their column sums change by d and -d mod
+  2**32, so either the plain sum moves by +-2**32 or it stays and the weighted sum moves by
+  d * (column distance), nonzero and far from overflowing. Words a multiple of PERIOD apart share
+  a column, so swapping them is invisible; PERIOD is prime so that distances built from powers of
+  two (rows, shards, tensors in a packed buffer, transport chunks) are not multiples of it;
+- unequal tensors swapped between two names: each name carries its own sums into the digest
+  (missed only if the two tensors happen to have equal sums).
 """
 
 from __future__ import annotations
@@ -11,34 +26,45 @@ from collections.abc import Iterable
 
 import torch
 
-_CHUNK_WORDS = 1 << 26  # bounds the int64 scratch memory to 512 MB per chunk
-_WEIGHT_PERIOD = 65521  # position weights make swapped or shifted values visible
+PERIOD = 4093  # words; prime (see above), and small: each tensor costs a PERIOD-long reduction
+_ROW_BYTES = 4 * PERIOD
+_MASK = (1 << 64) - 1
+
+
+def _column_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """[PERIOD] int32 on the tensor's device: column c sums words c, c + PERIOD, ... mod 2**32,
+    the bytes after the last whole row zero-padded (so any byte count works)."""
+    raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    if raw.storage_offset() % 4:  # a view starting mid-word cannot be read as int32 in place
+        raw = raw.clone()
+    whole = raw.numel() // _ROW_BYTES * _ROW_BYTES
+    rows = raw[:whole].view(torch.int32).view(whole // _ROW_BYTES, PERIOD)
+    tail = raw.new_zeros(_ROW_BYTES)
+    tail[:raw.numel() - whole] = raw[whole:]
+    return rows.sum(0, dtype=torch.int32) + tail.view(torch.int32)
+
+
+def _plain_and_weighted(columns: torch.Tensor) -> torch.Tensor:
+    """[n, PERIOD] int32 column sums -> [n, 2] int64 (plain, weighted), exact: |weighted| < 2**55."""
+    columns = columns.to(torch.int64)
+    weights = torch.arange(1, PERIOD + 1, dtype=torch.int64, device=columns.device)
+    return torch.stack([columns.sum(1), (columns * weights).sum(1)], dim=1)
 
 
 def tensor_checksum(tensor: torch.Tensor) -> tuple[int, int]:
-    """(sum of 32-bit words, position-weighted sum) of the tensor's bytes, both mod 2**64."""
-    raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
-    if raw.numel() % 4:
-        raw = torch.cat([raw, raw.new_zeros(4 - raw.numel() % 4)])
-    words = raw.view(torch.int32)
-    plain = torch.zeros((), dtype=torch.int64, device=words.device)
-    weighted = torch.zeros((), dtype=torch.int64, device=words.device)
-    for start in range(0, words.numel(), _CHUNK_WORDS):
-        chunk = words[start : start + _CHUNK_WORDS].to(torch.int64)
-        position = torch.arange(start, start + chunk.numel(), device=words.device, dtype=torch.int64)
-        plain += chunk.sum()
-        weighted += (chunk * (position % _WEIGHT_PERIOD + 1)).sum()
-    mask = (1 << 64) - 1
-    return int(plain.item()) & mask, int(weighted.item()) & mask
+    """(plain, weighted) sums of the tensor's column sums, as unsigned 64-bit ints."""
+    plain, weighted = _plain_and_weighted(_column_sums(tensor)[None])[0].tolist()
+    return plain & _MASK, weighted & _MASK
 
 
 def state_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> str:
-    """One hex digest over names, dtypes, shapes and contents, independent of iteration order."""
+    """One hex digest over names, dtypes, shapes and contents, independent of iteration order.
+    The tensors must share a device; their sums reach the host in one transfer."""
     items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-    parts = []
-    for name, tensor in sorted(items, key=lambda kv: kv[0]):
-        plain, weighted = tensor_checksum(tensor)
-        parts.append(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:{plain:016x}{weighted:016x}")
+    items = sorted(items, key=lambda kv: kv[0])
+    sums = _plain_and_weighted(torch.stack([_column_sums(t) for _, t in items])).tolist() if items else []
+    parts = [f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:{plain & _MASK:016x}{weighted & _MASK:016x}"
+             for (name, tensor), (plain, weighted) in zip(items, sums)]
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
 
 

@@ -31,7 +31,7 @@ from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.env import SampleStream, load_env
 from rlactors.rollout.rollouter import Rollouter, group_number, summarize as summarize_groups
 from rlactors.rollout.types import Episode, RolloutGroup
-from rlactors.trainer.checkpoint import latest_checkpoint
+from rlactors.trainer.checkpoint import checkpoint_dir, is_complete, latest_checkpoint
 from rlactors.types import Completion, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -305,8 +305,9 @@ class Controller:
         if not math.isfinite(optim["loss"]) or optim["update_skipped"]:
             # optim_step skipped the update (a non-finite gradient, even under a finite loss): the
             # weights are still those of the last step. Going on would also stall the loop, which
-            # waits for the next policy version.
-            await self.save_checkpoint()
+            # waits for the next policy version. A complete checkpoint of that state is kept as is.
+            if not is_complete(checkpoint_dir(self.checkpoint_root, self.step)):
+                await self.save_checkpoint()
             raise TrainingError(f"step {step}: the loss is {optim['loss']} (gradient norm {optim['grad_norm']}); "
                                 f"the state after step {self.step} is saved in {self.checkpoint_root}")
         self.policy_version = int(optim.pop("policy_version"))

@@ -127,6 +127,11 @@ class CorruptingController(Controller):
     outside the clip range)."""
 
     shift_step2 = False
+    saves = 0
+
+    async def save_checkpoint(self):
+        self.saves += 1
+        return await super().save_checkpoint()
 
     async def _generate(self, prompt_token_ids, sampling, request_id, session_id=None):
         completion = await super()._generate(prompt_token_ids, sampling, request_id, session_id)
@@ -162,7 +167,9 @@ def test_nonfinite_logprobs_are_excluded_and_a_nonfinite_step_stops_with_the_sta
     (step1,) = read_metrics(tmp_path)
     assert step1["loss/nonfinite_logprob_tokens"] == 4 and math.isfinite(step1["loss/loss"])
     assert step1["loss/tokens"] == 4 * 8 - 4 and step1["policy/version"] == 1
-    # The state after step 1 is saved and complete, controller state included.
+    # The state after step 1 is saved and complete, controller state included; written once, at
+    # step 1 (controller.checkpoint_every=1), not again over itself when step 2 failed.
+    assert controller.saves == 1
     saved = checkpoint_dir(tmp_path / "checkpoints", 1)
     assert (saved / COMPLETE_FILE).is_file() and not checkpoint_dir(tmp_path / "checkpoints", 2).exists()
     state = json.loads((saved / "controller_state.json").read_text())

@@ -96,7 +96,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_reward_curve(run_dir: str | Path, title: str | None = None) -> Path | None:
-    """reward_curve.png: mean reward per step with its min-max band; None when no step has one."""
+    """reward_curve.png: mean reward per step, its trailing 5-step mean, and the min-max band over
+    rollouts; None when no step has a reward."""
     records = [r for r in read_metrics(run_dir) if isinstance(r.get(REWARD_MEAN), (int, float))]
     if not records:
         return None
@@ -109,8 +110,12 @@ def plot_reward_curve(run_dir: str | Path, title: str | None = None) -> Path | N
     fig, ax = plt.subplots(figsize=(7, 4))
     if all(REWARD_MIN in r and REWARD_MAX in r for r in records):
         ax.fill_between(steps, [r[REWARD_MIN] for r in records], [r[REWARD_MAX] for r in records],
-                        alpha=0.2, label="min-max over rollouts")
-    ax.plot(steps, [r[REWARD_MEAN] for r in records], marker="o", label="mean reward")
+                        alpha=0.12, label="min-max over rollouts")
+    means = [r[REWARD_MEAN] for r in records]
+    ax.plot(steps, means, marker="o", markersize=3, linewidth=1, alpha=0.6, label="mean reward")
+    # Step means are noisy (a few prompts each); the trailing mean shows the trend.
+    trailing = [sum(means[max(0, i - 4):i + 1]) / len(means[max(0, i - 4):i + 1]) for i in range(len(means))]
+    ax.plot(steps, trailing, linewidth=2.5, label="trailing 5-step mean")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_title(title or f"reward: {Path(run_dir).name}")

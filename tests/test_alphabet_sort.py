@@ -2,6 +2,7 @@
 
 import asyncio
 import difflib
+import random
 import re
 
 import pytest
@@ -173,3 +174,18 @@ def test_untagged_and_cut_off_replies(tiny_ckpt):
                                 rollout_config(max_tokens_per_turn=6)).collect(samples))
     assert all(r.status == RolloutStatus.TRUNCATED_LENGTH and len(r.turns) == 1 and r.reward == 0.0
                for g in cut.groups for r in g.rollouts)
+
+
+def test_warm_start_teacher_makes_its_two_mistakes_at_the_stated_rates():
+    from examples.alphabet_sort.warm_start import TEACHER_UNSORTED, TEACHER_UNTAGGED, teacher_reply
+
+    sample = build_dataset(AlphabetSortConfig(min_names_per_turn=3, max_names_per_turn=3), "train")[0]
+    rng, n = random.Random(0), 4000
+    scores = [score_turn(teacher_reply(sample, 0, rng), sample["expected"][0], FIRST_TAG) for _ in range(n)]
+    untagged = sum(s == 0.0 for s in scores) / n
+    perfect = sum(s == 1.0 for s in scores) / n
+    # A random order of 3 names is the sorted one 1 time in 6, and then scores 1 too.
+    assert untagged == pytest.approx(TEACHER_UNTAGGED, abs=0.03)
+    assert perfect == pytest.approx(1 - TEACHER_UNTAGGED - TEACHER_UNSORTED * 5 / 6, abs=0.03)
+    first, second = random.Random(1), random.Random(1)
+    assert [teacher_reply(sample, 0, first) for _ in range(50)] == [teacher_reply(sample, 0, second) for _ in range(50)]

@@ -1,8 +1,11 @@
-"""Warm start for the CPU demo: supervised fine-tuning of a random tiny Qwen3 on perfect replies.
+"""Warm start for the CPU demo: supervised fine-tuning of a random tiny Qwen3 on a careless teacher.
 
 A randomly initialised model never writes a tagged list, so every rollout would score 0 and GRPO
-would have no signal. A short SFT phase on reference replies (`reference_reply`) teaches the
-format and some sorting; RL then has to do the rest. The run is deterministic: the same
+would have no signal. A short SFT phase on demonstrations teaches the format and some sorting.
+The demonstrations come from a careless teacher, as real SFT data often does: in 40% of its turns
+it forgets the answer tags (a reply the env scores 0) and in 20% it leaves the names unsorted. The
+warm policy imitates that mix, so its samples score well below its best replies, and RL has to
+find from the reward alone that tagged, sorted replies pay. The run is deterministic: the same
 arguments give the same checkpoint, so the committed one can be rebuilt with
 
     python examples/alphabet_sort/warm_start.py examples/alphabet_sort/warm_checkpoint
@@ -13,12 +16,13 @@ Arguments after the output dir are `env.args` overrides (`max_turns=2`) for the 
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from pathlib import Path
 
 import torch
 
-from examples.alphabet_sort.env import AlphabetSortConfig, build_dataset, reference_reply
+from examples.alphabet_sort.env import COMBINED_TAG, FIRST_TAG, AlphabetSortConfig, build_dataset, reference_reply
 from rlactors.config import BatcherConfig, LossConfig, build_dataclass, parse_override
 from rlactors.losses import LossNorm, compute_loss
 from rlactors.models import extend_with_messages, from_pretrained, load_tokenizer, render_messages, save_pretrained
@@ -28,10 +32,25 @@ from rlactors.rollout.types import Episode, RolloutStatus
 
 # The demo task: the difficulty a 1M-parameter model learns on a 2-core CPU in minutes.
 DEMO_ENV_ARGS = {"max_turns": 2, "max_names_per_turn": 3}
+TEACHER_UNTAGGED = 0.4  # share of demonstrated turns without the answer tags
+TEACHER_UNSORTED = 0.2  # share of demonstrated turns with the names in random order
 
 
-def demonstration(tokenizer, sample: dict) -> Episode:
-    """The whole multi-turn conversation with reference replies; the replies are the loss tokens."""
+def teacher_reply(sample: dict, turn: int, rng: random.Random) -> str:
+    """The careless teacher's reply to `turn`: the reference, or one of its two mistakes."""
+    draw = rng.random()
+    if draw >= TEACHER_UNTAGGED + TEACHER_UNSORTED:
+        return reference_reply(sample, turn)
+    lines = list(sample["expected"][turn])
+    if draw < TEACHER_UNTAGGED:
+        return "\n".join(lines)
+    rng.shuffle(lines)
+    tag = FIRST_TAG if turn == 0 else COMBINED_TAG
+    return f"<{tag}>\n" + "\n".join(lines) + f"\n</{tag}>"
+
+
+def demonstration(tokenizer, sample: dict, rng: random.Random) -> Episode:
+    """The whole multi-turn conversation with the teacher's replies; the replies are the loss tokens."""
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     token_ids = render_messages(tokenizer, [{"role": "user", "content": sample["prompts"][0]}])
     loss_mask = [False] * len(token_ids)
@@ -40,7 +59,7 @@ def demonstration(tokenizer, sample: dict) -> Episode:
             extended = extend_with_messages(tokenizer, token_ids, [{"role": "user", "content": sample["prompts"][turn]}])
             loss_mask += [False] * (len(extended) - len(token_ids))
             token_ids = extended
-        reply = tokenizer.encode(reference_reply(sample, turn), add_special_tokens=False) + [end_of_turn]
+        reply = tokenizer.encode(teacher_reply(sample, turn, rng), add_special_tokens=False) + [end_of_turn]
         token_ids = token_ids + reply
         loss_mask += [True] * len(reply)
     n = len(token_ids)
@@ -98,7 +117,8 @@ def main() -> None:
     make_tiny_checkpoint(args.out_dir, size=args.size, seed=args.seed)
     tokenizer = load_tokenizer(args.out_dir)
     model = from_pretrained(args.out_dir, dtype=torch.float32)
-    episodes = [demonstration(tokenizer, s) for s in build_dataset(env_config, "train")]
+    teacher_rng = random.Random(args.seed)
+    episodes = [demonstration(tokenizer, s, teacher_rng) for s in build_dataset(env_config, "train")]
     print(f"{len(episodes)} demonstrations, {sum(len(e) for e in episodes)} tokens", flush=True)
     train(model, episodes, args.steps, args.batch_size, args.lr, args.seed)
     save_pretrained(model, model.args, args.out_dir)

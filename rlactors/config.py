@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import tomllib
 import types
 import typing
@@ -157,6 +158,33 @@ class ControllerConfig:
 
 
 @dataclass
+class JobConfig:
+    """Where the meshes run. 'local': every proc on this host. 'process': each host is a worker
+    process of a Monarch ProcessJob on this machine (CPU: tries a multi-host layout, and the tests
+    run one). 'slurm': the hosts of a Monarch SlurmJob, one sbatch allocation for the run."""
+
+    scheduler: Literal["local", "process", "slurm"] = "local"
+    trainer_hosts: int = 1  # trainer.ranks are split evenly over them
+    generator_hosts: int = 1  # generator.replicas are split evenly over them
+    gpus_per_host: int = 8  # slurm: GPUs each node is asked for
+    partition: str = ""  # slurm; "" = the cluster's default
+    time_limit: str = ""  # slurm, HH:MM:SS; "" = the partition's default
+
+    def validate(self, key: str) -> None:
+        for name in ("trainer_hosts", "generator_hosts", "gpus_per_host"):
+            value = getattr(self, name)
+            _check(value >= 1, f"{key}.{name}", f"must be >= 1, got {value}")
+        _check(not any(ch.isspace() for ch in self.partition), f"{key}.partition",
+               f"must be a partition name, got {self.partition!r}")
+        _check(not self.time_limit or re.fullmatch(r"(\d+-)?\d+(:\d\d){0,2}", self.time_limit) is not None,
+               f"{key}.time_limit", f"expected Slurm's [D-]HH:MM:SS (or MM, HH:MM), got {self.time_limit!r}")
+        if self.scheduler == "local":
+            for name in ("trainer_hosts", "generator_hosts"):
+                _check(getattr(self, name) == 1, f"{key}.{name}",
+                       "scheduler 'local' runs on this host only: set job.scheduler to 'process' or 'slurm'")
+
+
+@dataclass
 class EnvConfig:
     name: str = "examples.alphabet_sort.env:AlphabetSortEnv"  # "module:Class"
     args: dict[str, Any] = field(default_factory=dict)  # checked by the env's own Config
@@ -174,6 +202,7 @@ class Config:
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    job: JobConfig = field(default_factory=JobConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
 
     def validate(self, available_gpus: int | None = None) -> None:
@@ -188,15 +217,29 @@ class Config:
         # Sampling seeds are ((controller.seed << 32) + rollout number) * max_turns + turn (Rollouter).
         _check(((c.controller.seed + 1) << 32) * c.rollout.max_turns <= 2**63, "controller.seed",
                f"too large: with rollout.max_turns={c.rollout.max_turns} the sampling seeds overflow 63 bits")
+        j = c.job
+        _check(c.trainer.ranks % j.trainer_hosts == 0, "trainer.ranks",
+               f"{c.trainer.ranks} ranks do not split evenly over job.trainer_hosts={j.trainer_hosts}")
+        _check(c.generator.replicas % j.generator_hosts == 0, "generator.replicas",
+               f"{c.generator.replicas} replicas do not split evenly over job.generator_hosts={j.generator_hosts}")
         if c.controller.device == "cpu":
             _check(c.generator.engine == "native", "generator.engine", "'vllm' needs controller.device = 'cuda'")
+            return
+        _check(j.scheduler != "process", "job.scheduler",
+               "'process' hosts all share this machine's GPUs: use 'local' on one node, 'slurm' on several")
+        _check(j.scheduler == "local" or not c.controller.colocate, "controller.colocate",
+               "generators share the trainer's GPUs only on one host (job.scheduler = 'local')")
+        trainer_gpus, replica_gpus = gpu_layout(c)
+        wanted = len(set(trainer_gpus).union(*replica_gpus))
+        if j.scheduler == "slurm":
+            per_host = max(len(trainer_gpus), max(r[-1] for r in replica_gpus) + 1)
+            _check(per_host <= j.gpus_per_host, "job.gpus_per_host",
+                   f"a host needs {per_host} GPUs for its trainer ranks or replicas, but gets {j.gpus_per_host}")
             return
         if available_gpus is None:
             import torch
 
             available_gpus = torch.cuda.device_count()
-        trainer_gpus, replica_gpus = gpu_layout(c)
-        wanted = len(set(trainer_gpus).union(*replica_gpus))
         formula = "max(trainer.ranks, generator.replicas * generator.tp)" if c.controller.colocate else \
             "trainer.ranks + generator.replicas * generator.tp"
         _check(wanted <= available_gpus, "controller.device",
@@ -207,15 +250,22 @@ class Config:
 
 
 def gpu_layout(config: Config) -> tuple[list[int], list[list[int]]]:
-    """GPU ids of the trainer ranks and of each generator replica (its TP group).
+    """GPU ids, counted on their own host, of the trainer ranks of one trainer host and of each
+    generator replica (its TP group).
 
-    Trainers take the first GPUs; replicas the following ones, or, with `controller.colocate`,
-    the same ones from GPU 0 on (the generator then uses only gpu_memory_utilization of each).
+    On one host (job.scheduler 'local') trainers take the first GPUs and replicas the following
+    ones, or, with `controller.colocate`, the same ones from GPU 0 on (the generator then uses
+    only gpu_memory_utilization of each). On a job's hosts each mesh has hosts of its own:
+    every trainer host uses GPUs 0.., and replica r is the (r % per host)-th of its host.
     """
-    trainer = list(range(config.trainer.ranks))
-    first = 0 if config.controller.colocate else config.trainer.ranks
+    j = config.job
     tp = config.generator.tp
-    replicas = [list(range(first + r * tp, first + (r + 1) * tp)) for r in range(config.generator.replicas)]
+    ranks_per_host = config.trainer.ranks // j.trainer_hosts
+    replicas_per_host = config.generator.replicas // j.generator_hosts
+    first = ranks_per_host if j.scheduler == "local" and not config.controller.colocate else 0
+    trainer = list(range(ranks_per_host))
+    replicas = [list(range(first + (r % replicas_per_host) * tp, first + (r % replicas_per_host + 1) * tp))
+                for r in range(config.generator.replicas)]
     return trainer, replicas
 
 

@@ -25,6 +25,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ActorError
 
 from rlactors.config import Config, dump_toml, gpu_layout
+from rlactors.hosts import Hosts, allocate_hosts, first_value
 from rlactors.losses import LossNorm
 from rlactors.metrics import MetricsLogger
 from rlactors.rollout.batcher import Batcher
@@ -74,6 +75,7 @@ class Controller:
         self._next_step_state: dict[int, ResumeState] = {}
         self._faults: list[str] = []
         self._procs: list[Any] = []
+        self._hosts: Hosts | None = None
         self._generator_busy: tuple[float, float] | None = None  # (time, busy seconds of all replicas)
         self.trainer = None
         self.router = None
@@ -121,10 +123,13 @@ class Controller:
 
         device = c.controller.device
         replica_gpus = gpu_layout(c)[1] if device == "cuda" else None
-        trainer_procs, self.trainer = await spawn_trainer(this_host(), c.model, c.trainer, device)
+        self._hosts = allocate_hosts(c.job)
+        trainer_procs, self.trainer, ranks = await spawn_trainer(self._hosts.trainers, c.model, c.trainer, device)
         router_procs = this_host().spawn_procs(per_host={"procs": 1})
         self._procs = [trainer_procs, router_procs]
-        self.router = router_procs.spawn("router", GeneratorRouter, c.generator, c.model, replica_gpus)
+        self.router = router_procs.spawn("router", GeneratorRouter, c.generator, c.model, replica_gpus,
+                                         self._hosts.generators)
+        await self._print_placement(ranks)
 
         if self.nccl_weight_sync:
             await self._join_weight_group()
@@ -132,6 +137,13 @@ class Controller:
         (self.run_dir / "config.toml").write_text(dump_toml(c))
         if resume_from is not None:
             await self._restore(resume_from)
+
+    async def _print_placement(self, ranks: list[dict[str, Any]]) -> None:
+        """One line: the host of each trainer rank and of each generator replica, in order."""
+        stats = await self.router.stats.call_one()
+        replica_hosts = [r["engine"]["host"] if r["engine"] else "dead" for r in stats["replicas"]]
+        print(f"trainer ranks on {', '.join(r['host'] for r in ranks)}; "
+              f"generator replicas on {', '.join(replica_hosts)}", flush=True)
 
     def _resume_checkpoint(self) -> Path:
         path = latest_checkpoint(self.checkpoint_root)
@@ -162,6 +174,8 @@ class Controller:
                 await procs.stop()
             except Exception as e:  # noqa: BLE001
                 logger.warning("stopping procs failed: %s", e)
+        if self._hosts is not None:
+            self._hosts.release()
 
     def _on_unhandled_fault(self, failure: Any) -> None:
         self._faults.append(str(failure))
@@ -301,7 +315,7 @@ class Controller:
         await asyncio.gather(*(self.trainer.forward_backward.call([mbs[j] for mbs in packed.per_rank], norm, c.loss)
                                for j in range(len(packed.per_rank[0]))))
         # optim_step reduces the step's loss stats over every rank and microbatch.
-        optim = (await self.trainer.optim_step.call()).item(gpus=0)
+        optim = first_value(await self.trainer.optim_step.call())
         if not math.isfinite(optim["loss"]) or optim["update_skipped"]:
             # optim_step skipped the update (a non-finite gradient, even under a finite loss): the
             # weights are still those of the last step. Going on would also stall the loop, which
@@ -319,8 +333,8 @@ class Controller:
     async def _join_weight_group(self) -> None:
         """vLLM replicas get weights by NCCL broadcast from trainer rank 0: set up that group."""
         dtype = self.config.model.dtype
-        host, port = (await self.trainer.weight_sync_address.call()).item(gpus=0)
-        layout = (await self.trainer.weight_layout.call(dtype)).item(gpus=0)
+        host, port = first_value(await self.trainer.weight_sync_address.call())
+        layout = first_value(await self.trainer.weight_layout.call(dtype))
         world_size = 1 + self.config.generator.replicas * self.config.generator.tp
         await asyncio.gather(self.trainer.init_weight_sender.call(host, port, world_size, dtype),
                              self.router.join_weight_group.call_one(host, port, layout))
@@ -333,13 +347,13 @@ class Controller:
         mode = self.config.generator.update_mode
         start = time.perf_counter()
         if self.nccl_weight_sync:
-            packed = (await self.trainer.pack_weights.call()).item(gpus=0)
+            packed = first_value(await self.trainer.pack_weights.call())
             version, gathered = packed["version"], time.perf_counter()
             sent, _ = await asyncio.gather(self.trainer.broadcast_weights.call(),
                                            self.router.receive_weights.call_one(version, packed["checksum"], mode))
-            num_bytes = sent.item(gpus=0)["bytes"]
+            num_bytes = first_value(sent)["bytes"]
         else:
-            weights = (await self.trainer.state_dict_for_sync.call(self.config.model.dtype)).item(gpus=0)
+            weights = first_value(await self.trainer.state_dict_for_sync.call(self.config.model.dtype))
             version, gathered = weights.version, time.perf_counter()
             try:
                 await self.router.update_weights.call_one(version, weights.weights, weights.checksum, mode)
@@ -358,7 +372,7 @@ class Controller:
         state = ResumeState(self.step, self.policy_version, state.samples, state.rollouter)
         path = await self.trainer.save_checkpoint.call(str(self.checkpoint_root), self.step,
                                                        {CONTROLLER_STATE: json.dumps(state.__dict__)})
-        return Path(path.item(gpus=0))
+        return Path(first_value(path))
 
     async def _generator_metrics(self) -> dict[str, float]:
         stats = await self.router.stats.call_one()

@@ -73,6 +73,18 @@ def test_gpu_layout_separate_and_colocated():
         load_config(overrides=single + ["generator.replicas=2"], available_gpus=1)
 
 
+def test_gpu_layout_on_the_hosts_of_a_job():
+    # 2 trainer nodes x 8 ranks, 2 generator nodes x 4 replicas of TP 2: ids count each node's GPUs.
+    two_nodes_each = ["controller.device=cuda", "generator.engine=vllm", 'job.scheduler="slurm"', "job.trainer_hosts=2",
+                      "job.generator_hosts=2", "trainer.ranks=16", "generator.replicas=8", "generator.tp=2"]
+    per_node = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert gpu_layout(load_config(overrides=two_nodes_each)) == (list(range(8)), per_node + per_node)
+    with pytest.raises(ConfigError, match=r"^job\.gpus_per_host: a host needs 8 GPUs .* gets 4"):
+        load_config(overrides=two_nodes_each + ["job.gpus_per_host=4"])
+    slurm = load_config(overrides=two_nodes_each + ['job.partition="h200"', 'job.time_limit="1-12:00:00"'])
+    assert (slurm.job.partition, slurm.job.time_limit) == ("h200", "1-12:00:00")
+
+
 def test_child_gpus_stay_inside_the_parents_visible_devices(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert cuda_visible_devices([2, 3]) == "2,3"

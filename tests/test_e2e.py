@@ -59,3 +59,18 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tiny_ckpt, tmp_path)
     for key in ("loss/loss", "rollout/reward_mean", "loss/tokens", "train/grad_norm"):
         assert resumed[0][key] == pytest.approx(straight[2][key], rel=1e-5, abs=1e-7), key
     assert [r["step"] for r in read_metrics(interrupted)] == [1, 2, 3]
+
+
+def test_meshes_on_the_hosts_of_a_process_job_train_like_one_host(tiny_ckpt, tmp_path, capsys):
+    """job.scheduler = 'process': 2 trainer hosts (one FSDP rank each) and 2 generator hosts (one
+    replica each), each host a Monarch worker process; the run is the same as on one host."""
+    one_host = _run(_config(tiny_ckpt, tmp_path / "local", "controller.steps=2"))
+    hosts = ('job.scheduler="process"', "job.trainer_hosts=2", "job.generator_hosts=2")
+    on_hosts = _run(_config(tiny_ckpt, tmp_path / "hosts", "controller.steps=2", *hosts))
+    out = capsys.readouterr().out
+    assert "trainer ranks on trainers_0, trainers_1; generator replicas on generators_0, generators_1" in out
+    assert [m["policy/version"] for m in on_hosts] == [1.0, 2.0]
+    for local, remote in zip(one_host, on_hosts):
+        assert remote["generator/live_replicas"] == 2
+        for key in ("loss/loss", "rollout/reward_mean", "loss/tokens", "train/grad_norm"):
+            assert remote[key] == pytest.approx(local[key], rel=1e-5, abs=1e-7), key

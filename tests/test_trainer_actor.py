@@ -18,7 +18,8 @@ LOSS = LossConfig(name="dapo", clip_high=0.28)
 
 async def spawn(ckpt, ranks):
     config = TrainerConfig(ranks=ranks, lr=1e-2, max_grad_norm=0.005, warmup_steps=0)
-    return await spawn_trainer(this_host(), ModelConfig(path=str(ckpt)), config, device="cpu")
+    procs, trainer, _ = await spawn_trainer(this_host(), ModelConfig(path=str(ckpt)), config, device="cpu")
+    return procs, trainer
 
 
 async def train_step(trainer, per_rank, norm):

@@ -16,6 +16,7 @@ from monarch.actor import Actor, concurrent_endpoint
 
 from rlactors.engines import create_engine
 from rlactors.engines.async_engine import AsyncEngine
+from rlactors.hosts import host_name
 from rlactors.types import Completion, SamplingParams
 
 
@@ -52,7 +53,7 @@ class Generator(Actor):
 
     @concurrent_endpoint
     async def stats(self) -> dict[str, Any]:
-        return {"replica": self.replica, "pid": os.getpid(), **self.engine.stats()}
+        return {"replica": self.replica, "host": host_name(), "pid": os.getpid(), **self.engine.stats()}
 
     @concurrent_endpoint
     async def close(self) -> None:

@@ -1,8 +1,10 @@
 """GeneratorRouter: one actor in front of R Generator replicas.
 
-- Replicas: each in its own proc mesh (one replica's death never takes another down); with GPUs,
-  replica r sees only `gpu_ids[r]` (CUDA_VISIBLE_DEVICES set in its bootstrap command). A replica
-  is one proc: vLLM runs tensor parallelism over the GPUs it sees.
+- Replicas: each in its own proc mesh (one replica's death never takes another down), on the
+  router's host or, given a host mesh `hosts`, spread evenly over its hosts (replica r on host
+  r // replicas per host, restarts too); with GPUs, replica r sees only `gpu_ids[r]` of its host
+  (CUDA_VISIBLE_DEVICES set in its bootstrap command). A replica is one proc: vLLM runs tensor
+  parallelism over the GPUs it sees.
 - Routing: least loaded (requests in flight through this router); a `session_id` sticks to the
   replica that served it first (prefix-cache reuse across turns) unless that replica is dead or
   far busier than the least loaded one (`ReplicaPicker`).
@@ -31,6 +33,7 @@ from monarch.actor import Actor, ActorError, concurrent_endpoint, default_bootst
 from rlactors.actors.generator import Generator
 from rlactors.config import cuda_visible_devices
 from rlactors.engines.async_engine import EngineDeadError
+from rlactors.hosts import host_of, num_hosts
 from rlactors.types import Completion, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -88,8 +91,13 @@ class _Replica:
 
 
 class GeneratorRouter(Actor):
-    def __init__(self, generator_config: Any, model_config: Any, gpu_ids: Sequence[Sequence[int]] | None = None):
+    def __init__(self, generator_config: Any, model_config: Any, gpu_ids: Sequence[Sequence[int]] | None = None,
+                 hosts: Any = None):
         g = generator_config
+        self.hosts = hosts if hosts is not None else this_host()
+        if g.replicas % num_hosts(self.hosts):
+            raise ValueError(f"generator.replicas={g.replicas} do not split evenly over {num_hosts(self.hosts)} hosts")
+        self.replicas_per_host = g.replicas // num_hosts(self.hosts)
         if gpu_ids is not None:
             if len(gpu_ids) != g.replicas or any(len(ids) != g.tp for ids in gpu_ids):
                 raise ValueError(f"gpu_ids must list generator.tp={g.tp} GPU ids for each of the "
@@ -115,7 +123,8 @@ class GeneratorRouter(Actor):
         if self.gpu_ids is not None:
             env = {"CUDA_VISIBLE_DEVICES": cuda_visible_devices(self.gpu_ids[index])}
             bootstrap = default_bootstrap_cmd().with_env(env)
-        procs = this_host().spawn_procs(per_host={"gpus": 1}, bootstrap_command=bootstrap)
+        host = host_of(self.hosts, index // self.replicas_per_host)
+        procs = host.spawn_procs(per_host={"gpus": 1}, bootstrap_command=bootstrap)
         actor = procs.spawn(name, Generator, self.generator_config, self.model_config, index)
         return _Replica(index, name, procs, actor)
 

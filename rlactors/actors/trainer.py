@@ -3,20 +3,22 @@
 Call every endpoint on the whole mesh (`trainer.optim_step.call()`): each rank runs the same
 collectives. Endpoints that take microbatches get all ranks' (`microbatches[r]` is rank r's).
 
-    procs, trainer = await spawn_trainer(this_host(), config.model, config.trainer, device="cpu")
+    procs, trainer, ranks = await spawn_trainer(this_host(), config.model, config.trainer, device="cpu")
     await trainer.forward_backward.call(microbatches, norm, config.loss)   # x k microbatches
-    metrics = (await trainer.optim_step.call()).item(gpus=0)
+    metrics = first_value(await trainer.optim_step.call())   # rank 0's (rlactors.hosts.first_value)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from monarch.actor import Actor, HostMesh, ProcMesh, default_bootstrap_cmd, endpoint
 from monarch.spmd import setup_torch_elastic_env_async
 
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig, cuda_visible_devices
+from rlactors.hosts import host_name, num_hosts
 from rlactors.losses import LossNorm
 from rlactors.rollout.types import MicroBatch
 from rlactors.trainer.core import PolicyTrainerCore, VersionedWeights
@@ -34,7 +36,8 @@ class PolicyTrainer(Actor):
         """Joins the process group and loads the policy from `model.path` (policy version 0)."""
         device = init_distributed(self.device_type)
         self.core = PolicyTrainerCore(self.model_config, self.trainer_config, device)
-        return {"rank": self.core.rank, "world_size": self.core.world_size, "policy_version": self.core.version}
+        return {"rank": self.core.rank, "world_size": self.core.world_size, "host": host_name(),
+                "policy_version": self.core.version}
 
     @endpoint
     async def forward_backward(self, microbatches: Sequence[MicroBatch], norm: LossNorm,
@@ -88,19 +91,22 @@ class PolicyTrainer(Actor):
         return self.core
 
 
-async def spawn_trainer(host: HostMesh, model: ModelConfig, trainer: TrainerConfig, device: str = "cpu",
-                        first_gpu: int = 0) -> tuple[ProcMesh, PolicyTrainer]:
-    """Spawns `trainer.ranks` procs on `host` (one host; on CUDA one GPU each: first_gpu,
-    first_gpu + 1, ...), sets the torch elastic env, and initialises a PolicyTrainer on each.
-    Returns (procs, actor mesh)."""
+async def spawn_trainer(hosts: HostMesh, model: ModelConfig, trainer: TrainerConfig, device: str = "cpu",
+                        first_gpu: int = 0) -> tuple[ProcMesh, PolicyTrainer, list[dict[str, Any]]]:
+    """Spawns `trainer.ranks` procs split evenly over the hosts of `hosts` (on CUDA one GPU each:
+    first_gpu, first_gpu + 1, ... of its host), sets the torch elastic env (ranks host-major), and
+    initialises a PolicyTrainer on each. Returns (procs, actor mesh, each rank's `init` answer:
+    rank, world size, host, policy version)."""
     if device == "cuda":
         def bootstrap_command(point):
             gpu = cuda_visible_devices([first_gpu + point["gpus"]])
             return default_bootstrap_cmd().with_env({"CUDA_VISIBLE_DEVICES": gpu})
     else:
         bootstrap_command = None
-    procs = host.spawn_procs(per_host={"gpus": trainer.ranks}, bootstrap_command=bootstrap_command)
+    if trainer.ranks % num_hosts(hosts):
+        raise ValueError(f"trainer.ranks={trainer.ranks} do not split evenly over {num_hosts(hosts)} hosts")
+    procs = hosts.spawn_procs(per_host={"gpus": trainer.ranks // num_hosts(hosts)}, bootstrap_command=bootstrap_command)
     await setup_torch_elastic_env_async(procs)
     actors = procs.spawn("policy_trainer", PolicyTrainer, model, trainer, device)
-    await actors.init.call()
-    return procs, actors
+    ranks = sorted((value for _, value in (await actors.init.call()).items()), key=lambda r: r["rank"])
+    return procs, actors, ranks

@@ -102,6 +102,18 @@ IMPOSSIBLE = [
     (['controller.run_dir=""'], "controller.run_dir"),
     (["controller.seed=-1"], "controller.seed"),
     (["controller.seed=4294967296"], "controller.seed"),  # sampling seeds would overflow 63 bits
+    (['job.scheduler="kubernetes"'], "job.scheduler"),
+    (['job.scheduler="process"', 'controller.device="cuda"', 'generator.engine="vllm"'], "job.scheduler"),
+    (["job.trainer_hosts=0"], "job.trainer_hosts"),
+    (["job.trainer_hosts=2"], "job.trainer_hosts"),  # 'local' is one host
+    (["job.generator_hosts=0"], "job.generator_hosts"),
+    (['job.scheduler="process"', "job.generator_hosts=3"], "generator.replicas"),  # 2 replicas over 3 hosts
+    (['job.scheduler="process"', "job.trainer_hosts=4"], "trainer.ranks"),  # 2 ranks over 4 hosts
+    (["job.gpus_per_host=0"], "job.gpus_per_host"),
+    (['job.partition="gpu h200"'], "job.partition"),
+    (['job.time_limit="two hours"'], "job.time_limit"),
+    (['job.scheduler="slurm"', 'controller.device="cuda"', "trainer.ranks=16"], "job.gpus_per_host"),
+    (['job.scheduler="slurm"', 'controller.device="cuda"', "controller.colocate=true"], "controller.colocate"),
     (['env.name="alphabet_sort"'], "env.name"),
     (["env.args={ bogus = 1 }"], "env.args.bogus"),
     (["env.args={ num_samples = 0 }"], "env.args.num_samples"),  # an empty dataset

@@ -158,6 +158,11 @@ def test_failing_clone_or_reward_function_is_marked():
     assert "rubric.score raised KeyError" in raised.rollouts[0].error
     nan = asyncio.run(rollouter(RubricFails(math.nan)).run_group({}))
     assert {ro.status for ro in nan.rollouts} == {RolloutStatus.ERROR_PARSE}
+    for value in (1e39, -1.8e38):  # finite, but their advantages would overflow the trainer's fp32
+        huge = asyncio.run(rollouter(RubricFails(value)).run_group({}))
+        assert {ro.status for ro in huge.rollouts} == {RolloutStatus.ERROR_PARSE}, value
+        assert f"rubric total is {value}, not a number within +-1.701e+38" in huge.rollouts[0].error
+    assert asyncio.run(rollouter(RubricFails(1.7e38)).run_group({})).rollouts[0].status == RolloutStatus.COMPLETED
 
     class NoRubric(LengthRewardEnv):
         def clone(self):

@@ -28,6 +28,10 @@ from rlactors.rollout.episodes import rollout_to_episodes
 from rlactors.rollout.types import Rollout, RolloutBatch, RolloutGroup, RolloutStatus, Turn
 from rlactors.types import Completion, SamplingParams
 
+# The trainer holds advantages in fp32. A reward within half its range keeps every advantage
+# finite there: |reward - group mean| <= 2 * MAX_ABS_REWARD (GRPO's are smaller still).
+MAX_ABS_REWARD = 3.4028234663852886e38 / 2
+
 GenerateFn = Callable[[list[int], SamplingParams, str, "str | None"], Awaitable[Completion]]
 
 
@@ -135,8 +139,9 @@ class Rollouter:
             scores = await self._env_call(env.rubric.score(rollout), "rubric.score")
             rollout.reward_components.update(self._checked(check_reward_scores, scores, "rubric.score"))
             rollout.reward = env.rubric.total(rollout.reward_components)
-            if not math.isfinite(rollout.reward):
-                raise _RolloutEnded(RolloutStatus.ERROR_PARSE, f"rubric total is {rollout.reward}")
+            if not abs(rollout.reward) <= MAX_ABS_REWARD:  # NaN and inf too
+                raise _RolloutEnded(RolloutStatus.ERROR_PARSE, f"rubric total is {rollout.reward}, "
+                                    f"not a number within +-{MAX_ABS_REWARD:.4g}")
         except _RolloutEnded as ended:
             rollout.status, rollout.error = ended.status, ended.error
         except Exception as e:  # noqa: BLE001 - a bug in one env must not end the run

@@ -15,7 +15,7 @@ resume. In each group (group_size >= 4):
 
 With `huge_reward = x`, rollout 0 of group `huge_reward_from_group` and later earns x: finite,
 so the rollout is valid, but a Dr.GRPO advantage of that size overflows fp32 in the gradient
-(x = 1e30) or in the loss itself (x = 3e38, once the ratio leaves the clip range).
+(x = 1e30) or in the loss itself (x = 1.7e38, once the ratio leaves the clip range).
 """
 
 from __future__ import annotations

@@ -147,10 +147,11 @@ class CorruptingController(Controller):
 def test_nonfinite_logprobs_are_excluded_and_a_nonfinite_step_stops_with_the_state_saved(
         tiny_ckpt, tmp_path, fault_record, overflow):
     # Step 2: rollout 0 of each group earns a finite but absurd reward x; Dr.GRPO advantages
-    # (reward - group mean) are then +-x/2. x = 3e38 with a ratio of e: rollout 1's per-token loss
-    # (x/2) * e overflows fp32, so the loss is inf or NaN. x = 1e30: the loss stays finite but the
-    # gradient norm overflows and optim_step skips the update; that must stop the run too.
-    reward = {"loss": 3e38, "gradient": 1e30}[overflow]
+    # (reward - group mean) are then +-x/2. x = 1.7e38 (about the largest reward allowed) with a
+    # ratio of e: rollout 1's per-token losses (x/2) * e sum past fp32, so the loss is inf or NaN.
+    # x = 1e30: the loss stays finite but the gradient norm overflows and optim_step skips the
+    # update; that must stop the run too.
+    reward = {"loss": 1.7e38, "gradient": 1e30}[overflow]
     config = load_config(None, small_run_overrides(
         tiny_ckpt, tmp_path, f"env.args={{ huge_reward = {reward}, huge_reward_from_group = 2 }}",
         'loss.name="dr_grpo"', 'rollout.advantage="dr_grpo"'))
@@ -178,7 +179,7 @@ def test_nonfinite_logprobs_are_excluded_and_a_nonfinite_step_stops_with_the_sta
         fault_record("non-finite generator logprobs", "a NaN and a -inf logprob in 2 of 4 rollouts of step 1",
                      None, "the 4 tokens only: excluded from the loss and its normalisation, counted in "
                      "loss/nonfinite_logprob_tokens; training went on")
-    injected = {"loss": "a reward of 3e38 in 2 of 4 rollouts of step 2 and its generator logprobs lowered "
+    injected = {"loss": "a reward of 1.7e38 in 2 of 4 rollouts of step 2 and its generator logprobs lowered "
                         "by 1 (Dr.GRPO: the clipped loss terms overflow fp32)",
                 "gradient": "a reward of 1e30 in 2 of 4 rollouts of step 2 (Dr.GRPO: the loss stays finite, "
                             "the gradient norm overflows; optim_step skips the update)"}[overflow]

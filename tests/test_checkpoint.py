@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from rlactors.models import ModelArgs, copy_tokenizer_files, from_pretrained, load_args, save_pretrained
-from rlactors.models.checkpoint import load_state_dict
+from rlactors.models.checkpoint import load_state_dict, open_tensors
 from rlactors.models.tiny import main as tiny_main
 from rlactors.models.tiny import make_tiny_checkpoint, random_state_dict, size_args
 
@@ -134,6 +134,17 @@ def test_load_errors_name_the_problem(tiny_ckpt, tmp_path):
     (tmp_path / "model.safetensors").write_bytes((tiny_ckpt / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
         from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"), open_tensors(tmp_path):
+        pass
+
+
+def test_open_tensors_reads_row_ranges_of_every_shard(tiny_ckpt_untied, tmp_path):
+    save_pretrained(from_pretrained(tiny_ckpt_untied), load_args(tiny_ckpt_untied), tmp_path, max_shard_bytes=200_000)
+    full = load_state_dict(tmp_path)
+    with open_tensors(tmp_path) as tensors:
+        assert tensors.keys() == full.keys()
+        for name, tensor in full.items():
+            assert torch.equal(tensors[name][3:7], tensor[3:7]), name
 
 
 def test_model_args_read_transformers_4_and_5_configs():

@@ -120,3 +120,27 @@ def test_resume_on_a_new_mesh_is_bitwise_identical_and_bad_input_changes_nothing
     assert actual.version == expected.version == 2
     for name in expected.weights:
         assert torch.equal(actual.weights[name], expected.weights[name]), name
+
+
+def test_each_rank_loads_only_its_rows_of_a_sharded_hf_checkpoint(loop, tiny_ckpt_untied, tmp_path):
+    """3 ranks (dim 0 of the 1024-row embedding and head splits 342/342/340) load a bf16 checkpoint
+    written in several safetensors shards: the gathered fp32 weights are exactly the file's."""
+    from rlactors.models.checkpoint import from_pretrained, load_args, save_pretrained
+
+    reference = from_pretrained(tiny_ckpt_untied, dtype=torch.bfloat16)
+    sharded = tmp_path / "sharded_bf16"
+    save_pretrained(reference, load_args(tiny_ckpt_untied), sharded, max_shard_bytes=200_000)
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+
+    async def loaded():
+        procs, trainer = await spawn(sharded, 3)
+        try:
+            return (await policy(trainer)).weights
+        finally:
+            await procs.stop()
+
+    weights = loop.run_until_complete(loaded())
+    expected = {name: tensor.float() for name, tensor in reference.state_dict().items()}
+    assert weights.keys() == expected.keys() and "lm_head.weight" in weights
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name

@@ -6,10 +6,13 @@ Tied embeddings keep one tensor: ``lm_head.weight`` is neither saved nor expecte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -50,23 +53,45 @@ def checkpoint_shapes(args: ModelArgs) -> dict[str, torch.Size]:
             if not (args.tie_word_embeddings and k == TIED_KEY)}
 
 
-def load_state_dict(ckpt_dir: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Every tensor in the checkpoint's safetensors files (as stored, no dtype change)."""
-    ckpt_dir = Path(ckpt_dir)
+def _weight_files(ckpt_dir: Path) -> list[str]:
     index_path = ckpt_dir / INDEX_FILE
     if index_path.is_file():
         weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (ckpt_dir / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
-    else:
-        raise ValueError(f"{ckpt_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+        return sorted(set(weight_map.values()))
+    if (ckpt_dir / SINGLE_FILE).is_file():
+        return [SINGLE_FILE]
+    raise ValueError(f"{ckpt_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def load_state_dict(ckpt_dir: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor in the checkpoint's safetensors files (as stored, no dtype change)."""
+    ckpt_dir = Path(ckpt_dir)
     state_dict = {}
-    for name in files:
+    for name in _weight_files(ckpt_dir):
         with safe_open(ckpt_dir / name, framework="pt", device=str(device)) as f:
             for key in f.keys():
                 state_dict[key] = f.get_tensor(key)
     return state_dict
+
+
+@contextlib.contextmanager
+def open_tensors(ckpt_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """Lazy handles of the checkpoint's tensors, checked against its config: name -> a
+    safetensors slice, of which ``handle[a:b]`` reads rows ``a .. b-1`` from disk and nothing
+    else (as stored, no dtype change). Tied embeddings: no ``lm_head.weight``. The files stay open
+    inside the ``with`` block.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    args = load_args(ckpt_dir)
+    with contextlib.ExitStack() as files:
+        handles = {}
+        for name in _weight_files(ckpt_dir):
+            f = files.enter_context(safe_open(ckpt_dir / name, framework="pt"))
+            handles.update({key: f.get_slice(key) for key in f.keys()})
+        if args.tie_word_embeddings:
+            handles.pop(TIED_KEY, None)  # some exporters also write the tied head
+        _check_keys_and_shapes({k: torch.Size(h.get_shape()) for k, h in handles.items()}, args, str(ckpt_dir))
+        yield handles
 
 
 def from_pretrained(ckpt_dir: str | Path, dtype: torch.dtype | str | None = None,
@@ -84,7 +109,7 @@ def from_pretrained(ckpt_dir: str | Path, dtype: torch.dtype | str | None = None
     if args.tie_word_embeddings:
         # Some exporters also write the tied head; it is the embedding by definition.
         state_dict.pop(TIED_KEY, None)
-    _check_keys_and_shapes(state_dict, args, where=str(ckpt_dir))
+    _check_keys_and_shapes({k: v.shape for k, v in state_dict.items()}, args, where=str(ckpt_dir))
     state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
     if args.tie_word_embeddings:
         state_dict[TIED_KEY] = state_dict["model.embed_tokens.weight"]
@@ -111,7 +136,7 @@ def save_pretrained(model_or_state_dict: nn.Module | dict[str, torch.Tensor], ar
         state_dict = dict(model_or_state_dict)
     if args.tie_word_embeddings:
         state_dict.pop(TIED_KEY, None)
-    _check_keys_and_shapes(state_dict, args, where="the state dict to save")
+    _check_keys_and_shapes({k: v.shape for k, v in state_dict.items()}, args, where="the state dict to save")
     tensors = _saveable_tensors({k: state_dict[k] for k in checkpoint_shapes(args)})
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES.values():
@@ -166,17 +191,16 @@ def _resolve_dtype(dtype: torch.dtype | str | None, args: ModelArgs) -> torch.dt
     return dtype
 
 
-def _check_keys_and_shapes(state_dict: dict[str, torch.Tensor], args: ModelArgs, where: str) -> None:
+def _check_keys_and_shapes(shapes: dict[str, torch.Size], args: ModelArgs, where: str) -> None:
     expected = checkpoint_shapes(args)
-    missing, unexpected = sorted(expected.keys() - state_dict.keys()), sorted(state_dict.keys() - expected.keys())
+    missing, unexpected = sorted(expected.keys() - shapes.keys()), sorted(shapes.keys() - expected.keys())
     if missing or unexpected:
         raise ValueError(f"{where} does not match the config: missing {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                          f"{' ...' if len(unexpected) > 5 else ''}")
     for key, shape in expected.items():
-        if state_dict[key].shape != shape:
-            raise ValueError(f"{where}: {key} has shape {tuple(state_dict[key].shape)}, "
-                             f"the config needs {tuple(shape)}")
+        if shapes[key] != shape:
+            raise ValueError(f"{where}: {key} has shape {tuple(shapes[key])}, the config needs {tuple(shape)}")
 
 
 def _saveable_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -11,7 +11,6 @@ changes: no rank is left waiting in a collective, and gradients, optimizer and v
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -38,13 +36,13 @@ from rlactors.models.batch_invariant import BatchInvariantAttention
 from rlactors.models.checkpoint import (
     checkpoint_shapes,
     copy_tokenizer_files,
-    from_pretrained,
     load_args,
+    open_tensors,
     save_pretrained,
 )
 from rlactors.rollout.types import MicroBatch
 from rlactors.trainer import checkpoint as ckpt
-from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, make_mesh
+from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, local_rows, make_mesh
 from rlactors.weight_sync.checksum import state_checksum
 from rlactors.weight_sync.nccl import WeightSender
 from rlactors.weight_sync.packed import PackedLayout
@@ -241,11 +239,14 @@ class PolicyTrainerCore:
     # ------------------------------------------------------------------------------------------
     # Weights: HF load, checkpoints, sync
 
+    @torch.no_grad()
     def _load_hf_weights(self, path: str | Path) -> None:
-        """Rank 0 reads the HF checkpoint and broadcasts it; each rank keeps its fp32 shards."""
-        full = from_pretrained(path, dtype=torch.float32).state_dict() if self.rank == 0 else {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(self.model, full, options=options)
+        """Each rank reads only its own rows of every parameter from the HF safetensors files,
+        into its fp32 shard: no rank ever holds the whole model (a 32B one is 128 GB in fp32)."""
+        with open_tensors(path) as tensors:
+            for name, param in self.model.named_parameters():  # a tied lm_head comes once, as the embedding
+                local, first_row = local_rows(param)
+                local.copy_(tensors[name][first_row:first_row + local.shape[0]])
 
     def full_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
         """Every parameter gathered from its shards, in `dtype`, on CPU: on rank 0; None elsewhere.

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 from rlactors.models.args import ModelArgs
@@ -103,6 +103,25 @@ def build_sharded_model(
             module.set_force_sum_reduction_for_comms(True)
     model.to_empty(device=device)
     return model
+
+
+def local_rows(param: nn.Parameter) -> tuple[torch.Tensor, int]:
+    """This rank's part of a parameter sharded on dim 0 over a 1-D mesh (FSDP2), and the index
+    of its first row in the full tensor; a plain tensor is all of itself, from row 0.
+
+    FSDP2 splits dim 0 as torch.chunk does: ceil(rows / ranks) rows per rank, the last ones
+    shorter or empty.
+    """
+    if not isinstance(param, DTensor):
+        return param.data, 0
+    if param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
+        raise ValueError(f"expected a parameter sharded on dim 0 of a 1-D mesh, got {param.placements}")
+    rows, ranks = param.shape[0], param.device_mesh.size()
+    first = min(param.device_mesh.get_local_rank() * -(-rows // ranks), rows)
+    local = param.to_local()
+    if local.shape[1:] != param.shape[1:] or first + local.shape[0] > rows:
+        raise ValueError(f"shard of {tuple(local.shape)} at row {first} does not fit {tuple(param.shape)}")
+    return local, first
 
 
 def make_mesh(device: torch.device) -> DeviceMesh:

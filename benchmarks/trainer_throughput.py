@@ -98,8 +98,8 @@ def measure(size: str, ckpt_dir: Path, opts: argparse.Namespace, device: torch.d
     world, rank = dist.get_world_size(), dist.get_rank()
     trainer = TrainerConfig(ranks=world, lr=1e-6, mixed_precision=device.type == "cuda",
                             activation_checkpointing=opts.activation_checkpointing,
-                            logprob_chunk_tokens=opts.logprob_chunk_tokens)
-    core = PolicyTrainerCore(ModelConfig(path=str(ckpt_dir)), trainer, device, compile_layers=opts.compile)
+                            logprob_chunk_tokens=opts.logprob_chunk_tokens, compile_layers=opts.compile)
+    core = PolicyTrainerCore(ModelConfig(path=str(ckpt_dir)), trainer, device)
     args = core.args
     loss = LossConfig(name="grpo")
     generator = torch.Generator().manual_seed(1000)  # the same on every rank: all see the same step
@@ -172,7 +172,7 @@ def write_markdown(results: list[dict], opts: argparse.Namespace, path: Path) ->
         f"Device: {device}; torch {torch.__version__}; {results[0]['ranks']} rank(s); "
         f"{'bf16 mixed precision' if opts.device == 'cuda' else 'fp32'}; activation checkpointing "
         f"{'on' if opts.activation_checkpointing else 'off'}; decoder layers "
-        f"{'compiled' if (opts.compile if opts.compile is not None else opts.device == 'cuda') else 'eager'}; "
+        f"{'compiled' if opts.compile and opts.device == 'cuda' else 'eager'}; "
         f"GRPO loss with entropy; "
         f"{opts.microbatches} microbatch(es) of {opts.rows} x {opts.row_tokens} tokens per rank per step; "
         f"documents of {opts.doc_tokens[0]}-{opts.doc_tokens[1]} tokens; {opts.steps} timed steps after "
@@ -202,8 +202,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the decoder layers (default: on CUDA)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="torch.compile the decoder layers (trainer.compile_layers; CUDA only)")
     parser.add_argument("--logprob-chunk-tokens", type=int, default=1024)
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak per device (default: by GPU name)")
     parser.add_argument("--ckpt-root", type=Path, default=None, help="where random checkpoints are written")

@@ -48,6 +48,7 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     mixed_precision: bool = True  # bf16 compute with fp32 master weights on CUDA
     activation_checkpointing: bool = False
+    compile_layers: bool = True  # CUDA: torch.compile each decoder layer (not in model.true_on_policy)
     logprob_chunk_tokens: int = 1024  # tokens per chunk of the fp32 log-softmax
 
     def validate(self, key: str) -> None:

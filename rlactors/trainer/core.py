@@ -104,24 +104,19 @@ class PolicyTrainerCore:
 
     Needs the default process group (see `parallel.init_distributed`) of `trainer.ranks` ranks.
     The fp32 master weights are loaded from `model.path` (an HF checkpoint dir). Decoder layers
-    are torch.compile'd when `compile_layers` (default: on CUDA, except in `model.true_on_policy`
-    mode, which runs the generator's eager batch-invariant kernels: compiled code fuses and
+    are torch.compile'd with `trainer.compile_layers` on CUDA, except in `model.true_on_policy`
+    mode, which runs the generator's eager batch-invariant kernels (compiled code fuses and
     rounds differently).
     """
 
-    def __init__(self, model: ModelConfig, trainer: TrainerConfig, device: torch.device,
-                 compile_layers: bool | None = None):
+    def __init__(self, model: ModelConfig, trainer: TrainerConfig, device: torch.device):
         model.validate("model")
         trainer.validate("trainer")
         self.model_config, self.config, self.device = model, trainer, device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.world_size != trainer.ranks:
             raise ValueError(f"trainer.ranks is {trainer.ranks} but the process group has {self.world_size} ranks")
-        if model.true_on_policy and compile_layers:
-            raise ValueError("model.true_on_policy needs eager decoder layers (compile_layers=False): "
-                             "compiled kernels fuse and round differently from the generator's")
-        if compile_layers is None:
-            compile_layers = device.type == "cuda" and not model.true_on_policy
+        compile_layers = trainer.compile_layers and device.type == "cuda" and not model.true_on_policy
         self.args = load_args(model.path)
         self.mesh = make_mesh(device)
         self.model = build_sharded_model(

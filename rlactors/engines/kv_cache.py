@@ -242,9 +242,10 @@ class BatchInvariantPagedAttention:
     """`attention(layer_idx, q, k, v)` of the true on-policy mode over a `PagedKVCache`.
 
     Writes the step's k/v into the cache like `PagedAttention`, then every query attends to its
-    sequence's context, read back from the cache, through `batch_invariant.AttentionPlan`: keys
-    in fixed blocks from position 0, in order, as the trainer's `BatchInvariantAttention` does,
-    so a query's output does not depend on the other sequences of the step or on chunking.
+    sequence's context, read in place from the cache's slots, through
+    `batch_invariant.AttentionPlan`: keys in fixed blocks from position 0, in order, as the
+    trainer's `BatchInvariantAttention` does, so a query's output does not depend on the other
+    sequences of the step or on chunking.
     """
 
     def __init__(self, cache: PagedKVCache, chunks: Sequence[Chunk]):
@@ -252,10 +253,11 @@ class BatchInvariantPagedAttention:
         device = cache.kv.device
         bs = cache.block_size
         width = max(blocks_for(c.start + c.num_tokens, bs) for c in chunks)
-        # [sequences, width]; the padding blocks hold other data, which no query attends to.
-        self.context_blocks = torch.tensor(
-            [list(c.block_ids[:width]) + [0] * (width - min(width, len(c.block_ids))) for c in chunks],
-            device=device)
+        # [sequences, width * bs]: the slot of each position; padding blocks hold other data,
+        # which no query reads.
+        blocks = torch.tensor([list(c.block_ids[:width]) + [0] * (width - min(width, len(c.block_ids)))
+                               for c in chunks])
+        self.key_slots = (blocks[:, :, None] * bs + torch.arange(bs)).flatten(1).to(device)
         positions = [p for c in chunks for p in range(c.start, c.start + c.num_tokens)]
         segments = [i for i, c in enumerate(chunks) for _ in range(c.num_tokens)]
         slots = [c.block_ids[p // bs] * bs + p % bs for c in chunks for p in range(c.start, c.start + c.num_tokens)]
@@ -264,5 +266,4 @@ class BatchInvariantPagedAttention:
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer_idx, self.slot_mapping, k, v)
-        keys, values = self.cache.gather(layer_idx, self.context_blocks)  # [sequences, Hkv, C, D]
-        return self.plan(q, keys, values)
+        return self.plan.paged(q, self.cache.kv[layer_idx], self.key_slots)

@@ -198,6 +198,10 @@ class AttentionPlan:
     output is dropped); ``last[t]`` the largest one. On CUDA ``tile_size`` is ``QUERY_TILE``
     (the kernel is compiled for it); on CPU, where strict MKL gives a row the same bits for any
     number of rows, it shrinks to the longest run of queries, so decode steps pad nothing.
+
+    Two ways to pass keys: ``plan(q, keys, values)`` with every segment's keys in a row, or
+    ``plan.paged(q, kv, key_slots)`` with them in slots of a shared buffer (a paged KV cache, or
+    the packed keys of a training batch), which the CPU path reads without copying it whole.
     """
 
     def __init__(self, q_positions: torch.Tensor, q_segments: torch.Tensor):
@@ -230,124 +234,171 @@ class AttentionPlan:
         self.query_index = torch.full((self.num_tiles, size), -1, dtype=torch.long, device=device)
         self.query_index[self.tile, self.slot] = torch.arange(n, device=device)
         self.num_blocks = self.max_position // KEY_BLOCK + 1
-        self.one_tile_per_segment = torch.equal(self.segment, torch.arange(self.num_tiles, device=device))
-
-    @functools.cached_property
-    def blocks(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]:
-        """Per key block (torch path): the tiles that read it (None: all), the keys each of their
-        slots must not see, and the keys past each tile's last query (None: no such key)."""
-        blocks = []
-        for block in range(self.num_blocks):
-            start = block * KEY_BLOCK
-            key_positions = torch.arange(start, start + KEY_BLOCK, device=self.last.device)
-            active = torch.nonzero(self.last >= start).flatten()
-            hidden = key_positions[None, None, :] > self.positions[active][:, :, None]
-            past_last = key_positions[None, :] > self.last[active][:, None]
-            blocks.append((None if active.numel() == self.num_tiles else active,
-                           hidden if hidden.any() else None, past_last if past_last.any() else None))
-        return blocks
+        self._reads: _TorchReads | None = None
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        if q.dim() != 3 or keys.dim() != 4 or values.shape != keys.shape or q.shape[0] != self.num_queries:
-            raise ValueError(f"attend: need q [{self.num_queries}, Hq, D] and keys/values [S, Hkv, L, D], got "
-                             f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
-        if q.shape[2] != keys.shape[3] or q.shape[1] % keys.shape[1]:
-            raise ValueError(f"attend: q {tuple(q.shape)} and keys {tuple(keys.shape)} disagree on head_dim, "
-                             "or the query heads are not a multiple of the kv heads")
-        if self.max_position >= keys.shape[2] or self.max_segment >= keys.shape[0]:
-            raise ValueError(f"attend: keys {tuple(keys.shape)} do not reach query position "
-                             f"{self.max_position} of segment {self.max_segment}")
+        if keys.dim() != 4 or values.shape != keys.shape:
+            raise ValueError(f"attend: need keys/values [S, Hkv, L, D], got keys {tuple(keys.shape)}, "
+                             f"values {tuple(values.shape)}")
+        num_segments, num_kv_heads, length, head_dim = keys.shape
+        self._check(q, num_kv_heads, head_dim, num_segments, length, f"keys {tuple(keys.shape)}")
         if q.is_cuda:
             return _triton().attend(self, q, keys, values)
+        # Each segment's keys as one run of slots of a [2, Hkv, S * L, D] buffer.
+        kv = torch.stack((keys, values)).transpose(1, 2).reshape(2, num_kv_heads, num_segments * length, head_dim)
+        slots = torch.arange(num_segments * length, device=keys.device).view(num_segments, length)
         with torch.no_grad():
-            return self._attend_torch(q, keys, values)
+            return self._attend_torch(q, kv, slots)
 
-    def _attend_torch(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def paged(self, q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
+        """``attend`` with keys in slots: ``kv [2, Hkv, R, D]`` holds K and V of ``R`` slots (the
+        CPU path reads it most cheaply when contiguous), ``key_slots [S, L]`` the slot of
+        segment ``s``'s key at position ``p`` (only entries up to each segment's last query
+        position are read; the others must be valid slots all the same)."""
+        if kv.dim() != 4 or kv.shape[0] != 2 or key_slots.dim() != 2:
+            raise ValueError(f"attend: need kv [2, Hkv, R, D] and key_slots [S, L], got kv {tuple(kv.shape)}, "
+                             f"key_slots {tuple(key_slots.shape)}")
+        self._check(q, kv.shape[1], kv.shape[3], *key_slots.shape, f"key_slots {tuple(key_slots.shape)}")
+        if q.is_cuda:
+            gathered = kv[:, :, key_slots].transpose(1, 2)  # [2, S, Hkv, L, D]
+            return _triton().attend(self, q, gathered[0], gathered[1])
+        with torch.no_grad():
+            return self._attend_torch(q, kv, key_slots)
+
+    def _check(self, q: torch.Tensor, num_kv_heads: int, head_dim: int, num_segments: int, length: int,
+               keys: str) -> None:
+        if q.dim() != 3 or q.shape[0] != self.num_queries:
+            raise ValueError(f"attend: need q [{self.num_queries}, Hq, D], got q {tuple(q.shape)}")
+        if q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+            raise ValueError(f"attend: q {tuple(q.shape)} and {keys} disagree on head_dim, "
+                             "or the query heads are not a multiple of the kv heads")
+        if self.max_position >= length or self.max_segment >= num_segments:
+            raise ValueError(f"attend: {keys} do not reach query position {self.max_position} "
+                             f"of segment {self.max_segment}")
+
+    def _attend_torch(self, q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
         require_invariant_cpu_matmul()
-        _, num_heads, head_dim = q.shape
-        num_kv_heads = keys.shape[1]
+        n, num_heads, head_dim = q.shape
+        num_kv_heads = kv.shape[1]
         group = num_heads // num_kv_heads
+        reads = self._torch_reads(key_slots, num_kv_heads, group, kv.shape[2])
         nt, rows = self.num_tiles, self.tile_size * group
-        # Contiguous: a block of one segment and kv head is then one [KB, D] matrix.
-        keys, values = keys.contiguous(), values.contiguous()
         # Query items [tile, kv head, slot * group, D]: the query heads of one kv head, per slot.
-        q_tiles = q.new_zeros(nt, self.tile_size, num_heads, head_dim, dtype=torch.float32)
-        q_tiles[self.tile, self.slot] = q.float() / math.sqrt(head_dim)
-        q_items = q_tiles.view(nt, self.tile_size, num_kv_heads, group, head_dim).transpose(1, 2)
-        q_items = q_items.reshape(nt, num_kv_heads, rows, head_dim)
+        q_items = (q.float() / math.sqrt(head_dim)).view(n * num_kv_heads, group, head_dim)
+        if reads.q_index is not None:
+            q_items = q_items.index_select(0, reads.q_index)
+        q_items = q_items.view(nt, num_kv_heads, rows, head_dim)
+        # Every block's keys and values of every tile that reads it, in one gather: [2, rows, Hkv, KB, D].
+        kv_blocks = kv.reshape(-1, head_dim).index_select(0, reads.kv_index).float()
+        kv_blocks = kv_blocks.view(2, -1, num_kv_heads, KEY_BLOCK, head_dim)
 
-        running_max = q_items.new_full((nt, num_kv_heads, rows), float("-inf"))
-        running_sum = q_items.new_zeros((nt, num_kv_heads, rows))
-        out = q_items.new_zeros(q_items.shape)
-        for block, (subset, hidden, past_last) in enumerate(self.blocks):
-            start = block * KEY_BLOCK
-            k = self._key_block(keys, subset, start)  # [a, Hkv, KB, D], fp32
-            v = self._key_block(values, subset, start)
-            if past_last is not None:
-                # Whatever sits past a tile's last query (stale cache slots, padding) must meet a
-                # zero weight as an exact zero: a NaN there would poison the sum.
-                v = v.masked_fill(past_last[:, None, :, None], 0)
-            qb = q_items if subset is None else q_items[subset]
-            scores = torch.matmul(qb, k.transpose(-1, -2))  # [a, Hkv, rows, KB]
+        for block, (first, offset, hidden) in enumerate(reads.blocks):
+            k, v = kv_blocks[:, offset:offset + nt - first]  # tiles first .. nt-1
+            scores = torch.matmul(q_items[first:], k.transpose(-1, -2))  # [a, Hkv, rows, KB]
             if hidden is not None:
-                mask = hidden[:, None, :, None, :].expand(-1, num_kv_heads, -1, group, -1)
-                scores.masked_fill_(mask.reshape(scores.shape), float("-inf"))
-            old_max = running_max if subset is None else running_max[subset]
-            new_max = torch.maximum(old_max, scores.amax(-1))
+                scores.masked_fill_(hidden, float("-inf"))
+            block_max = scores.amax(-1)
+            if block == 0:  # every tile reads block 0: the running state starts here
+                weights = torch.exp(scores - block_max[..., None])
+                running_max, running_sum, out = block_max, weights.sum(-1), torch.matmul(weights, v)
+                continue
+            old_max = running_max[first:]
+            new_max = torch.maximum(old_max, block_max)
             rescale = torch.exp(old_max - new_max)
             weights = torch.exp(scores - new_max[..., None])
-            old_sum = running_sum if subset is None else running_sum[subset]
-            old_out = out if subset is None else out[subset]
-            new_sum = old_sum * rescale + weights.sum(-1)
-            new_out = old_out * rescale[..., None] + torch.matmul(weights, v)
-            if subset is None:
-                running_max, running_sum, out = new_max, new_sum, new_out
-            else:
-                running_max[subset], running_sum[subset], out[subset] = new_max, new_sum, new_out
+            running_sum[first:].mul_(rescale).add_(weights.sum(-1))
+            out[first:].mul_(rescale[..., None]).add_(torch.matmul(weights, v))
+            old_max.copy_(new_max)
 
-        out = out / running_sum[..., None]
-        out = out.view(nt, num_kv_heads, self.tile_size, group, head_dim).transpose(1, 2)
-        out = out.reshape(nt, self.tile_size, num_heads, head_dim)
-        return out[self.tile, self.slot].to(q.dtype)
+        out = (out / running_sum[..., None]).view(nt * num_kv_heads * self.tile_size, group, head_dim)
+        if reads.out_index is not None:
+            out = out.index_select(0, reads.out_index)
+        return out.view(n, num_heads, head_dim).to(q.dtype)
 
-    def _key_block(self, keys: torch.Tensor, subset: torch.Tensor | None, start: int) -> torch.Tensor:
-        """Keys ``start .. start + KEY_BLOCK - 1`` of each (active) tile's segment from ``keys
-        [S, Hkv, L, D]``, as fp32 ``[a, Hkv, KEY_BLOCK, D]``, zero-padded past the end."""
-        if subset is None and self.one_tile_per_segment and keys.shape[0] == self.num_tiles:
-            block = keys[:, :, start:start + KEY_BLOCK]  # decode: tile t is segment t, no gather
-        else:
-            block = keys[self.segment if subset is None else self.segment[subset], :, start:start + KEY_BLOCK]
-        if block.shape[2] < KEY_BLOCK:
-            block = F.pad(block, (0, 0, 0, KEY_BLOCK - block.shape[2]))
-        return block.float()
+    def _torch_reads(self, key_slots: torch.Tensor, num_kv_heads: int, group: int, num_slots: int) -> _TorchReads:
+        """The gather indices and masks of the CPU path; every layer of a step reads the same."""
+        reads = self._reads
+        if reads is None or not reads.serves(key_slots, num_kv_heads, group, num_slots):
+            reads = self._reads = _TorchReads(self, key_slots, num_kv_heads, group, num_slots)
+        return reads
 
 
-def pad_documents(x: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Packed ``x[T, ...]`` -> ``[num_docs, max_len, ...]``, document ``d`` at rows ``0..len-1``."""
-    lengths = cu_seqlens.diff().long()
-    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths)
-    pos = torch.arange(x.shape[0], device=x.device) - cu_seqlens[:-1].long()[doc]
-    padded = x.new_zeros(lengths.numel(), max_len, *x.shape[1:])
-    return padded.index_put((doc, pos), x)
+class _TorchReads:
+    """What the CPU path of an ``AttentionPlan`` reads, for one key-slot table and head layout.
+
+    Tiles are taken in order of their last query position, so the tiles that read key block
+    ``b`` (those whose last position is at least ``b * KEY_BLOCK``) are the ones from
+    ``first[b]`` on: every block works on slices, with no gather or scatter of running state.
+    A key past its tile's last query (stale cache slots, padding, other segments) is read from
+    the segment's position 0 instead: finite, and its weight is exactly 0 anyway, so its
+    product adds an exact zero (a NaN read there would poison the sum).
+
+    - ``q_index``: rows of ``q [N * Hkv, group, D]`` in ``[tile, kv head, slot]`` order (None: in
+      order already, as in a decode step of sequences sorted by length);
+    - ``out_index``: the rows of each query's heads back (None likewise);
+    - ``kv_index``: rows of ``kv [2 * Hkv * R, D]``, ``[2, block rows, Hkv, KEY_BLOCK]``;
+    - ``blocks``: per key block, the first tile that reads it, its offset in the block rows, and
+      the keys each query must not see, ``[tiles, Hkv, slot * group, KEY_BLOCK]`` (None: none).
+    """
+
+    def __init__(self, plan: AttentionPlan, key_slots: torch.Tensor, num_kv_heads: int, group: int,
+                 num_slots: int):
+        self.key_slots, self.shape = key_slots, (num_kv_heads, group, num_slots)
+        device, nt, size = key_slots.device, plan.num_tiles, plan.tile_size
+        order = torch.sort(plan.last, stable=True).indices
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(nt, device=device)
+        last, positions, segment = plan.last[order], plan.positions[order], plan.segment[order]
+        heads = torch.arange(num_kv_heads, device=device)
+
+        queries = plan.query_index[order].clamp(min=0)  # an empty slot reads any query; dropped
+        q_index = (queries[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+        out_index = ((rank[plan.tile] * num_kv_heads)[:, None] + heads[None, :]) * size + plan.slot[:, None]
+        out_index = out_index.flatten()
+        identity = torch.arange(q_index.numel(), device=device)
+        self.q_index = None if torch.equal(q_index, identity) else q_index
+        self.out_index = None if torch.equal(out_index, identity[:out_index.numel()]) else out_index
+
+        self.blocks, slots, offset = [], [], 0
+        firsts = torch.searchsorted(last, torch.arange(plan.num_blocks, device=device) * KEY_BLOCK).tolist()
+        for block, first in enumerate(firsts):
+            key_positions = block * KEY_BLOCK + torch.arange(KEY_BLOCK, device=device)
+            read = torch.where(key_positions[None, :] <= last[first:, None], key_positions[None, :], 0)
+            slots.append(key_slots[segment[first:, None], read])
+            hidden = key_positions[None, None, :] > positions[first:, :, None]  # [a, slot, KB]
+            hidden = hidden[:, None, :, None, :].expand(-1, num_kv_heads, -1, group, -1)
+            hidden = hidden.reshape(nt - first, num_kv_heads, size * group, KEY_BLOCK)
+            self.blocks.append((first, offset, hidden if hidden.any() else None))
+            offset += nt - first
+        slots = torch.cat(slots)  # [block rows, KB]
+        kv_heads = torch.arange(2 * num_kv_heads, device=device).view(2, 1, num_kv_heads, 1)
+        self.kv_index = (kv_heads * num_slots + slots[None, :, None, :]).flatten()
+
+    def serves(self, key_slots: torch.Tensor, num_kv_heads: int, group: int, num_slots: int) -> bool:
+        return self.key_slots is key_slots and self.shape == (num_kv_heads, group, num_slots)
 
 
 class BatchInvariantAttention:
     """The trainer's ``attention(layer_idx, q, k, v)`` in true on-policy mode.
 
     Same contract as ``VarlenAttention`` (packed documents, causal inside each, never across):
-    every document is a segment of ``attend``, its queries at positions ``0 .. len-1``. The
-    backward pass differentiates the default ``VarlenAttention`` at the same inputs.
+    every document is a segment of ``attend``, its queries at positions ``0 .. len-1``, its keys
+    read from the packed ones in place. The backward pass differentiates the default
+    ``VarlenAttention`` at the same inputs.
     """
 
     def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, backend: str = "auto"):
         from rlactors.models.attention import VarlenAttention
 
         self.reference = VarlenAttention(cu_seqlens, max_seqlen, backend)
-        self.cu_seqlens, self.max_seqlen = cu_seqlens, max_seqlen
+        device = cu_seqlens.device
         lengths = cu_seqlens.diff().long()
-        self.segments = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
-        starts = cu_seqlens[:-1].long()[self.segments]
-        self.positions = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
+        self.segments = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+        starts = cu_seqlens[:-1].long()
+        self.positions = torch.arange(int(cu_seqlens[-1]), device=device) - starts[self.segments]
+        # Document d's key at position p is packed token starts[d] + p (clamped: a valid slot
+        # for the positions past the document's end, which are never read into a result).
+        self.key_slots = (starts[:, None] + torch.arange(max_seqlen, device=device)).clamp(max=self.positions.numel() - 1)
         self.plan = AttentionPlan(self.positions, self.segments)
 
     @classmethod
@@ -364,9 +415,8 @@ class BatchInvariantAttention:
         return _PackedAttention.apply(q, k, v, self)
 
     def forward_values(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys = pad_documents(k, self.cu_seqlens, self.max_seqlen).transpose(1, 2)
-        values = pad_documents(v, self.cu_seqlens, self.max_seqlen).transpose(1, 2)
-        return self.plan(q, keys, values)
+        kv = torch.stack((k.transpose(0, 1), v.transpose(0, 1)))  # [2, Hkv, T, D], contiguous
+        return self.plan.paged(q, kv, self.key_slots)
 
 
 class _PackedAttention(torch.autograd.Function):

@@ -226,6 +226,46 @@ def test_attend_same_bits_for_whole_sequence_decode_chunks_and_batches(dtype):
     assert torch.equal(out[mine:mine + 2], whole[99:101])
 
 
+def test_paged_attend_same_bits_as_whole_keys_in_any_query_order():
+    """plan.paged (keys read in place from slots of a shared buffer: the engine's and the
+    trainer's CPU path) == plan(q, keys, values), for decodes in the engine's order (the CPU
+    path then skips its query and output gathers), the same decodes reversed, and a step with
+    prefill chunks; slots no query may read hold NaN."""
+    hq, hkv, d, length = 4, 2, 32, 200
+    lengths = [30, 64, 65, 130, 199, 7]
+    keys, values = torch.randn(len(lengths), hkv, length, d), torch.randn(len(lengths), hkv, length, d)
+    kv = torch.full((2, hkv, 1600, d), float("nan"))
+    key_slots = torch.randperm(1600)[:len(lengths) * length].view(len(lengths), length)
+    for s, n in enumerate(lengths):  # segment s's keys 0 .. n-1 in its slots; the rest stay NaN
+        kv[0, :, key_slots[s, :n]], kv[1, :, key_slots[s, :n]] = keys[s, :, :n], values[s, :, :n]
+
+    decodes = (torch.tensor([n - 1 for n in lengths]), torch.arange(len(lengths)))
+    order = torch.argsort(decodes[0])  # by length, as the engine packs decodes
+    steps = {"decodes in order": (decodes[0][order], decodes[1][order]),
+             "decodes reversed": (decodes[0][order.flip(0)], decodes[1][order.flip(0)]),
+             "decodes and prefill chunks": (torch.cat([decodes[0][:3], torch.arange(60, 130), torch.arange(7)]),
+                                            torch.cat([decodes[1][:3], torch.full((70,), 3), torch.full((7,), 5)]))}
+    for name, (positions, segments) in steps.items():
+        q = torch.randn(len(positions), hq, d)
+        plan = bi.AttentionPlan(positions, segments)
+        paged = plan.paged(q, kv, key_slots)
+        assert (plan._reads.q_index is None) == (name == "decodes in order")
+        assert torch.equal(paged, bi.AttentionPlan(positions, segments)(q, keys, values)), name
+
+
+def test_packed_attention_same_bits_as_attend_over_padded_documents():
+    lengths = [40, 7, 90, 1, 33]
+    positions, q, k, v = packed_documents(lengths)
+    packed = bi.BatchInvariantAttention.from_positions(positions)(0, q, k, v)
+    keys, values = torch.zeros(2, len(lengths), max(lengths), 2, 32)
+    start = 0
+    for i, n in enumerate(lengths):
+        keys[i, :n], values[i, :n] = k[start:start + n], v[start:start + n]
+        start += n
+    segments = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    assert torch.equal(packed, bi.attend(q, positions, segments, head_major(keys), head_major(values)))
+
+
 def test_default_sdpa_decode_differs_from_whole_sequence():
     """The default way (one query against its prefix vs the causal whole) rounds differently."""
     length, d = 150, 32

@@ -229,7 +229,7 @@ def test_attend_same_bits_for_whole_sequence_decode_chunks_and_batches(dtype):
 def test_paged_attend_same_bits_as_whole_keys_in_any_query_order():
     """plan.paged (keys read in place from slots of a shared buffer: the engine's and the
     trainer's CPU path) == plan(q, keys, values), for decodes in the engine's order (the CPU
-    path then skips its query and output gathers), the same decodes reversed, and a step with
+    path then skips its output gather), the same decodes reversed, and a step with
     prefill chunks; slots no query may read hold NaN."""
     hq, hkv, d, length = 4, 2, 32, 200
     lengths = [30, 64, 65, 130, 199, 7]
@@ -249,7 +249,7 @@ def test_paged_attend_same_bits_as_whole_keys_in_any_query_order():
         q = torch.randn(len(positions), hq, d)
         plan = bi.AttentionPlan(positions, segments)
         paged = plan.paged(q, kv, key_slots)
-        assert (plan._reads.q_index is None) == (name == "decodes in order")
+        assert (plan._reads.out_index is None) == (name == "decodes in order")
         assert torch.equal(paged, bi.AttentionPlan(positions, segments)(q, keys, values)), name
 
 

@@ -282,33 +282,31 @@ class AttentionPlan:
         num_kv_heads = kv.shape[1]
         group = num_heads // num_kv_heads
         reads = self._torch_reads(key_slots, num_kv_heads, group, kv.shape[2])
-        nt, rows = self.num_tiles, self.tile_size * group
-        # Query items [tile, kv head, slot * group, D]: the query heads of one kv head, per slot.
-        q_items = (q.float() / math.sqrt(head_dim)).view(n * num_kv_heads, group, head_dim)
-        if reads.q_index is not None:
-            q_items = q_items.index_select(0, reads.q_index)
-        q_items = q_items.view(nt, num_kv_heads, rows, head_dim)
-        # Every block's keys and values of every tile that reads it, in one gather: [2, rows, Hkv, KB, D].
-        kv_blocks = kv.reshape(-1, head_dim).index_select(0, reads.kv_index).float()
-        kv_blocks = kv_blocks.view(2, -1, num_kv_heads, KEY_BLOCK, head_dim)
+        nt, num_rows = self.num_tiles, reads.num_rows
+        # One row per (tile, key block it reads): the tile's queries [kv head, slot * group, D]
+        # (the query heads of one kv head, per slot) and the block's keys and values.
+        q_rows = (q.float() / math.sqrt(head_dim)).view(n * num_kv_heads, group, head_dim)
+        q_rows = q_rows.index_select(0, reads.q_index).view(num_rows, num_kv_heads, -1, head_dim)
+        kv_rows = kv.reshape(-1, head_dim).index_select(0, reads.kv_index).float()
+        keys, values = kv_rows.view(2, num_rows, num_kv_heads, KEY_BLOCK, head_dim)
 
-        for block, (first, offset, hidden) in enumerate(reads.blocks):
-            k, v = kv_blocks[:, offset:offset + nt - first]  # tiles first .. nt-1
-            scores = torch.matmul(q_items[first:], k.transpose(-1, -2))  # [a, Hkv, rows, KB]
-            if hidden is not None:
-                scores.masked_fill_(hidden, float("-inf"))
-            block_max = scores.amax(-1)
-            if block == 0:  # every tile reads block 0: the running state starts here
-                weights = torch.exp(scores - block_max[..., None])
-                running_max, running_sum, out = block_max, weights.sum(-1), torch.matmul(weights, v)
-                continue
-            old_max = running_max[first:]
-            new_max = torch.maximum(old_max, block_max)
-            rescale = torch.exp(old_max - new_max)
-            weights = torch.exp(scores - new_max[..., None])
-            running_sum[first:].mul_(rescale).add_(weights.sum(-1))
-            out[first:].mul_(rescale[..., None]).add_(torch.matmul(weights, v))
-            old_max.copy_(new_max)
+        scores = torch.matmul(q_rows, keys.transpose(-1, -2))  # [rows, Hkv, slot * group, KB]
+        if reads.hidden is not None:
+            scores.masked_fill_(reads.hidden, float("-inf"))
+        # The online softmax over each tile's blocks, in order: the running max first (exact,
+        # so it can be folded before the rest), then weights and sums of every block at once,
+        # then each block's sum and output folded into the running ones.
+        running_max = scores.amax(-1)
+        for block, previous, count in reads.folds:
+            torch.maximum(running_max[previous:previous + count], running_max[block:block + count],
+                          out=running_max[block:block + count])
+        weights = (scores - running_max[..., None]).exp_()
+        sums, outs = weights.sum(-1), torch.matmul(weights, values)
+        running_sum, out = sums[:nt], outs[:nt]  # block 0, which every tile reads
+        for block, previous, count in reads.folds:
+            rescale = torch.exp(running_max[previous:previous + count] - running_max[block:block + count])
+            running_sum[nt - count:].mul_(rescale).add_(sums[block:block + count])
+            out[nt - count:].mul_(rescale[..., None]).add_(outs[block:block + count])
 
         out = (out / running_sum[..., None]).view(nt * num_kv_heads * self.tile_size, group, head_dim)
         if reads.out_index is not None:
@@ -326,19 +324,22 @@ class AttentionPlan:
 class _TorchReads:
     """What the CPU path of an ``AttentionPlan`` reads, for one key-slot table and head layout.
 
-    Tiles are taken in order of their last query position, so the tiles that read key block
-    ``b`` (those whose last position is at least ``b * KEY_BLOCK``) are the ones from
-    ``first[b]`` on: every block works on slices, with no gather or scatter of running state.
-    A key past its tile's last query (stale cache slots, padding, other segments) is read from
+    Rows: one per (key block, tile that reads it), block-major. Tiles are taken in order of
+    their last query position, so the tiles that read block ``b`` (those whose last position is
+    at least ``b * KEY_BLOCK``, which read every earlier block too) are the last ones of that
+    order, and the running state of a block's tiles is a slice of the previous block's rows. A
+    key past its tile's last query (stale cache slots, padding, other segments) is read from
     the segment's position 0 instead: finite, and its weight is exactly 0 anyway, so its
     product adds an exact zero (a NaN read there would poison the sum).
 
-    - ``q_index``: rows of ``q [N * Hkv, group, D]`` in ``[tile, kv head, slot]`` order (None: in
-      order already, as in a decode step of sequences sorted by length);
-    - ``out_index``: the rows of each query's heads back (None likewise);
-    - ``kv_index``: rows of ``kv [2 * Hkv * R, D]``, ``[2, block rows, Hkv, KEY_BLOCK]``;
-    - ``blocks``: per key block, the first tile that reads it, its offset in the block rows, and
-      the keys each query must not see, ``[tiles, Hkv, slot * group, KEY_BLOCK]`` (None: none).
+    - ``q_index``: the rows of ``q [N * Hkv, group, D]`` for ``[row, kv head, slot]``;
+    - ``kv_index``: the rows of ``kv [2 * Hkv * R, D]`` for ``[2, row, kv head, KEY_BLOCK]``;
+    - ``hidden``: the keys each query must not see, ``[row, Hkv, slot * group, KEY_BLOCK]``
+      (None: none);
+    - ``folds``: per block after the first, its first row, the same tiles' row in the previous
+      block, and their number;
+    - ``out_index``: the rows of ``[tile, kv head, slot]`` for each query's kv heads (None: in
+      order already, as in a decode step of sequences sorted by length).
     """
 
     def __init__(self, plan: AttentionPlan, key_slots: torch.Tensor, num_kv_heads: int, group: int,
@@ -346,33 +347,34 @@ class _TorchReads:
         self.key_slots, self.shape = key_slots, (num_kv_heads, group, num_slots)
         device, nt, size = key_slots.device, plan.num_tiles, plan.tile_size
         order = torch.sort(plan.last, stable=True).indices
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(nt, device=device)
-        last, positions, segment = plan.last[order], plan.positions[order], plan.segment[order]
+        last = plan.last[order]
+        block_starts = torch.arange(plan.num_blocks, device=device) * KEY_BLOCK
+        block, row_tile = torch.nonzero(last[None, :] >= block_starts[:, None]).unbind(1)
+        tile = order[row_tile]
+        self.num_rows = tile.numel()
         heads = torch.arange(num_kv_heads, device=device)
 
-        queries = plan.query_index[order].clamp(min=0)  # an empty slot reads any query; dropped
-        q_index = (queries[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
-        out_index = ((rank[plan.tile] * num_kv_heads)[:, None] + heads[None, :]) * size + plan.slot[:, None]
-        out_index = out_index.flatten()
-        identity = torch.arange(q_index.numel(), device=device)
-        self.q_index = None if torch.equal(q_index, identity) else q_index
-        self.out_index = None if torch.equal(out_index, identity[:out_index.numel()]) else out_index
-
-        self.blocks, slots, offset = [], [], 0
-        firsts = torch.searchsorted(last, torch.arange(plan.num_blocks, device=device) * KEY_BLOCK).tolist()
-        for block, first in enumerate(firsts):
-            key_positions = block * KEY_BLOCK + torch.arange(KEY_BLOCK, device=device)
-            read = torch.where(key_positions[None, :] <= last[first:, None], key_positions[None, :], 0)
-            slots.append(key_slots[segment[first:, None], read])
-            hidden = key_positions[None, None, :] > positions[first:, :, None]  # [a, slot, KB]
-            hidden = hidden[:, None, :, None, :].expand(-1, num_kv_heads, -1, group, -1)
-            hidden = hidden.reshape(nt - first, num_kv_heads, size * group, KEY_BLOCK)
-            self.blocks.append((first, offset, hidden if hidden.any() else None))
-            offset += nt - first
-        slots = torch.cat(slots)  # [block rows, KB]
+        queries = plan.query_index[tile].clamp(min=0)  # an empty slot reads any query; dropped
+        self.q_index = (queries[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+        key_positions = block_starts[block, None] + torch.arange(KEY_BLOCK, device=device)  # [rows, KB]
+        read = torch.where(key_positions <= plan.last[tile, None], key_positions, 0)
+        slots = key_slots[plan.segment[tile, None], read]
         kv_heads = torch.arange(2 * num_kv_heads, device=device).view(2, 1, num_kv_heads, 1)
         self.kv_index = (kv_heads * num_slots + slots[None, :, None, :]).flatten()
+        hidden = key_positions[:, None, :] > plan.positions[tile, :, None]  # [rows, slot, KB]
+        hidden = hidden[:, None, :, None, :].expand(-1, num_kv_heads, -1, group, -1)
+        self.hidden = hidden.reshape(self.num_rows, num_kv_heads, size * group, KEY_BLOCK) if hidden.any() else None
+
+        counts = torch.bincount(block, minlength=plan.num_blocks).tolist()
+        starts = [sum(counts[:b]) for b in range(len(counts))]
+        self.folds = [(starts[b], starts[b - 1] + counts[b - 1] - counts[b], counts[b]) for b in range(1, len(counts))]
+
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(nt, device=device)
+        out_index = ((rank[plan.tile] * num_kv_heads)[:, None] + heads[None, :]) * size + plan.slot[:, None]
+        out_index = out_index.flatten()
+        in_order = torch.equal(out_index, torch.arange(out_index.numel(), device=device))
+        self.out_index = None if in_order else out_index
 
     def serves(self, key_slots: torch.Tensor, num_kv_heads: int, group: int, num_slots: int) -> bool:
         return self.key_slots is key_slots and self.shape == (num_kv_heads, group, num_slots)

@@ -3,10 +3,13 @@ sync vs async (bounded staleness) on the same config.
 
     python benchmarks/e2e_alphabet_sort.py --steps 8                                  # CPU demo config
     python benchmarks/e2e_alphabet_sort.py --config configs/alphabet_sort_4gpu.toml --steps 10
+    python benchmarks/e2e_alphabet_sort.py --steps 8 --staleness 1 2 --tool-latency 1.0
 
-Runs the controller twice (controller.mode = sync, then async with the same max_staleness),
-skips the first step of each (start-up), and appends the medians to
-benchmarks/results/e2e_alphabet_sort.md. Overrides after the options apply to both runs.
+Runs the controller in sync mode, then in async mode once per `--staleness` bound (default: the
+config's max_staleness), skips the first step of each (start-up), and appends the medians to
+benchmarks/results/e2e_alphabet_sort.md. Overrides after the options apply to every run.
+`--tool-latency S` makes every env turn wait S seconds before it is scored, as a tool call or a
+sandbox run would: rollouts then wait on the env, as in agentic RL, more than on compute.
 """
 
 from __future__ import annotations
@@ -18,22 +21,41 @@ import os
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from examples.alphabet_sort.env import AlphabetSortConfig, AlphabetSortEnv
 from rlactors.config import load_config
 from rlactors.controller import Controller
 
 RESULTS = Path(__file__).parent / "results" / "e2e_alphabet_sort.md"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "alphabet_sort_cpu.toml"
+TABLE_HEADER = ("| date | machine | config | mode | s/step | rollout s | train s | weight sync s | trainer idle | age "
+                "| steps/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
 SPLIT = ("time/step_s", "time/rollout_wait_s", "time/train_s", "time/weight_sync_s", "time/trainer_idle_fraction")
 
 
-def run(config_path: Path, mode: str, steps: int, overrides: list[str]) -> list[dict[str, float]]:
-    run_dir = tempfile.mkdtemp(prefix=f"rlactors_e2e_{mode}_")
-    config = load_config(config_path, [*overrides, f"controller.mode={mode}", f"controller.steps={steps}",
-                                       f'controller.run_dir="{run_dir}"', "controller.checkpoint_every=0"])
+@dataclass
+class ToolLatencyConfig(AlphabetSortConfig):
+    tool_latency_s: float = 0.0  # how long each turn waits before it is scored
+
+
+class ToolLatencyAlphabetSort(AlphabetSortEnv):
+    """alphabet_sort whose every turn first waits `tool_latency_s`, as a tool call would."""
+
+    Config = ToolLatencyConfig
+
+    async def respond(self, reply, completion):
+        await asyncio.sleep(self.config.tool_latency_s)
+        return await super().respond(reply, completion)
+
+
+def run(config_path: Path, steps: int, overrides: list[str]) -> list[dict[str, float]]:
+    run_dir = tempfile.mkdtemp(prefix="rlactors_e2e_")
+    config = load_config(config_path, [*overrides, f"controller.steps={steps}", f'controller.run_dir="{run_dir}"',
+                                       "controller.checkpoint_every=0"])
     return asyncio.run(Controller(config).run())
 
 
@@ -41,35 +63,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--staleness", type=int, nargs="+", help="async runs' max_staleness (default: the config's)")
+    parser.add_argument("--tool-latency", type=float, default=0.0, help="seconds each env turn waits (alphabet_sort)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
+    overrides = list(args.overrides)
+    if args.tool_latency:
+        overrides += [f'env.name="{ToolLatencyAlphabetSort.__module__}:ToolLatencyAlphabetSort"',
+                      f"env.args.tool_latency_s={args.tool_latency}"]
 
+    runs = {"sync": ["controller.mode=sync"]}
+    for bound in args.staleness or [None]:
+        name = "async" if bound is None else f"async, staleness {bound}"
+        runs[name] = ["controller.mode=async"] + ([] if bound is None else [f"controller.max_staleness={bound}"])
     medians = {}
-    for mode in ("sync", "async"):
-        history = run(args.config, mode, args.steps, args.overrides)[1:]
-        medians[mode] = {k: statistics.median(m[k] for m in history) for k in SPLIT}
-        medians[mode]["reward"] = history[-1]["rollout/reward_mean"]
-        medians[mode]["age"] = statistics.fmean(m["policy/age_mean"] for m in history)
-    speedup = medians["sync"]["time/step_s"] / medians["async"]["time/step_s"]
+    for name, mode in runs.items():
+        history = run(args.config, args.steps, overrides + mode)[1:]
+        medians[name] = {k: statistics.median(m[k] for m in history) for k in SPLIT}
+        medians[name]["age"] = statistics.fmean(m["policy/age_mean"] for m in history)
     machine = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if torch.cuda.is_available() \
         else f"CPU ({os.cpu_count()} cores)"
     rows = []
-    for mode, m in medians.items():
-        rows.append(f"| {datetime.date.today()} | {machine} | {args.config.name} | {mode} | {m['time/step_s']:.2f} "
+    for name, m in medians.items():
+        rows.append(f"| {datetime.date.today()} | {machine} | {args.config.name} | {name} | {m['time/step_s']:.2f} "
                     f"| {m['time/rollout_wait_s']:.2f} | {m['time/train_s']:.2f} | {m['time/weight_sync_s']:.3f} "
                     f"| {m['time/trainer_idle_fraction']:.2f} | {m['age']:.2f} | {1 / m['time/step_s']:.3f} |")
-    rows.append(f"| | | | async / sync steps/s | **{speedup:.2f}x** | | | | | | |")
+    for name in list(medians)[1:]:
+        speedup = medians["sync"]["time/step_s"] / medians[name]["time/step_s"]
+        rows.append(f"| | | | {name} / sync steps/s | **{speedup:.2f}x** | | | | | | |")
     print("\n".join(rows))
     if not RESULTS.exists():
         RESULTS.write_text(
             "# alphabet_sort end to end: sync vs async\n\n"
             "Medians over steps 2..N, `python benchmarks/e2e_alphabet_sort.py ...`. rollout = the trainer waiting "
-            "for rollouts; idle = that wait / step time; age = mean policy age of trained tokens.\n\n"
-            "| date | machine | config | mode | s/step | rollout s | train s | weight sync s | trainer idle | age | steps/s |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "for rollouts; idle = that wait / step time; age = mean policy age of trained tokens.\n")
     with RESULTS.open("a") as f:
-        f.write("\n".join(rows) + f"\n\nCommand: `python benchmarks/e2e_alphabet_sort.py {' '.join(sys.argv[1:])}`\n\n")
+        f.write(f"\n## {machine}, {datetime.date.today()}\n\n{TABLE_HEADER}" + "\n".join(rows)
+                + f"\n\nCommand: `python benchmarks/e2e_alphabet_sort.py {' '.join(sys.argv[1:])}`\n")
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     vectorized loop, so its value depends on where it sits in the tensor; exp and division do not.
     """
     gate32 = gate.float()
-    return (gate32 / (1 + torch.exp(-gate32))).to(gate.dtype) * up
+    return (gate32 / torch.neg(gate32).exp_().add_(1)).to(gate.dtype) * up
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -369,12 +369,14 @@ class _TorchReads:
         starts = [sum(counts[:b]) for b in range(len(counts))]
         self.folds = [(starts[b], starts[b - 1] + counts[b - 1] - counts[b], counts[b]) for b in range(1, len(counts))]
 
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(nt, device=device)
-        out_index = ((rank[plan.tile] * num_kv_heads)[:, None] + heads[None, :]) * size + plan.slot[:, None]
-        out_index = out_index.flatten()
-        in_order = torch.equal(out_index, torch.arange(out_index.numel(), device=device))
-        self.out_index = None if in_order else out_index
+        # Rows [tile, kv head, slot] are queries [query, kv head] when every tile is one query,
+        # in order already (a decode step).
+        self.out_index = None
+        if size != 1 or not torch.equal(order, torch.arange(nt, device=device)):
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(nt, device=device)
+            out_index = ((rank[plan.tile] * num_kv_heads)[:, None] + heads[None, :]) * size + plan.slot[:, None]
+            self.out_index = out_index.flatten()
 
     def serves(self, key_slots: torch.Tensor, num_kv_heads: int, group: int, num_slots: int) -> bool:
         return self.key_slots is key_slots and self.shape == (num_kv_heads, group, num_slots)

@@ -290,9 +290,7 @@ class AttentionPlan:
         kv_rows = kv.reshape(-1, head_dim).index_select(0, reads.kv_index).float()
         keys, values = kv_rows.view(2, num_rows, num_kv_heads, KEY_BLOCK, head_dim)
 
-        scores = torch.matmul(q_rows, keys.transpose(-1, -2))  # [rows, Hkv, slot * group, KB]
-        if reads.hidden is not None:
-            scores.masked_fill_(reads.hidden, float("-inf"))
+        scores = torch.matmul(q_rows, keys.transpose(-1, -2)).add_(reads.hidden)  # [rows, Hkv, slot * group, KB]
         # The online softmax over each tile's blocks, in order: the running max first (exact,
         # so it can be folded before the rest), then weights and sums of every block at once,
         # then each block's sum and output folded into the running ones.
@@ -300,7 +298,10 @@ class AttentionPlan:
         for block, previous, count in reads.folds:
             torch.maximum(running_max[previous:previous + count], running_max[block:block + count],
                           out=running_max[block:block + count])
-        weights = (scores - running_max[..., None]).exp_()
+        # exp takes a slow path (~10x here) for -inf and for results below fp32's normal range:
+        # exponents are clamped at -80 (a weight below exp(-80) ~ 2e-35, next to the row's
+        # largest, 1, becomes exp(-80)) and the hidden keys' weights zeroed by a multiply.
+        weights = (scores - running_max[..., None]).clamp_(min=-80.0).exp_().mul_(reads.visible)
         sums, outs = weights.sum(-1), torch.matmul(weights, values)
         running_sum, out = sums[:nt], outs[:nt]  # block 0, which every tile reads
         for block, previous, count in reads.folds:
@@ -334,8 +335,8 @@ class _TorchReads:
 
     - ``q_index``: the rows of ``q [N * Hkv, group, D]`` for ``[row, kv head, slot]``;
     - ``kv_index``: the rows of ``kv [2 * Hkv * R, D]`` for ``[2, row, kv head, KEY_BLOCK]``;
-    - ``hidden``: the keys each query must not see, ``[row, Hkv, slot * group, KEY_BLOCK]``
-      (None: none);
+    - ``hidden``: -inf for the keys each query must not see, else 0, ``[row, Hkv, slot * group,
+      KEY_BLOCK]``; ``visible``: 0 for those keys, else 1;
     - ``folds``: per block after the first, its first row, the same tiles' row in the previous
       block, and their number;
     - ``out_index``: the rows of ``[tile, kv head, slot]`` for each query's kv heads (None: in
@@ -363,7 +364,9 @@ class _TorchReads:
         self.kv_index = (kv_heads * num_slots + slots[None, :, None, :]).flatten()
         hidden = key_positions[:, None, :] > plan.positions[tile, :, None]  # [rows, slot, KB]
         hidden = hidden[:, None, :, None, :].expand(-1, num_kv_heads, -1, group, -1)
-        self.hidden = hidden.reshape(self.num_rows, num_kv_heads, size * group, KEY_BLOCK) if hidden.any() else None
+        hidden = hidden.reshape(self.num_rows, num_kv_heads, size * group, KEY_BLOCK)
+        self.visible = (~hidden).float()
+        self.hidden = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
 
         counts = torch.bincount(block, minlength=plan.num_blocks).tolist()
         starts = [sum(counts[:b]) for b in range(len(counts))]

@@ -132,6 +132,17 @@ def test_silu_mul_is_position_invariant_and_close_to_silu():
                                atol=1e-2, rtol=1e-2)
 
 
+def test_silu_mul_gradients_are_silus():
+    gate, up = (torch.randn(64, 96, requires_grad=True) for _ in range(2))
+    grad = torch.randn(64, 96)
+    bi.silu_mul(gate, up).backward(grad)
+    mine = gate.grad.clone(), up.grad.clone()
+    gate.grad = up.grad = None
+    (F.silu(gate) * up).backward(grad)
+    torch.testing.assert_close(mine[0], gate.grad)
+    torch.testing.assert_close(mine[1], up.grad)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_the_models_and_row_invariant(dtype):
     norm = RMSNorm(128, 1e-6).to(dtype)

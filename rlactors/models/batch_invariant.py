@@ -148,7 +148,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     vectorized loop, so its value depends on where it sits in the tensor; exp and division do not.
     """
     gate32 = gate.float()
-    return (gate32 / torch.neg(gate32).exp_().add_(1)).to(gate.dtype) * up
+    return (gate32 / (1 + torch.exp(-gate32))).to(gate.dtype) * up
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch
 from examples.alphabet_sort.env import AlphabetSortConfig, AlphabetSortEnv
 from rlactors.config import load_config
 from rlactors.controller import Controller
+from rlactors.supervision import use_fast_supervision
 
 RESULTS = Path(__file__).parent / "results" / "e2e_alphabet_sort.md"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "alphabet_sort_cpu.toml"
@@ -67,7 +68,7 @@ def main() -> None:
     parser.add_argument("--tool-latency", type=float, default=0.0, help="seconds each env turn waits (alphabet_sort)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
+    use_fast_supervision()
     overrides = list(args.overrides)
     if args.tool_latency:
         overrides += [f'env.name="{ToolLatencyAlphabetSort.__module__}:ToolLatencyAlphabetSort"',

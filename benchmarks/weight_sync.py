@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import os
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import torch
 from rlactors.config import load_config
 from rlactors.controller import Controller
 from rlactors.models.tiny import make_tiny_checkpoint
+from rlactors.supervision import use_fast_supervision
 
 RESULTS = Path(__file__).parent / "results" / "weight_sync.md"
 
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args()
 
-    os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
+    use_fast_supervision()
     ckpt = Path(tempfile.mkdtemp(prefix="rlactors_ws_")) / args.size
     make_tiny_checkpoint(ckpt, size=args.size)
     cuda = args.device == "cuda"

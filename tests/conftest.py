@@ -5,12 +5,15 @@ from pathlib import Path
 
 import pytest
 
-# Actor procs inherit this environment: detect a dead proc within a second (not Monarch's 10 s),
-# and keep each proc to one intra-op thread on the 2-core CI box, where 2-thread procs contend.
-os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
+from rlactors.supervision import use_fast_supervision
+
+# Actor procs inherit this environment: detect a dead proc within a second (forced: the fault
+# tests' detection times depend on it), and keep each proc to one intra-op thread on the 2-core
+# CI box, where 2-thread procs contend.
+use_fast_supervision(force=True)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from rlactors.models.tiny import make_tiny_checkpoint
+from rlactors.models.tiny import make_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

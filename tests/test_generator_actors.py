@@ -205,7 +205,6 @@ def test_picker_is_least_loaded_with_sticky_sessions_and_fallbacks():
 
 def spawn_router(ckpt, **generator_overrides):
     os.environ["OMP_NUM_THREADS"] = "1"  # replica procs inherit the controller's environment
-    os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = "1s"
     config = GeneratorConfig(replicas=2, max_num_seqs=32, max_num_tokens=512, kv_cache_tokens=4096,
                              max_model_len=512, restart_dead=False, **generator_overrides)
     procs = this_host().spawn_procs(per_host={"gpus": 1})

@@ -28,7 +28,6 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 def spawn_router(ckpt, restart_dead: bool, replicas: int = 2):
     os.environ["OMP_NUM_THREADS"] = "1"  # replica procs inherit the controller's environment
-    os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = "1s"  # detect a dead proc within ~1 s
     config = GeneratorConfig(replicas=replicas, max_num_seqs=32, max_num_tokens=512, kv_cache_tokens=4096,
                              max_model_len=512, restart_dead=restart_dead)
     procs = this_host().spawn_procs(per_host={"gpus": 1})

@@ -7,7 +7,7 @@
 # Expects vLLM and Monarch importable (PYTHONPATH), as staged by ../shared/device/README.md.
 # Jobs confined by CUDA_VISIBLE_DEVICES run side by side on disjoint GPUs.
 set -u
-export PYTHONUNBUFFERED=1 HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY=1s TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY=1s HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE=1s TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 step() {  # step NAME SECONDS GPUS CMD...: runs CMD on GPUS with a time limit, logs to $OUT/NAME.log

@@ -14,15 +14,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 from pathlib import Path
 
-# Notice a dead actor proc within a second (Monarch's default is 10 s); set before Monarch starts.
-os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
+from rlactors.supervision import use_fast_supervision
 
-from rlactors.config import ConfigError, load_config
-from rlactors.controller import Controller, TrainingError
+use_fast_supervision()  # notice a dead actor proc within about a second; before Monarch starts
+
+from rlactors.config import ConfigError, load_config  # noqa: E402
+from rlactors.controller import Controller, TrainingError  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "alphabet_sort_cpu.toml"
 

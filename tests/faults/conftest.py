@@ -1,8 +1,5 @@
-"""Fault-injection suite: the supervision poll and the measurement record.
-
-The supervision poll is set here, at import time, before any proc is spawned (procs inherit this
-process's Monarch config), so a dead proc is noticed within ~1 s (the default is 10 s) by this
-process and by the procs it spawns.
+"""Fault-injection suite: the measurement record. (tests/conftest.py sets the fast supervision
+of rlactors.supervision, which the detection times asserted here depend on.)
 
 Each test records what it injected, how long detection took and what was lost through the
 `fault_record` fixture; `benchmarks/faults_report.py` runs this suite with RLACTORS_FAULTS_REPORT
@@ -16,9 +13,6 @@ import os
 
 import pytest
 from faultkit import REPORT_ENV
-
-# Forced (tests/conftest.py only sets a default): the detection times asserted here depend on it.
-os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = "1s"
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@
 #   bash benchmarks/device/gpu_visit.sh sync     # nvidia-h200-x4: weight sync (0.6B, 1.7B; 1->1, 2->2),
 #                                                #   true on-policy cost and trainer MFU on spare GPUs
 #   bash benchmarks/device/gpu_visit.sh system   # nvidia-h200-x4: gpu system tests, e2e sync vs async
+#                                                #   at staleness 1 and 2
 # Expects vLLM and Monarch importable (PYTHONPATH), as staged by ../shared/device/README.md.
 # Jobs confined by CUDA_VISIBLE_DEVICES run side by side on disjoint GPUs.
 set -u
@@ -38,7 +39,8 @@ sync)
   ;;
 system)
   step gpu_tests 330 0,1,2,3 python -m pytest -m gpu tests/test_gpu_system.py -q -p no:cacheprovider
-  step e2e 240 0,1,2,3 python benchmarks/e2e_alphabet_sort.py --config configs/alphabet_sort_4gpu.toml --steps 6
+  step e2e 330 0,1,2,3 python benchmarks/e2e_alphabet_sort.py --config configs/alphabet_sort_4gpu.toml --steps 6 \
+      --staleness 1 2
   ;;
 esac
 cp benchmarks/results/*gpu*.md benchmarks/results/weight_sync.md benchmarks/results/e2e_alphabet_sort.md "$OUT"/ 2>/dev/null

@@ -231,7 +231,6 @@ class Config:
         _check(j.scheduler == "local" or not c.controller.colocate, "controller.colocate",
                "generators share the trainer's GPUs only on one host (job.scheduler = 'local')")
         trainer_gpus, replica_gpus = gpu_layout(c)
-        wanted = len(set(trainer_gpus).union(*replica_gpus))
         if j.scheduler == "slurm":
             per_host = max(len(trainer_gpus), max(r[-1] for r in replica_gpus) + 1)
             _check(per_host <= j.gpus_per_host, "job.gpus_per_host",
@@ -241,6 +240,7 @@ class Config:
             import torch
 
             available_gpus = torch.cuda.device_count()
+        wanted = len(set(trainer_gpus).union(*replica_gpus))
         formula = "max(trainer.ranks, generator.replicas * generator.tp)" if c.controller.colocate else \
             "trainer.ranks + generator.replicas * generator.tp"
         _check(wanted <= available_gpus, "controller.device",

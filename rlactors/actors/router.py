@@ -95,9 +95,10 @@ class GeneratorRouter(Actor):
                  hosts: Any = None):
         g = generator_config
         self.hosts = hosts if hosts is not None else this_host()
-        if g.replicas % num_hosts(self.hosts):
-            raise ValueError(f"generator.replicas={g.replicas} do not split evenly over {num_hosts(self.hosts)} hosts")
-        self.replicas_per_host = g.replicas // num_hosts(self.hosts)
+        host_count = num_hosts(self.hosts)
+        if g.replicas % host_count:
+            raise ValueError(f"generator.replicas={g.replicas} do not split evenly over {host_count} hosts")
+        self.replicas_per_host = g.replicas // host_count
         if gpu_ids is not None:
             if len(gpu_ids) != g.replicas or any(len(ids) != g.tp for ids in gpu_ids):
                 raise ValueError(f"gpu_ids must list generator.tp={g.tp} GPU ids for each of the "

@@ -11,7 +11,9 @@ changes: no rank is left waiting in a collective, and gradients, optimizer and v
 
 from __future__ import annotations
 
+import math
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +28,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm, LossStats, compute_loss, loss_tokens
@@ -243,18 +244,55 @@ class PolicyTrainerCore:
                 local, first_row = local_rows(param)
                 local.copy_(tensors[name][first_row:first_row + local.shape[0]])
 
+    @torch.no_grad()
+    def _gather_params(self, dtype: torch.dtype, destinations: dict[str, torch.Tensor] | None) -> None:
+        """Every parameter, whole and cast to `dtype`, copied into rank 0's `destinations[name]`
+        (None on the other ranks). A collective: every rank must call it.
+
+        One gather moves all parameters at once (a per-parameter full_tensor() is hundreds of
+        collectives and allocations): each rank casts its rows into a flat buffer with one slot per
+        parameter, sized for the largest shard so every rank's buffer has the same layout, and
+        rank 0 copies each rank's rows into place. Bytes are gathered, so any dtype works on gloo.
+        """
+        params = list(self.model.named_parameters())
+        shards = [local_rows(p) for _, p in params]
+        if self.world_size == 1:
+            if destinations is not None:
+                torch._foreach_copy_([destinations[n] for n, _ in params], [local for local, _ in shards])
+            return
+        slots, offset = [], 0
+        for _, p in params:
+            chunk_rows = -(-p.shape[0] // self.world_size)
+            row_numel = math.prod(p.shape[1:])
+            slots.append((offset, chunk_rows, row_numel))
+            offset += chunk_rows * row_numel
+        flat = torch.zeros(offset, dtype=dtype, device=self.device)
+        torch._foreach_copy_([flat[o:o + local.numel()].view(local.shape) for (o, _, _), (local, _) in zip(slots, shards)],
+                             [local for local, _ in shards])
+        gathered = [torch.empty_like(flat) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(flat.view(torch.uint8), [g.view(torch.uint8) for g in gathered] if gathered else None, dst=0)
+        if destinations is None:
+            return
+        targets, sources = [], []
+        for (name, p), (o, chunk_rows, row_numel) in zip(params, slots):
+            for r, rank_flat in enumerate(gathered):
+                first = min(r * chunk_rows, p.shape[0])
+                rows = min(chunk_rows, p.shape[0] - first)
+                if rows:
+                    targets.append(destinations[name][first:first + rows])
+                    sources.append(rank_flat[o:o + rows * row_numel].view(rows, *p.shape[1:]))
+        torch._foreach_copy_(targets, sources)
+
     def full_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
         """Every parameter gathered from its shards, in `dtype`, on CPU: on rank 0; None elsewhere.
 
         A collective: every rank must call it. Tied embeddings give one tensor (no lm_head.weight),
         the HF checkpoint's names and set.
         """
-        weights: dict[str, torch.Tensor] | None = {} if self.rank == 0 else None
-        for name, param in self.model.named_parameters():
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            if weights is not None:
-                weights[name] = full.detach().to(dtype).cpu()
-        return weights
+        weights = ({name: torch.empty(p.shape, dtype=dtype, device=self.device)
+                    for name, p in self.model.named_parameters()} if self.rank == 0 else None)
+        self._gather_params(dtype, weights)
+        return None if weights is None else {name: t.cpu() for name, t in weights.items()}
 
     def state_dict_for_sync(self, dtype: str | None = None) -> VersionedWeights | None:
         """The policy for the generators (default dtype: `model.dtype`), with its version; rank 0 only."""
@@ -274,21 +312,26 @@ class PolicyTrainerCore:
                                for name, p in self.model.named_parameters())
 
     def init_weight_sender(self, host: str, port: int, world_size: int, dtype: str | None = None) -> None:
-        """Rank 0 joins the NCCL weight group as its rank 0 (blocks until every replica joins)."""
+        """Rank 0 joins the NCCL weight group as its rank 0 (blocks until every replica joins);
+        every rank records the dtype it will gather the weights in."""
+        self._sync_dtype = DTYPES[dtype or self.model_config.dtype]
         if self.rank == 0:
             self.sender = WeightSender(host, port, world_size, self.weight_layout(dtype), self.device)
 
     def pack_weights(self) -> dict[str, Any] | None:
         """Gathers every parameter (a collective: all ranks call it) into rank 0's send buffer;
-        rank 0 returns the version and the checksum the replicas will verify."""
+        rank 0 returns the version, the checksum the replicas will verify, and the seconds spent
+        gathering and checksumming."""
+        start = time.perf_counter()
         views = dict(self.sender.layout.views(self.sender.buffer)) if self.rank == 0 else None
-        for name, param in self.model.named_parameters():
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            if views is not None:
-                views[name].copy_(full.detach())
+        self._gather_params(self._sync_dtype, views)
         if self.rank != 0:
             return None
-        return {"version": self.version, "checksum": self.sender.layout.checksum(self.sender.buffer)}
+        torch.cuda.current_stream().synchronize()
+        gathered = time.perf_counter()
+        checksum = self.sender.layout.checksum(self.sender.buffer)
+        return {"version": self.version, "checksum": checksum, "pack_s": gathered - start,
+                "checksum_s": time.perf_counter() - gathered}
 
     def broadcast_weights(self) -> dict[str, float] | None:
         """Rank 0 broadcasts the packed buffer (called together with the replicas' receive)."""

@@ -345,13 +345,20 @@ class Controller:
         Returns seconds spent gathering the weights (and packing, checksumming) and moving them
         (transfer, verification, loading), and the bytes moved to each replica."""
         mode = self.config.generator.update_mode
-        start = time.perf_counter()
+        start, details = time.perf_counter(), {}
         if self.nccl_weight_sync:
             packed = first_value(await self.trainer.pack_weights.call())
             version, gathered = packed["version"], time.perf_counter()
-            sent, _ = await asyncio.gather(self.trainer.broadcast_weights.call(),
-                                           self.router.receive_weights.call_one(version, packed["checksum"], mode))
-            num_bytes = first_value(sent)["bytes"]
+            sent, received = await asyncio.gather(self.trainer.broadcast_weights.call(),
+                                                  self.router.receive_weights.call_one(version, packed["checksum"], mode))
+            sender, replicas = first_value(sent), received["replicas"]
+            num_bytes = sender["bytes"]
+            # Where the time went: the trainer's gather and checksum, its broadcast (which waits
+            # for every receiver to join), and the slowest replica's receive + checksum check.
+            # The replicas load after this returns, between engine steps.
+            details = {"pack_s": packed["pack_s"], "checksum_s": packed["checksum_s"],
+                       "broadcast_s": sender["broadcast_s"],
+                       "replica_receive_verify_s": max((r["receive_verify_s"] for r in replicas), default=0.0)}
         else:
             weights = first_value(await self.trainer.state_dict_for_sync.call(self.config.model.dtype))
             version, gathered = weights.version, time.perf_counter()
@@ -364,7 +371,7 @@ class Controller:
         async with self._version_synced:
             self.generator_version = version
             self._version_synced.notify_all()
-        return {"gather_s": gathered - start, "transfer_s": done - gathered, "bytes": num_bytes}
+        return {"gather_s": gathered - start, "transfer_s": done - gathered, "bytes": num_bytes, **details}
 
     async def save_checkpoint(self) -> Path:
         state = self._next_step_state.get(self.step + 1) or ResumeState(

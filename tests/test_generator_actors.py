@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 
 import pytest
@@ -132,6 +133,74 @@ def test_checksum_mismatch_or_bad_weights_keep_the_old_version_serving(tiny_ckpt
             await engine.update_weights(1, new, mode="sometimes")
         completion = await engine.generate([5, 6], SamplingParams(max_tokens=3), "r")
         assert completion.versions == [0, 0, 0] and engine.stats()["healthy"]
+        await engine.close()
+
+    asyncio.run(main())
+
+
+class StagingEngine(NativeEngine):
+    """The native engine with the two-phase receive of broadcast weights; `wire` stands in for
+    the NCCL broadcast (the vLLM engine's transport, run on the GPU machines)."""
+
+    stages_concurrently = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.wire: dict[str, torch.Tensor] = {}
+        self.staged: dict[str, torch.Tensor] = {}
+        self.stage_threads: set[str] = set()
+
+    def stage_weights(self, version, checksum):
+        self.stage_threads.add(threading.current_thread().name)
+        self.staged = {k: v.clone() for k, v in self.wire.items()}
+        if state_checksum(self.staged) != checksum:
+            raise ChecksumMismatch(f"weights version {version}: checksum differs")
+        return {"receive_verify_s": 0.0}
+
+    def load_staged(self, version):
+        self.load_weights(self.staged, version)
+        return {"load_s": 0.0}
+
+
+def test_broadcast_weights_are_verified_at_once_and_loaded_after_the_drain(tiny_ckpt):
+    async def main():
+        model = from_pretrained(tiny_ckpt, dtype="float32")
+        engine = AsyncEngine(StagingEngine(model, max_num_seqs=8, max_num_tokens=256, kv_cache_tokens=2048,
+                                           max_model_len=512))
+        versions = [perturbed(model.state_dict(), seed=s) for s in (1, 2)]
+        running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=120), "old"))
+        await until(lambda: engine.stats()["generated_tokens"] >= 2)
+
+        engine.engine.wire = dict(versions[0])
+        engine.engine.wire["model.norm.weight"] = versions[0]["model.norm.weight"] + 1  # corrupted in transit
+        with pytest.raises(ChecksumMismatch, match="version 1"):
+            await engine.receive_weights(1, state_checksum(versions[0]))
+        assert not engine.stats()["updating"]
+
+        engine.engine.wire = versions[0]
+        staged = await engine.receive_weights(1, state_checksum(versions[0]))
+        # Verified while the old request still runs; it finishes on the old weights, and a request
+        # sent now waits for the load.
+        assert staged["version"] == 1 and not running.done() and engine.stats()["updating"]
+        later = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "new"))
+        engine.engine.wire = versions[1]
+        second = asyncio.create_task(engine.receive_weights(2, state_checksum(versions[1])))
+        await asyncio.sleep(0.05)
+        assert not second.done()  # the buffer still holds version 1, not yet loaded
+        old = await running
+        assert old.versions == [0] * 120
+        await second
+        assert (await later).versions == [1] * 4  # admitted between the two loads
+        await until(lambda: engine.stats()["updates"] == 2)
+        assert engine.stats()["version"] == 2 and engine.stats()["last_update"]["load_s"] == 0.0
+        assert engine.engine.stage_threads == {"engine-stage_0"}
+
+        # Verified weights that then fail to load leave the engine dead, not half-loaded and serving.
+        engine.engine.wire = {"model.norm.weight": versions[1]["model.norm.weight"]}  # not a whole set
+        await engine.receive_weights(3, state_checksum(engine.engine.wire))
+        await until(lambda: not engine.stats()["healthy"])
+        with pytest.raises(EngineDeadError):
+            await engine.generate([5, 6], SamplingParams(max_tokens=2), "after")
         await engine.close()
 
     asyncio.run(main())

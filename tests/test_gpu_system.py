@@ -50,19 +50,34 @@ async def _with_controller(config, body):
         await controller.shutdown()
 
 
-@gpus(3)
+@gpus(2)
 def test_nccl_weight_sync_reaches_every_replica_and_is_verified(ckpt, tmp_path):
-    config = _config(ckpt, tmp_path, "trainer.ranks=1", "generator.replicas=2")
+    replicas = min(2, torch.cuda.device_count() - 1)
+    config = _config(ckpt, tmp_path, "trainer.ranks=1", f"generator.replicas={replicas}")
+
+    async def updates(controller):
+        return [r["engine"]["updates"] for r in (await controller.router.stats.call_one())["replicas"]]
+
+    async def sync_and_wait(controller):
+        done = [n + 1 for n in await updates(controller)]
+        await controller._push_weights()  # returns once verified; the load follows
+        while await updates(controller) != done:
+            await asyncio.sleep(0.01)
 
     async def body(controller):
         prompt = list(range(5, 40))
         sampling = SamplingParams(max_tokens=16, temperature=0.0)
         before = await controller._generate(prompt, sampling, "before")
-        # Other weights in the trainer (a checkpoint of another seed), then a sync.
+        # Other weights in the trainer (a checkpoint of another seed), then a sync: vLLM's
+        # load_weights, which proves the copy plan.
         other = make_tiny_checkpoint(tmp_path / "other", size="small", seed=1, dtype="bfloat16")
         await controller.trainer.load_checkpoint.call(str(other))
-        timings = await controller._push_weights()
+        await sync_and_wait(controller)
         after = await controller._generate(prompt, sampling, "after")
+        # Back to the first weights, loaded by the copy plan: the same greedy tokens as vLLM's own load.
+        await controller.trainer.load_checkpoint.call(str(ckpt))
+        await sync_and_wait(controller)
+        back = await controller._generate(prompt, sampling, "back")
         stats = await controller.router.stats.call_one()
         # A corrupted checksum is refused by every replica, which keep serving what they had.
         packed = (await controller.trainer.pack_weights.call()).item(gpus=0)
@@ -70,13 +85,39 @@ def test_nccl_weight_sync_reaches_every_replica_and_is_verified(ckpt, tmp_path):
             await asyncio.gather(controller.trainer.broadcast_weights.call(),
                                  controller.router.receive_weights.call_one(7, "0" * 32, "hot_swap"))
         again = await controller._generate(prompt, sampling, "again")
-        return before, after, again, timings, stats, packed
+        return before, after, back, again, stats, packed
 
-    before, after, again, timings, stats, packed = asyncio.run(_with_controller(config, body))
+    before, after, back, again, stats, packed = asyncio.run(_with_controller(config, body))
     assert before.token_ids != after.token_ids
-    assert after.token_ids == again.token_ids and set(again.versions) == {0}  # load_checkpoint: version 0
-    assert timings["bytes"] > 0 and stats["live"] == 2
-    assert [r["version"] for r in stats["replicas"]] == [0, 0]
+    assert back.token_ids == before.token_ids == again.token_ids and set(again.versions) == {0}
+    assert packed["pack_s"] > 0 and packed["checksum_s"] > 0 and stats["live"] == replicas
+    assert [r["version"] for r in stats["replicas"]] == [0] * replicas
+    assert all(r["engine"]["last_update"]["copy_plan"] == 1.0 for r in stats["replicas"])
+
+
+@gpus(2)
+def test_two_gpu_trainer_gathers_the_policy_bitwise(ckpt, tmp_path):
+    """The NCCL gather of the FSDP shards (one gather for all parameters) against the checkpoint."""
+    from monarch.actor import this_host
+
+    from rlactors.actors.trainer import spawn_trainer
+    from rlactors.models.checkpoint import load_state_dict
+
+    from rlactors.config import ModelConfig, TrainerConfig
+
+    async def main():
+        procs, trainer, _ = await spawn_trainer(this_host(), ModelConfig(path=str(ckpt), dtype="bfloat16"),
+                                                TrainerConfig(ranks=2), device="cuda")
+        try:
+            return (await trainer.state_dict_for_sync.call("bfloat16")).item(gpus=0)
+        finally:
+            await procs.stop()
+
+    weights = asyncio.run(main())
+    expected = load_state_dict(ckpt)
+    assert set(weights.weights) == set(expected)
+    for name, tensor in weights.weights.items():
+        assert torch.equal(tensor, expected[name].to(torch.bfloat16)), name
 
 
 @gpus(2)

@@ -52,6 +52,7 @@ class _Update:
     load: Callable[[], Any]  # runs between engine steps, in the engine thread
     mode: str
     future: asyncio.Future
+    staged: bool = False  # already verified: a failing load leaves the model half-written
     queued_at: float = field(default_factory=time.perf_counter)
 
 
@@ -68,11 +69,13 @@ class AsyncEngine:
         self._update_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._stage_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-stage")
         self._loop_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self._closed = False
         self.counters = {"requests": 0, "completed": 0, "rejected": 0, "updates": 0}
         self.busy_s = 0.0  # wall time in engine steps: the replica is generating, not idle
+        self.last_update: dict[str, Any] = {}  # timings of the last weights loaded
 
     @property
     def healthy(self) -> bool:
@@ -106,12 +109,39 @@ class AsyncEngine:
         return await self._load_between_steps(version, load, mode)
 
     async def receive_weights(self, version: int, checksum: str, mode: str | None = None) -> dict[str, Any]:
-        """Receives weights broadcast by the trainer over NCCL (vLLM engine), between engine steps.
+        """Weights broadcast by the trainer over NCCL (vLLM engine): received and verified now,
+        loaded between engine steps later (after a drain, or at once for a hot swap).
 
-        The engine verifies the checksum before loading; on a mismatch the old weights keep serving.
+        Returns once the weights are verified, so the trainer never waits for a drain. Requests
+        that arrive after that are served by the new weights only: a pending update admits
+        nothing. On a checksum mismatch ChecksumMismatch is raised and nothing is loaded. The
+        buffer holds one version, so the next call waits until this one is loaded.
         """
-        load = functools.partial(self.engine.receive_weights, version, checksum)
-        return await self._load_between_steps(version, load, mode)
+        mode = self._checked_mode(mode)
+        self._check_alive()
+        await self._update_lock.acquire()
+        try:
+            self._check_alive()
+            # Staging touches only the receive buffer; an engine that cannot stage while it steps
+            # stages between steps, on the engine thread.
+            executor = self._stage_executor if self.engine.stages_concurrently else self._executor
+            staged = await asyncio.get_running_loop().run_in_executor(
+                executor, self.engine.stage_weights, version, checksum)
+        except BaseException:
+            self._update_lock.release()
+            raise
+        update = _Update(version, functools.partial(self.engine.load_staged, version), mode,
+                         asyncio.get_running_loop().create_future(), staged=True)
+        update.future.add_done_callback(self._staged_update_done)
+        self._update = update
+        self._kick()
+        return {"version": version, "mode": mode, **staged}
+
+    def _staged_update_done(self, future: asyncio.Future) -> None:
+        self._update_lock.release()
+        if not future.cancelled() and future.exception() is None:
+            self.counters["updates"] += 1
+            self.last_update = future.result()
 
     def _verify_and_load(self, named_tensors: Mapping[str, torch.Tensor], checksum: str | None, version: int) -> Any:
         if checksum is not None:
@@ -125,9 +155,7 @@ class AsyncEngine:
     async def _load_between_steps(self, version: int, load: Callable[[], Any], mode: str | None) -> dict[str, Any]:
         """Runs `load` in the engine thread between two steps (after a drain, or at once for a hot
         swap), one update at a time; returns its timings."""
-        mode = mode or self.default_update_mode
-        if mode not in UPDATE_MODES:
-            raise ValueError(f"update mode must be one of {UPDATE_MODES}, got {mode!r}")
+        mode = self._checked_mode(mode)
         self._check_alive()
         async with self._update_lock:
             start = time.perf_counter()
@@ -136,7 +164,14 @@ class AsyncEngine:
             self._kick()
             timings = await update.future
             self.counters["updates"] += 1
+            self.last_update = timings
             return {"version": version, "mode": mode, "total_s": time.perf_counter() - start, **timings}
+
+    def _checked_mode(self, mode: str | None) -> str:
+        mode = mode or self.default_update_mode
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"update mode must be one of {UPDATE_MODES}, got {mode!r}")
+        return mode
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -145,6 +180,7 @@ class AsyncEngine:
             "in_flight": len(self._incoming) + len(self._in_engine),
             "updating": self._update is not None,
             "busy_s": self.busy_s,
+            "last_update": self.last_update,
             **self.counters,
             **self.engine.stats(),
         }
@@ -163,6 +199,7 @@ class AsyncEngine:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self.engine.close()
         self._executor.shutdown(wait=True)
+        self._stage_executor.shutdown(wait=True)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -236,8 +273,13 @@ class AsyncEngine:
             engine_timings = await loop.run_in_executor(self._executor, update.load)
         except (ValueError, ChecksumMismatch) as e:
             update.future.set_exception(e)
+            if update.staged:
+                raise  # the loop dies: this replica must not serve what it holds now
+        except BaseException as e:
+            update.future.set_exception(EngineDeadError(f"loading weights version {update.version} failed: {e!r}"))
+            raise
         else:
-            update.future.set_result({"wait_s": waited, "load_s": time.perf_counter() - start, **(engine_timings or {})})
+            update.future.set_result({"wait_s": waited, "apply_s": time.perf_counter() - start, **(engine_timings or {})})
         finally:
             self._update = None
 

@@ -49,6 +49,19 @@ class Engine(abc.ABC):
         Raises ValueError, with the old weights still in place, when a name or shape is wrong.
         """
 
+    # Weights broadcast by the trainer (rlactors.weight_sync.nccl) arrive in two phases: staged
+    # into a receive buffer and verified, then loaded between steps. Only the vLLM engine has them.
+    stages_concurrently = False  # True: stage_weights may run in another thread while step() runs
+
+    def stage_weights(self, version: int, checksum: str) -> dict[str, float]:
+        """Receives the trainer's next broadcast into the receive buffer and checks its checksum
+        (ChecksumMismatch on a difference); the served weights are untouched. Returns timings."""
+        raise NotImplementedError(f"{type(self).__name__} receives weights as tensors (load_weights)")
+
+    def load_staged(self, version: int) -> dict[str, float]:
+        """Loads the staged weights and sets the policy version of later tokens. Returns timings."""
+        raise NotImplementedError(f"{type(self).__name__} receives weights as tensors (load_weights)")
+
     @abc.abstractmethod
     def reset_prefix_cache(self) -> None:
         """Forgets cached prompt prefixes (their KV came from weights that are no longer current)."""

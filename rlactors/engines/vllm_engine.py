@@ -37,7 +37,7 @@ def _load_into_model(named_tensors: list[tuple[str, torch.Tensor]], model: torch
 
 
 class VLLMEngine(Engine):
-    def __init__(self, llm_engine: Any, vocab_size: int, max_model_len: int, version: int = 0):
+    def __init__(self, llm_engine: Any, vocab_size: int, max_model_len: int, tp: int = 1, version: int = 0):
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -46,6 +46,10 @@ class VLLMEngine(Engine):
         self.engine = llm_engine
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # One TP worker runs in this process: staging (NCCL into the worker's buffer, on its own
+        # stream) may run beside step(). With TP workers in other processes, collective_rpc and
+        # step() share vLLM's message queues, so staging waits for a step boundary.
+        self.stages_concurrently = tp == 1
         self.version = version
         self.requests: dict[str, _Request] = {}
         self.aborted: list[Completion] = []
@@ -74,7 +78,7 @@ class VLLMEngine(Engine):
             logprobs_mode="raw_logprobs",
             disable_log_stats=True,
         )
-        return cls(LLMEngine.from_engine_args(args), load_args(model_config.path).vocab_size, g.max_model_len)
+        return cls(LLMEngine.from_engine_args(args), load_args(model_config.path).vocab_size, g.max_model_len, g.tp)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling: SamplingParams | Mapping[str, Any]) -> None:
@@ -136,11 +140,15 @@ class VLLMEngine(Engine):
 
         return self.engine.collective_rpc(worker_join, args=(host, port, rank_offset, world_size, layout))
 
-    def receive_weights(self, version: int, checksum: str) -> dict[str, float]:
-        """Receives one broadcast of the packed weights, verifies its checksum, loads it."""
-        from rlactors.weight_sync.nccl import worker_receive
+    def stage_weights(self, version: int, checksum: str) -> dict[str, float]:
+        from rlactors.weight_sync.nccl import worker_stage
 
-        timings = self.engine.collective_rpc(worker_receive, args=(version, checksum))[0]
+        return self.engine.collective_rpc(worker_stage, args=(version, checksum))[0]
+
+    def load_staged(self, version: int) -> dict[str, float]:
+        from rlactors.weight_sync.nccl import worker_load_staged
+
+        timings = self.engine.collective_rpc(worker_load_staged)[0]
         self.version = version
         self.reset_prefix_cache()
         return timings

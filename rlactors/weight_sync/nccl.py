@@ -5,8 +5,10 @@ lives beside both torch.distributed worlds: the trainer's FSDP group and vLLM's 
 trainer is rank 0; replica r's TP worker t is rank 1 + r * tp + t. Both sides must join at the
 same time (the controller calls them together), and every broadcast likewise.
 
-A receiver checks the checksum of the buffer it received before loading anything: on a mismatch
-the replica keeps serving its current weights and the error names the version.
+A receiver stages each broadcast in its own buffer, on a side stream, and checks its checksum
+before loading anything: on a mismatch the replica keeps serving its current weights and the
+error names the version. The load follows between engine steps; loads after the first are plain
+copies from the buffer where a copy plan was proven equal to vLLM's loader.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 from rlactors.weight_sync.checksum import ChecksumMismatch
+from rlactors.weight_sync.copy_plan import CopyPlan
 from rlactors.weight_sync.packed import PackedLayout
 
 
@@ -69,19 +72,40 @@ def worker_join(worker: Any, host: str, port: int, rank_offset: int, world_size:
     worker.rlactors_weight_group = join_group(host, port, rank, world_size, device)
     worker.rlactors_weight_buffer = layout.empty(device)
     worker.rlactors_weight_layout = layout
+    worker.rlactors_stage_stream = torch.cuda.Stream(device)  # receives beside the engine's work
     return rank
 
 
-def worker_receive(worker: Any, version: int, checksum: str) -> dict[str, float]:
+def worker_stage(worker: Any, version: int, checksum: str) -> dict[str, float]:
+    """Receives the broadcast into the worker's buffer and checks its checksum; the model's
+    weights are untouched, so the engine may be generating meanwhile (on its own stream)."""
     layout: PackedLayout = worker.rlactors_weight_layout
     buffer: torch.Tensor = worker.rlactors_weight_buffer
+    stream: torch.cuda.Stream = worker.rlactors_stage_stream
     start = time.perf_counter()
-    worker.rlactors_weight_group.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
-    received = layout.checksum(buffer)  # reads the buffer on the current stream, after the broadcast
-    verified = time.perf_counter()
+    with torch.cuda.stream(stream):
+        worker.rlactors_weight_group.broadcast(buffer, src=0, stream=stream)
+        received = layout.checksum(buffer)  # on the same stream, after the broadcast; waits for it
     if received != checksum:
         raise ChecksumMismatch(f"weights version {version}: received checksum {received}, trainer sent "
                                f"{checksum}; keeping the previous weights")
-    _model(worker).load_weights(layout.views(buffer))
-    torch.cuda.current_stream().synchronize()
-    return {"receive_verify_s": verified - start, "load_s": time.perf_counter() - verified}
+    return {"receive_verify_s": time.perf_counter() - start}
+
+
+def worker_load_staged(worker: Any) -> dict[str, float]:
+    """Loads the verified buffer into the model. The first load goes through vLLM's
+    `load_weights` and derives the copy plan (rlactors.weight_sync.copy_plan) that later loads
+    use where it was proven equal."""
+    layout: PackedLayout = worker.rlactors_weight_layout
+    buffer: torch.Tensor = worker.rlactors_weight_buffer
+    start = time.perf_counter()
+    plan = getattr(worker, "rlactors_copy_plan", None)
+    if plan is not None:
+        plan.apply()
+    else:
+        model = _model(worker)
+        model.load_weights(layout.views(buffer))
+        if not hasattr(worker, "rlactors_copy_plan"):
+            worker.rlactors_copy_plan = CopyPlan.derive(model, layout, buffer)
+    torch.cuda.current_stream().synchronize()  # the buffer may be overwritten by the next broadcast
+    return {"load_s": time.perf_counter() - start, "copy_plan": float(plan is not None)}

@@ -1,0 +1,99 @@
+"""CopyPlan against a model whose load_weights fuses HF tensors the way vLLM's Qwen3 does."""
+
+import torch
+from torch import nn
+
+from rlactors.weight_sync.copy_plan import CopyPlan
+from rlactors.weight_sync.packed import PackedLayout
+
+HIDDEN, HEAD, KV, FFN, VOCAB = 8, 8, 4, 12, 16
+STACKED = {"q_proj": ("qkv_proj", 0, HEAD), "k_proj": ("qkv_proj", HEAD, KV), "v_proj": ("qkv_proj", HEAD + KV, KV),
+           "gate_proj": ("gate_up_proj", 0, FFN), "up_proj": ("gate_up_proj", FFN, FFN)}
+
+
+def hf_weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (HEAD, HIDDEN), p + "self_attn.k_proj.weight": (KV, HIDDEN),
+                   p + "self_attn.v_proj.weight": (KV, HIDDEN), p + "self_attn.o_proj.weight": (HIDDEN, HEAD),
+                   p + "mlp.gate_proj.weight": (FFN, HIDDEN), p + "mlp.up_proj.weight": (FFN, HIDDEN),
+                   p + "mlp.down_proj.weight": (HIDDEN, FFN), p + "input_layernorm.weight": (HIDDEN,)}
+    return {name: torch.randn(shape, generator=g).to(torch.bfloat16) for name, shape in shapes.items()}
+
+
+class FusedModel(nn.Module):
+    """vLLM-style: q/k/v and gate/up live in fused parameters; load_weights places HF tensors."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, shard: int = 1, scale_k: float = 1.0):
+        super().__init__()
+        self.shard, self.scale_k = shard, scale_k
+        self.params = nn.ParameterDict()
+        for name, tensor in hf_weights(0).items():
+            *module, leaf, _ = name.split(".")
+            fused, _, _ = STACKED.get(leaf, (leaf, 0, 0))
+            rows = {"qkv_proj": HEAD + 2 * KV, "gate_up_proj": 2 * FFN}.get(fused, tensor.shape[0])
+            key = ".".join([*module, fused, "weight"])
+            self.params[key.replace(".", "__")] = nn.Parameter(torch.zeros(rows // shard, *tensor.shape[1:],
+                                                                           dtype=torch.bfloat16), requires_grad=False)
+
+    def named_parameters(self, *args, **kwargs):
+        for key, param in self.params.items():
+            yield key.replace("__", "."), param
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            *module, leaf, _ = name.split(".")
+            fused, first, rows = STACKED.get(leaf, (leaf, 0, tensor.shape[0]))
+            if leaf == "k_proj":
+                tensor = tensor * self.scale_k
+            params[".".join([*module, fused, "weight"])].data[first // self.shard:(first + rows) // self.shard].copy_(
+                tensor[:rows // self.shard])
+
+
+def received(seed: int, layout: PackedLayout, buffer: torch.Tensor) -> torch.Tensor:
+    return layout.pack(hf_weights(seed), buffer)
+
+
+def test_a_verified_plan_loads_new_weights_exactly_as_load_weights_does():
+    layout = PackedLayout.of(hf_weights(0))
+    buffer = received(0, layout, layout.empty("cpu").zero_())
+    model = FusedModel()
+    model.load_weights(layout.views(buffer))
+    plan = CopyPlan.derive(model, layout, buffer)
+    assert plan is not None and len(plan.targets) == len(layout.specs)
+
+    received(1, layout, buffer)  # the next version arrives in the same buffer
+    plan.apply()
+    reference = FusedModel()
+    reference.load_weights(layout.views(buffer))
+    for (name, actual), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(actual, expected), name
+    before = dict(FusedModel().named_parameters())  # and the load did change every parameter
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_no_plan_where_copies_would_differ_from_load_weights():
+    weights = hf_weights(0)
+    layout = PackedLayout.of(weights)
+    buffer = received(0, layout, layout.empty("cpu").zero_())
+    for model in (FusedModel(scale_k=2.0),  # the loader transforms a tensor
+                  FusedModel(shard=2)):  # a tensor-parallel worker holds half of each parameter
+        model.load_weights(layout.views(buffer))
+        assert CopyPlan.derive(model, layout, buffer) is None
+
+    extra = PackedLayout.of({**weights, "lm_head.weight": weights["model.embed_tokens.weight"]})
+    buffer = extra.pack({**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}, extra.empty("cpu").zero_())
+    model = FusedModel()
+    model.load_weights((n, t) for n, t in extra.views(buffer) if n != "lm_head.weight")
+    assert CopyPlan.derive(model, extra, buffer) is None  # a received tensor the model has no place for
+
+    model = FusedModel()
+    model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    buffer = received(0, layout, layout.empty("cpu").zero_())
+    model.load_weights(layout.views(buffer))
+    assert CopyPlan.derive(model, layout, buffer) is None  # a parameter whose sources it cannot name

@@ -33,8 +33,8 @@ from rlactors.supervision import use_fast_supervision
 
 RESULTS = Path(__file__).parent / "results" / "e2e_alphabet_sort.md"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "alphabet_sort_cpu.toml"
-TABLE_HEADER = ("| date | machine | config | mode | s/step | rollout s | train s | weight sync s | trainer idle | age "
-                "| steps/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+TABLE_HEADER = ("| date | machine | config | mode | s/step | rollout s | train s | weight sync s | trainer idle "
+                "| generator idle | age | reward | steps/s |\n|" + "---|" * 13 + "\n")
 SPLIT = ("time/step_s", "time/rollout_wait_s", "time/train_s", "time/weight_sync_s", "time/trainer_idle_fraction")
 
 
@@ -83,22 +83,27 @@ def main() -> None:
         history = run(args.config, args.steps, overrides + mode)[1:]
         medians[name] = {k: statistics.median(m[k] for m in history) for k in SPLIT}
         medians[name]["age"] = statistics.fmean(m["policy/age_mean"] for m in history)
+        medians[name]["reward"] = statistics.fmean(m["rollout/reward_mean"] for m in history)
+        idle = [m["time/generator_idle_fraction"] for m in history if "time/generator_idle_fraction" in m]
+        medians[name]["generator_idle"] = f"{statistics.median(idle):.2f}" if idle else "n/a"
     machine = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if torch.cuda.is_available() \
         else f"CPU ({os.cpu_count()} cores)"
     rows = []
     for name, m in medians.items():
         rows.append(f"| {datetime.date.today()} | {machine} | {args.config.name} | {name} | {m['time/step_s']:.2f} "
                     f"| {m['time/rollout_wait_s']:.2f} | {m['time/train_s']:.2f} | {m['time/weight_sync_s']:.3f} "
-                    f"| {m['time/trainer_idle_fraction']:.2f} | {m['age']:.2f} | {1 / m['time/step_s']:.3f} |")
+                    f"| {m['time/trainer_idle_fraction']:.2f} | {m['generator_idle']} | {m['age']:.2f} "
+                    f"| {m['reward']:.3f} | {1 / m['time/step_s']:.3f} |")
     for name in list(medians)[1:]:
         speedup = medians["sync"]["time/step_s"] / medians[name]["time/step_s"]
-        rows.append(f"| | | | {name} / sync steps/s | **{speedup:.2f}x** | | | | | | |")
+        rows.append(f"| | | | {name} / sync steps/s | **{speedup:.2f}x** | | | | | | | | |")
     print("\n".join(rows))
     if not RESULTS.exists():
         RESULTS.write_text(
             "# alphabet_sort end to end: sync vs async\n\n"
             "Medians over steps 2..N, `python benchmarks/e2e_alphabet_sort.py ...`. rollout = the trainer waiting "
-            "for rollouts; idle = that wait / step time; age = mean policy age of trained tokens.\n")
+            "for rollouts; trainer idle = that wait / step time; generator idle = the share of replica time "
+            "outside engine steps; age = mean policy age of trained tokens; reward = mean over the steps.\n")
     with RESULTS.open("a") as f:
         f.write(f"\n## {machine}, {datetime.date.today()}\n\n{TABLE_HEADER}" + "\n".join(rows)
                 + f"\n\nCommand: `python benchmarks/e2e_alphabet_sort.py {' '.join(sys.argv[1:])}`\n")

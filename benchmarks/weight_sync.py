@@ -29,6 +29,16 @@ from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.supervision import use_fast_supervision
 
 RESULTS = Path(__file__).parent / "results" / "weight_sync.md"
+TITLE = "# Weight sync: trainer -> every generator replica, verified by checksum\n"
+# total: what the trainer waits for, gather + transfer as the controller times them, until every
+# replica holds the weights verified. gather: the trainer packs the bf16 weights into its send
+# buffer (pack) and checksums them. transfer: the broadcast (sender side; it waits for every
+# receiver to join) and, on the slowest replica, receive + checksum check; the rest is Monarch
+# messaging. served: until every replica has loaded them (apply: the load, by the copy plan or
+# vLLM's load_weights, and the prefix-cache reset), between engine steps. Medians over --iters.
+HEADER = ("| date | machine | model | trainer GPUs | replicas | total ms (min-max) | served ms | gather ms | pack ms "
+          "| checksum ms | transfer ms | broadcast ms | replica receive+verify ms | replica apply ms | copy plan "
+          "| transfer GB/s | NCCL ceiling ms | command |\n|" + "---|" * 18 + "\n")
 
 
 def _broadcast_worker(rank: int, world_size: int, num_bytes: int, gpus: list[int], port: int, iters: int, out) -> None:
@@ -64,12 +74,30 @@ def nccl_ceiling(num_bytes: int, gpus: list[int], iters: int) -> float:
     return out.get()
 
 
+async def _updates(controller: Controller) -> list[int]:
+    return [r["engine"]["updates"] for r in (await controller.router.stats.call_one())["replicas"]]
+
+
 async def measure(config, iters: int) -> list[dict[str, float]]:
+    """`iters` timed syncs after a warm-up (first allocations, NCCL channels, and vLLM's own
+    load_weights, which proves the copy plan). Each also times until every replica serves it."""
     controller = Controller(config)
     try:
         await controller.start()
-        await controller._push_weights()  # warm-up: first allocations and NCCL channels
-        return [await controller._push_weights() for _ in range(iters)]
+        runs = []
+        for _ in range(iters + 1):
+            loaded = [n + 1 for n in await _updates(controller)]
+            start = time.perf_counter()
+            timings = await controller._push_weights()
+            while await _updates(controller) != loaded:
+                await asyncio.sleep(0.001)
+            timings["served_s"] = time.perf_counter() - start
+            last = [r["engine"]["last_update"] for r in (await controller.router.stats.call_one())["replicas"]]
+            timings["replica_apply_s"] = max(u["apply_s"] for u in last)
+            if all("copy_plan" in u for u in last):
+                timings["copy_plan"] = min(u["copy_plan"] for u in last)
+            runs.append(timings)
+        return runs[1:]
     finally:
         await controller.shutdown()
 
@@ -95,31 +123,31 @@ def main() -> None:
                       'generator.update_mode="hot_swap"']
     config = load_config(None, overrides)
     runs = asyncio.run(measure(config, args.iters))
-    total = statistics.median(r["gather_s"] + r["transfer_s"] for r in runs)
+
+    def median_ms(key: str) -> str:
+        return f"{statistics.median(r[key] for r in runs) * 1e3:.1f}" if key in runs[0] else "n/a"
+
+    totals = [r["gather_s"] + r["transfer_s"] for r in runs]
     transfer = statistics.median(r["transfer_s"] for r in runs)
-    gather = statistics.median(r["gather_s"] for r in runs)
     num_bytes = runs[0]["bytes"]
-    line = (f"| {datetime.date.today()} | {torch.cuda.get_device_name(0) if cuda else 'CPU'} x{torch.cuda.device_count() if cuda else 1} "
-            f"| {args.size} ({num_bytes / 1e6:.0f} MB) | {args.trainer_gpus} | {args.replicas} "
-            f"| {total * 1e3:.1f} | {gather * 1e3:.1f} | {transfer * 1e3:.1f} | {num_bytes / transfer / 1e9:.1f}")
+    machine = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if cuda else "CPU"
+    line = (f"| {datetime.date.today()} | {machine} | {args.size} ({num_bytes / 1e6:.0f} MB) | {args.trainer_gpus} "
+            f"| {args.replicas} | {statistics.median(totals) * 1e3:.1f} ({min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f}) "
+            f"| {median_ms('served_s')} | {median_ms('gather_s')} | {median_ms('pack_s')} | {median_ms('checksum_s')} "
+            f"| {median_ms('transfer_s')} | {median_ms('broadcast_s')} | {median_ms('replica_receive_verify_s')} "
+            f"| {median_ms('replica_apply_s')} | {'yes' if all(r.get('copy_plan') == 1.0 for r in runs) else 'no'} "
+            f"| {num_bytes / transfer / 1e9:.1f}")
     if cuda:
         replica_gpus = [args.trainer_gpus + i for i in range(args.replicas)]
         ceiling = nccl_ceiling(int(num_bytes), [0, *replica_gpus], args.iters)
         line += f" | {ceiling * 1e3:.1f} ({num_bytes / ceiling / 1e9:.0f} GB/s) |"
     else:
         line += " | n/a |"
-    print(line)
-    if not RESULTS.exists():
-        RESULTS.write_text(
-            "# Weight sync: trainer -> every generator replica, verified by checksum\n\n"
-            "Medians of several syncs after a warm-up, `python benchmarks/weight_sync.py ...`. total = gather "
-            "(FSDP all-gather into one packed bf16 buffer + checksum) + transfer (NCCL broadcast to every replica, "
-            "checksum check, load_weights, prefix-cache reset). Ceiling: a plain NCCL broadcast of the same bytes "
-            "from GPU 0 to the replicas' GPUs in the same run.\n\n"
-            "| date | machine | model | trainer GPUs | replicas | total ms | gather ms | transfer ms | transfer GB/s | NCCL ceiling ms | command |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
-    with RESULTS.open("a") as f:
-        f.write(line + f" `{' '.join(sys.argv[1:])}` |\n")
+    print(HEADER + line)
+    text = RESULTS.read_text() if RESULTS.exists() else TITLE
+    if HEADER not in text:
+        text += "\n" + HEADER
+    RESULTS.write_text(text + line + f" `{' '.join(sys.argv[1:])}` |\n")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@
 #                                                #   true on-policy cost and trainer MFU on spare GPUs
 #   bash benchmarks/device/gpu_visit.sh system   # nvidia-h200-x4: gpu system tests, e2e sync vs async
 #                                                #   at staleness 1 and 2
+#   bash benchmarks/device/gpu_visit.sh sync2    # nvidia-h200-x2: weight sync 1 -> 1 (1.7B, 0.6B), the gpu tests
+#   bash benchmarks/device/gpu_visit.sh system2  # nvidia-h200-x2: e2e sync vs async (staleness 1, 2) on
+#                                                #   configs/alphabet_sort_2gpu.toml, then a 40-step run's reward curve
 # Expects vLLM and Monarch importable (PYTHONPATH), as staged by ../shared/device/README.md.
 # Jobs confined by CUDA_VISIBLE_DEVICES run side by side on disjoint GPUs.
 set -u
@@ -33,7 +36,7 @@ sync)
   step trainer 300 3 python benchmarks/trainer_throughput.py --device cuda --sizes 1.7b --ckpt-root /tmp/ck \
       --out "$OUT/trainer_throughput_h200.md" &
   step sync_17b_1x1 200 0,1 python benchmarks/weight_sync.py --size 1.7b --trainer-gpus 1 --replicas 1 --iters 5
-  step sync_06b_1x1 130 0,1 python benchmarks/weight_sync.py --size 0.6b --trainer-gpus 1 --replicas 1 --iters 5
+  step sync_06b_1x1 120 0,1 python benchmarks/weight_sync.py --size 0.6b --trainer-gpus 1 --replicas 1 --iters 5
   wait
   step sync_17b_2x2 200 0,1,2,3 python benchmarks/weight_sync.py --size 1.7b --trainer-gpus 2 --replicas 2 --iters 5
   ;;
@@ -41,6 +44,18 @@ system)
   step gpu_tests 330 0,1,2,3 python -m pytest -m gpu tests/test_gpu_system.py -q -p no:cacheprovider
   step e2e 330 0,1,2,3 python benchmarks/e2e_alphabet_sort.py --config configs/alphabet_sort_4gpu.toml --steps 6 \
       --staleness 1 2
+  ;;
+sync2)
+  step gather_test 80 0,1 python -m pytest -m gpu tests/test_gpu_system.py -k gathers -q -p no:cacheprovider --tb=short
+  step sync_17b_1x1 170 0,1 python benchmarks/weight_sync.py --size 1.7b --trainer-gpus 1 --replicas 1 --iters 5
+  step gpu_tests 210 0,1 python -m pytest -m gpu tests/test_gpu_system.py -k "nccl or agree" -q -p no:cacheprovider --tb=short
+  ;;
+system2)
+  step e2e 320 0,1 python benchmarks/e2e_alphabet_sort.py --config configs/alphabet_sort_2gpu.toml --steps 7 \
+      --staleness 1 2
+  step reward_run 240 0,1 python examples/alphabet_sort/run.py --config configs/alphabet_sort_2gpu.toml \
+      controller.steps=40 controller.checkpoint_every=0 'controller.run_dir="runs/reward_2gpu"'
+  cp runs/reward_2gpu/metrics.jsonl runs/reward_2gpu/*.png "$OUT"/ 2>/dev/null
   ;;
 esac
 cp benchmarks/results/*gpu*.md benchmarks/results/weight_sync.md benchmarks/results/e2e_alphabet_sort.md "$OUT"/ 2>/dev/null

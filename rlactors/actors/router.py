@@ -313,10 +313,12 @@ class GeneratorRouter(Actor):
                 self._mark_dead(replica, result)
             else:
                 by_index[replica.index] = result
-        replicas = [{"index": r.index, "alive": r.alive, "in_flight": r.in_flight, "routed": r.routed,
+        # Live = answered this call: a replica whose restart completes while the call waits is
+        # counted from the next call on, so "live" never counts a replica without its stats.
+        replicas = [{"index": r.index, "alive": r.index in by_index, "in_flight": r.in_flight, "routed": r.routed,
                      "completed": r.completed, "version": r.version, "engine": by_index.get(r.index)}
                     for r in self.replicas]
-        return {"replicas": replicas, "live": sum(r.alive for r in self.replicas),
+        return {"replicas": replicas, "live": len(by_index),
                 "dead": sum(not r.alive for r in self.replicas), "restarting": sorted(self._restarts),
                 "sessions": len(self.picker.sessions), **self.counters}
 

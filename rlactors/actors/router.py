@@ -264,7 +264,9 @@ class GeneratorRouter(Actor):
         rank 1 + i * tp + its TP rank (the trainer is rank 0). Returns the group's world size.
 
         The group is fixed at its creation, so a replica restarted later cannot join it: with
-        NCCL weight sync a dead replica is not restarted and the run continues degraded."""
+        NCCL weight sync a dead replica is not restarted. The group still counts it, so the next
+        broadcast would wait for it (not tried on a GPU machine); re-forming the group over the
+        live replicas is not built: stop and `--resume`, which forms a new group."""
         await self._ensure_started()
         tp = self.generator_config.tp
         world_size = 1 + len(self.replicas) * tp

@@ -5,6 +5,8 @@ loop) adds queued requests between steps and runs each `engine.step()` on a work
 event loop keeps accepting calls while the engine computes. Weight updates are applied between
 steps: `drain` stops admitting, lets in-flight requests finish, then loads; `hot_swap` loads at
 once and in-flight requests continue on the new weights (each token carries its version).
+Weights broadcast by the trainer (vLLM) are first staged and verified beside the running engine,
+so the caller returns without waiting for the drain; only their load waits for a step boundary.
 
 If the loop dies (an engine step raised), every pending request and update fails with
 EngineDeadError and so does every later call; `stats()["healthy"]` turns False.

@@ -237,6 +237,24 @@ def test_attend_same_bits_for_whole_sequence_decode_chunks_and_batches(dtype):
     assert torch.equal(out[mine:mine + 2], whole[99:101])
 
 
+def test_long_documents_are_attended_in_chunks_of_linear_memory_with_the_same_bits(monkeypatch):
+    length, hq, hkv, d = 1100, 4, 2, 16
+    q, k, v = torch.randn(length, hq, d), torch.randn(1, hkv, length, d), torch.randn(1, hkv, length, d)
+    plan = bi.AttentionPlan(torch.arange(length), one_segment(length))
+    chunked = plan(q, k, v)
+    reads = plan._reads
+    chunk_rows = [sum(count for _, count in reads.blocks[a:b]) for a, b in reads.spans]
+    assert len(chunk_rows) > 1 and max(chunk_rows) <= bi.CHUNK_ROWS  # not all ~630 rows at once
+    torch.testing.assert_close(chunked, causal_reference(q, head_major(k)[0], head_major(v)[0]), atol=1e-5, rtol=1e-3)
+    # A decode query against the same keys reads far fewer rows: still the same bits.
+    last = bi.AttentionPlan(torch.tensor([length - 1]), one_segment(1))(q[-1:], k, v)
+    assert torch.equal(last, chunked[-1:])
+
+    monkeypatch.setattr(bi, "CHUNK_ROWS", 10**9)  # every block in one pass, as for short documents
+    whole = bi.AttentionPlan(torch.arange(length), one_segment(length))
+    assert torch.equal(whole(q, k, v), chunked) and len(whole._reads.spans) == 1
+
+
 def test_paged_attend_same_bits_as_whole_keys_in_any_query_order():
     """plan.paged (keys read in place from slots of a shared buffer: the engine's and the
     trainer's CPU path) == plan(q, keys, values), for decodes in the engine's order (the CPU

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -282,34 +283,45 @@ class AttentionPlan:
         num_kv_heads = kv.shape[1]
         group = num_heads // num_kv_heads
         reads = self._torch_reads(key_slots, num_kv_heads, group, kv.shape[2])
-        nt, num_rows = self.num_tiles, reads.num_rows
-        # One row per (tile, key block it reads): the tile's queries [kv head, slot * group, D]
-        # (the query heads of one kv head, per slot) and the block's keys and values.
-        q_rows = (q.float() / math.sqrt(head_dim)).view(n * num_kv_heads, group, head_dim)
-        q_rows = q_rows.index_select(0, reads.q_index).view(num_rows, num_kv_heads, -1, head_dim)
-        kv_rows = kv.reshape(-1, head_dim).index_select(0, reads.kv_index).float()
-        keys, values = kv_rows.view(2, num_rows, num_kv_heads, KEY_BLOCK, head_dim)
+        nt = self.num_tiles
+        q_all = (q.float() / math.sqrt(head_dim)).view(n * num_kv_heads, group, head_dim)
+        kv_all = kv.reshape(-1, head_dim)
+        # The online softmax over each tile's blocks, in order, a chunk of blocks at a time. The
+        # running max, sum and output of every tile carry from chunk to chunk; the tiles that read
+        # block b are the last ones of the tile order, so they are a tail slice of the state.
+        tile_max = tile_sum = tile_out = None
+        for chunk in reads.chunks():
+            rows = chunk.num_rows
+            q_rows = q_all.index_select(0, chunk.q_index).view(rows, num_kv_heads, -1, head_dim)
+            keys, values = kv_all.index_select(0, chunk.kv_index).float().view(2, rows, num_kv_heads, KEY_BLOCK, head_dim)
+            scores = torch.matmul(q_rows, keys.transpose(-1, -2)).add_(chunk.hidden)  # [rows, Hkv, slot * group, KB]
+            # The running max first (exact, so it can be folded before the rest), then weights
+            # and sums of the chunk's blocks at once, then each block's sum and output folded in.
+            running_max = scores.amax(-1)
+            before = []  # per block: its tiles' running max through the previous block
+            for start, count in chunk.blocks:
+                block_max = running_max[start:start + count]
+                if tile_max is None:  # block 0, which every tile reads
+                    tile_max = block_max.clone()
+                    before.append(None)
+                    continue
+                before.append(tile_max[nt - count:].clone())
+                torch.maximum(before[-1], block_max, out=block_max)
+                tile_max[nt - count:] = block_max
+            # exp takes a slow path (~10x here) for -inf and for results below fp32's normal range:
+            # exponents are clamped at -80 (a weight below exp(-80) ~ 2e-35, next to the row's
+            # largest, 1, becomes exp(-80)) and the hidden keys' weights zeroed by a multiply.
+            weights = (scores - running_max[..., None]).clamp_(min=-80.0).exp_().mul_(chunk.visible)
+            sums, outs = weights.sum(-1), torch.matmul(weights, values)
+            for (start, count), previous in zip(chunk.blocks, before):
+                if previous is None:
+                    tile_sum, tile_out = sums[start:start + count].clone(), outs[start:start + count].clone()
+                    continue
+                rescale = torch.exp(previous - running_max[start:start + count])
+                tile_sum[nt - count:].mul_(rescale).add_(sums[start:start + count])
+                tile_out[nt - count:].mul_(rescale[..., None]).add_(outs[start:start + count])
 
-        scores = torch.matmul(q_rows, keys.transpose(-1, -2)).add_(reads.hidden)  # [rows, Hkv, slot * group, KB]
-        # The online softmax over each tile's blocks, in order: the running max first (exact,
-        # so it can be folded before the rest), then weights and sums of every block at once,
-        # then each block's sum and output folded into the running ones.
-        running_max = scores.amax(-1)
-        for block, previous, count in reads.folds:
-            torch.maximum(running_max[previous:previous + count], running_max[block:block + count],
-                          out=running_max[block:block + count])
-        # exp takes a slow path (~10x here) for -inf and for results below fp32's normal range:
-        # exponents are clamped at -80 (a weight below exp(-80) ~ 2e-35, next to the row's
-        # largest, 1, becomes exp(-80)) and the hidden keys' weights zeroed by a multiply.
-        weights = (scores - running_max[..., None]).clamp_(min=-80.0).exp_().mul_(reads.visible)
-        sums, outs = weights.sum(-1), torch.matmul(weights, values)
-        running_sum, out = sums[:nt], outs[:nt]  # block 0, which every tile reads
-        for block, previous, count in reads.folds:
-            rescale = torch.exp(running_max[previous:previous + count] - running_max[block:block + count])
-            running_sum[nt - count:].mul_(rescale).add_(sums[block:block + count])
-            out[nt - count:].mul_(rescale[..., None]).add_(outs[block:block + count])
-
-        out = (out / running_sum[..., None]).view(nt * num_kv_heads * self.tile_size, group, head_dim)
+        out = (tile_out / tile_sum[..., None]).view(nt * num_kv_heads * self.tile_size, group, head_dim)
         if reads.out_index is not None:
             out = out.index_select(0, reads.out_index)
         return out.view(n, num_heads, head_dim).to(q.dtype)
@@ -322,25 +334,26 @@ class AttentionPlan:
         return reads
 
 
+CHUNK_ROWS = 256  # (tile, key block) rows per pass of the CPU path: its memory per layer is linear in length
+
+
 class _TorchReads:
     """What the CPU path of an ``AttentionPlan`` reads, for one key-slot table and head layout.
 
     Rows: one per (key block, tile that reads it), block-major. Tiles are taken in order of
     their last query position, so the tiles that read block ``b`` (those whose last position is
     at least ``b * KEY_BLOCK``, which read every earlier block too) are the last ones of that
-    order, and the running state of a block's tiles is a slice of the previous block's rows. A
-    key past its tile's last query (stale cache slots, padding, other segments) is read from
-    the segment's position 0 instead: finite, and its weight is exactly 0 anyway, so its
+    order. A key past its tile's last query (stale cache slots, padding, other segments) is read
+    from the segment's position 0 instead: finite, and its weight is exactly 0 anyway, so its
     product adds an exact zero (a NaN read there would poison the sum).
 
-    - ``q_index``: the rows of ``q [N * Hkv, group, D]`` for ``[row, kv head, slot]``;
-    - ``kv_index``: the rows of ``kv [2 * Hkv * R, D]`` for ``[2, row, kv head, KEY_BLOCK]``;
-    - ``hidden``: -inf for the keys each query must not see, else 0, ``[row, Hkv, slot * group,
-      KEY_BLOCK]``; ``visible``: 0 for those keys, else 1;
-    - ``folds``: per block after the first, its first row, the same tiles' row in the previous
-      block, and their number;
-    - ``out_index``: the rows of ``[tile, kv head, slot]`` for each query's kv heads (None: in
-      order already, as in a decode step of sequences sorted by length).
+    Kept for the whole step, one entry per row: ``queries [row, slot]`` (the query in each slot),
+    ``slots [row, KEY_BLOCK]`` (the key slot read) and ``hidden [row, slot, KEY_BLOCK]`` (the
+    keys the slot's query must not see). The per-head gather indices and masks are made one
+    chunk of blocks (about ``CHUNK_ROWS`` rows) at a time, so a long document costs memory in
+    proportion to its length, not its square; a step of one chunk keeps its chunk for every layer.
+    ``out_index``: the rows of ``[tile, kv head, slot]`` for each query's kv heads (None: in order
+    already, as in a decode step of sequences sorted by length).
     """
 
     def __init__(self, plan: AttentionPlan, key_slots: torch.Tensor, num_kv_heads: int, group: int,
@@ -353,27 +366,27 @@ class _TorchReads:
         block, row_tile = torch.nonzero(last[None, :] >= block_starts[:, None]).unbind(1)
         tile = order[row_tile]
         self.num_rows = tile.numel()
-        heads = torch.arange(num_kv_heads, device=device)
-
-        queries = plan.query_index[tile].clamp(min=0)  # an empty slot reads any query; dropped
-        self.q_index = (queries[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+        self.queries = plan.query_index[tile].clamp(min=0)  # an empty slot reads any query; dropped
         key_positions = block_starts[block, None] + torch.arange(KEY_BLOCK, device=device)  # [rows, KB]
         read = torch.where(key_positions <= plan.last[tile, None], key_positions, 0)
-        slots = key_slots[plan.segment[tile, None], read]
-        kv_heads = torch.arange(2 * num_kv_heads, device=device).view(2, 1, num_kv_heads, 1)
-        self.kv_index = (kv_heads * num_slots + slots[None, :, None, :]).flatten()
-        hidden = key_positions[:, None, :] > plan.positions[tile, :, None]  # [rows, slot, KB]
-        hidden = hidden[:, None, :, None, :].expand(-1, num_kv_heads, -1, group, -1)
-        hidden = hidden.reshape(self.num_rows, num_kv_heads, size * group, KEY_BLOCK)
-        self.visible = (~hidden).float()
-        self.hidden = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
+        self.slots = key_slots[plan.segment[tile, None], read]
+        self.hidden = key_positions[:, None, :] > plan.positions[tile, :, None]  # [rows, slot, KB]
 
         counts = torch.bincount(block, minlength=plan.num_blocks).tolist()
-        starts = [sum(counts[:b]) for b in range(len(counts))]
-        self.folds = [(starts[b], starts[b - 1] + counts[b - 1] - counts[b], counts[b]) for b in range(1, len(counts))]
+        firsts = [0]
+        for count in counts[:-1]:
+            firsts.append(firsts[-1] + count)
+        self.blocks = list(zip(firsts, counts))  # (first row, rows) per block
+        self.spans, first = [], 0  # (first block, end block) per chunk
+        for b in range(1, len(counts) + 1):
+            if b == len(counts) or self.blocks[b][0] + counts[b] - self.blocks[first][0] > CHUNK_ROWS:
+                self.spans.append((first, b))
+                first = b
+        self._only_chunk = self._chunk(*self.spans[0]) if len(self.spans) == 1 else None
 
         # Rows [tile, kv head, slot] are queries [query, kv head] when every tile is one query,
         # in order already (a decode step).
+        heads = torch.arange(num_kv_heads, device=device)
         self.out_index = None
         if size != 1 or not torch.equal(order, torch.arange(nt, device=device)):
             rank = torch.empty_like(order)
@@ -383,6 +396,45 @@ class _TorchReads:
 
     def serves(self, key_slots: torch.Tensor, num_kv_heads: int, group: int, num_slots: int) -> bool:
         return self.key_slots is key_slots and self.shape == (num_kv_heads, group, num_slots)
+
+    def chunks(self):
+        if self._only_chunk is not None:
+            yield self._only_chunk
+        else:
+            for span in self.spans:
+                yield self._chunk(*span)
+
+    def _chunk(self, first_block: int, end_block: int) -> _Chunk:
+        num_kv_heads, group, num_slots = self.shape
+        lo = self.blocks[first_block][0]
+        hi = lo + sum(count for _, count in self.blocks[first_block:end_block])
+        device = self.slots.device
+        heads = torch.arange(num_kv_heads, device=device)
+        q_index = (self.queries[lo:hi, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+        kv_heads = torch.arange(2 * num_kv_heads, device=device).view(2, 1, num_kv_heads, 1)
+        kv_index = (kv_heads * num_slots + self.slots[None, lo:hi, None, :]).flatten()
+        hidden = self.hidden[lo:hi, None, :, None, :].expand(-1, num_kv_heads, -1, group, -1)
+        hidden = hidden.reshape(hi - lo, num_kv_heads, -1, KEY_BLOCK)
+        blocks = [(start - lo, count) for start, count in self.blocks[first_block:end_block]]
+        return _Chunk(hi - lo, blocks, q_index, kv_index,
+                      torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf")),
+                      (~hidden).float())
+
+
+@dataclass
+class _Chunk:
+    """Rows of consecutive key blocks of a ``_TorchReads``, ready to gather and mask: ``blocks``
+    (first row in the chunk, rows) per block; ``q_index`` the rows of ``q [N * Hkv, group, D]``
+    for ``[row, kv head, slot]``; ``kv_index`` the rows of ``kv [2 * Hkv * R, D]`` for ``[2, row,
+    kv head, KEY_BLOCK]``; ``hidden`` -inf for the keys each query must not see, else 0, ``[row,
+    Hkv, slot * group, KEY_BLOCK]``, and ``visible`` 0 there, else 1."""
+
+    num_rows: int
+    blocks: list[tuple[int, int]]
+    q_index: torch.Tensor
+    kv_index: torch.Tensor
+    hidden: torch.Tensor
+    visible: torch.Tensor
 
 
 class BatchInvariantAttention:

@@ -347,7 +347,10 @@ class Controller:
         mode = self.config.generator.update_mode
         start, details = time.perf_counter(), {}
         if self.nccl_weight_sync:
-            packed = first_value(await self.trainer.pack_weights.call())
+            packed, dead = await asyncio.gather(self.trainer.pack_weights.call(), self.router.dead_replicas.call_one())
+            if dead:
+                await self._stop_for_dead_replicas(dead)
+            packed = first_value(packed)
             version, gathered = packed["version"], time.perf_counter()
             sent, received = await asyncio.gather(self.trainer.broadcast_weights.call(),
                                                   self.router.receive_weights.call_one(version, packed["checksum"], mode))
@@ -372,6 +375,17 @@ class Controller:
             self.generator_version = version
             self._version_synced.notify_all()
         return {"gather_s": gathered - start, "transfer_s": done - gathered, "bytes": num_bytes, **details}
+
+    async def _stop_for_dead_replicas(self, dead: list[int]) -> None:
+        """The NCCL weight group is fixed at start, and a broadcast would wait for a dead member
+        forever: the run stops instead, with the trained state saved."""
+        saved = "no step was trained yet"
+        if self.step:
+            if not is_complete(checkpoint_dir(self.checkpoint_root, self.step)):
+                await self.save_checkpoint()
+            saved = f"the state after step {self.step} is saved in {self.checkpoint_root}"
+        raise TrainingError(f"generator replica(s) {dead} died and the NCCL weight group cannot sync without "
+                            f"them; {saved}: --resume continues with a new group")
 
     async def save_checkpoint(self) -> Path:
         state = self._next_step_state.get(self.step + 1) or ResumeState(

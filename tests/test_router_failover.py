@@ -59,6 +59,7 @@ def test_killed_replica_loses_no_request_and_is_reported_dead(tiny_ckpt):
         stats = await router.stats.call_one()
         assert stats["dead"] == 1 and stats["live"] == 1 and stats["deaths"] == 1
         assert not stats["replicas"][0]["alive"] and stats["replicas"][1]["alive"]
+        assert await router.dead_replicas.call_one() == [0]
         assert stats["replicas"][0]["completed"] + stats["replicas"][1]["completed"] == 40
         assert stats["retries"] >= 1  # the requests that were in flight on replica 0
         assert sum(c.replica == 1 for c in completions) == stats["replicas"][1]["completed"]
@@ -71,7 +72,7 @@ def test_killed_replica_loses_no_request_and_is_reported_dead(tiny_ckpt):
         with pytest.raises(ActorError, match="no live generator replica"):
             await router.generate.call_one(batch[0], SamplingParams(max_tokens=4), "orphan")
         stats = await router.stats.call_one()
-        assert stats["dead"] == 2 and stats["deaths"] == 2
+        assert stats["dead"] == 2 and stats["deaths"] == 2 and await router.dead_replicas.call_one() == [0, 1]
         await router.close.call_one()
         await procs.stop()
 

@@ -264,9 +264,9 @@ class GeneratorRouter(Actor):
         rank 1 + i * tp + its TP rank (the trainer is rank 0). Returns the group's world size.
 
         The group is fixed at its creation, so a replica restarted later cannot join it: with
-        NCCL weight sync a dead replica is not restarted. The group still counts it, so the next
-        broadcast would wait for it (not tried on a GPU machine); re-forming the group over the
-        live replicas is not built: stop and `--resume`, which forms a new group."""
+        NCCL weight sync a dead replica is not restarted. The group still counts it, so a
+        broadcast would wait for it: the controller checks `dead_replicas()` before each sync and
+        stops the run instead (`--resume` forms a new group)."""
         await self._ensure_started()
         tp = self.generator_config.tp
         world_size = 1 + len(self.replicas) * tp
@@ -274,6 +274,11 @@ class GeneratorRouter(Actor):
                                for r in self.replicas))
         self.generator_config.restart_dead = False
         return world_size
+
+    @concurrent_endpoint
+    async def dead_replicas(self) -> list[int]:
+        """The replicas this router has found dead (its own record: no call to any replica)."""
+        return [r.index for r in self.replicas if not r.alive and r.index not in self._restarts]
 
     @concurrent_endpoint
     async def receive_weights(self, version: int, checksum: str, mode: str | None = None) -> dict[str, Any]:

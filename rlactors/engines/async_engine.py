@@ -201,7 +201,9 @@ class AsyncEngine:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self.engine.close()
         self._executor.shutdown(wait=True)
-        self._stage_executor.shutdown(wait=True)
+        # A receive waits in NCCL for its sender, which may be gone (the trainer died): do not
+        # wait for it; the proc is stopped next.
+        self._stage_executor.shutdown(wait=False, cancel_futures=True)
 
     # -- the loop ---------------------------------------------------------------------------
 

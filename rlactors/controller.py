@@ -352,8 +352,12 @@ class Controller:
                 await self._stop_for_dead_replicas(dead)
             packed = first_value(packed)
             version, gathered = packed["version"], time.perf_counter()
-            sent, received = await asyncio.gather(self.trainer.broadcast_weights.call(),
-                                                  self.router.receive_weights.call_one(version, packed["checksum"], mode))
+            try:
+                sent, received = await asyncio.gather(
+                    self.trainer.broadcast_weights.call(),
+                    self.router.receive_weights.call_one(version, packed["checksum"], mode))
+            except ActorError as e:  # a replica rejected the weights (checksum), or a side failed
+                raise TrainingError(f"weight sync of policy version {version} failed: {e.exception}") from None
             sender, replicas = first_value(sent), received["replicas"]
             num_bytes = sender["bytes"]
             # Where the time went: the trainer's gather and checksum, its broadcast (which waits

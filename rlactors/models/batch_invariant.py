@@ -365,7 +365,6 @@ class _TorchReads:
         block_starts = torch.arange(plan.num_blocks, device=device) * KEY_BLOCK
         block, row_tile = torch.nonzero(last[None, :] >= block_starts[:, None]).unbind(1)
         tile = order[row_tile]
-        self.num_rows = tile.numel()
         self.queries = plan.query_index[tile].clamp(min=0)  # an empty slot reads any query; dropped
         key_positions = block_starts[block, None] + torch.arange(KEY_BLOCK, device=device)  # [rows, KB]
         read = torch.where(key_positions <= plan.last[tile, None], key_positions, 0)

@@ -320,8 +320,7 @@ class Controller:
             # optim_step skipped the update (a non-finite gradient, even under a finite loss): the
             # weights are still those of the last step. Going on would also stall the loop, which
             # waits for the next policy version. A complete checkpoint of that state is kept as is.
-            if not is_complete(checkpoint_dir(self.checkpoint_root, self.step)):
-                await self.save_checkpoint()
+            await self._save_step_once()
             raise TrainingError(f"step {step}: the loss is {optim['loss']} (gradient norm {optim['grad_norm']}); "
                                 f"the state after step {self.step} is saved in {self.checkpoint_root}")
         self.policy_version = int(optim.pop("policy_version"))
@@ -385,11 +384,16 @@ class Controller:
         forever: the run stops instead, with the trained state saved."""
         saved = "no step was trained yet"
         if self.step:
-            if not is_complete(checkpoint_dir(self.checkpoint_root, self.step)):
-                await self.save_checkpoint()
+            await self._save_step_once()
             saved = f"the state after step {self.step} is saved in {self.checkpoint_root}"
         raise TrainingError(f"generator replica(s) {dead} died and the NCCL weight group cannot sync without "
                             f"them; {saved}: --resume continues with a new group")
+
+    async def _save_step_once(self) -> None:
+        """Saves the current step before the run stops, unless its checkpoint is complete already
+        (saving again would rewrite a complete checkpoint)."""
+        if not is_complete(checkpoint_dir(self.checkpoint_root, self.step)):
+            await self.save_checkpoint()
 
     async def save_checkpoint(self) -> Path:
         state = self._next_step_state.get(self.step + 1) or ResumeState(

@@ -67,20 +67,45 @@ async def until(condition, timeout: float = 30.0) -> None:
 # -- AsyncEngine --------------------------------------------------------------------------------
 
 
-def test_drain_update_finishes_in_flight_requests_on_the_old_weights(tiny_ckpt):
+def test_drain_update_returns_once_verified_and_loads_after_in_flight_requests(tiny_ckpt):
     async def main():
         engine = async_engine(tiny_ckpt)
         new = perturbed(engine.engine.model.state_dict(), seed=1)
-        running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=80), "old"))
+        running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
         await until(lambda: engine.stats()["generated_tokens"] >= 2)
-        update = asyncio.create_task(engine.update_weights(1, new, state_checksum(new)))
-        await until(lambda: engine.stats()["updating"])
+        timings = await engine.update_weights(1, new, state_checksum(new))
+        # Verified and returned while the old request still runs; a request sent now waits for the load.
+        assert timings["version"] == 1 and timings["mode"] == "drain" and timings["verify_s"] > 0
+        assert not running.done() and engine.stats()["updating"] and engine.stats()["version"] == 0
         later = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "new"))
-        old, timings = await running, await update
-        assert old.versions == [0] * 80 and not later.done()
-        assert timings["version"] == 1 and timings["mode"] == "drain" and timings["wait_s"] > 0
+        old = await running
+        assert old.versions == [0] * 200
         fresh = await later
         assert fresh.versions == [1] * 4 and fresh.timings["queue_s"] > 0
+        loaded = engine.stats()["last_update"]
+        assert loaded["version"] == 1 and loaded["wait_s"] > 0 and engine.stats()["updates"] == 1
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_newer_version_replaces_one_still_waiting_for_its_drain(tiny_ckpt):
+    async def main():
+        engine = async_engine(tiny_ckpt)
+        versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
+        running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
+        await until(lambda: engine.stats()["generated_tokens"] >= 2)
+        await engine.update_weights(1, versions[0], state_checksum(versions[0]))
+        between = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "between"))
+        await engine.update_weights(2, versions[1], state_checksum(versions[1]))
+        assert not running.done() and engine.stats()["superseded"] == 1
+        assert (await running).versions == [0] * 200
+        # Sent after version 1 was accepted: served by a version at least as new, here 2.
+        assert (await between).versions == [2] * 4
+        stats = engine.stats()
+        assert stats["version"] == 2 and stats["updates"] == 1 and stats["last_update"]["version"] == 2
+        loaded = engine.engine.model.state_dict()
+        assert all(torch.equal(loaded[k], t) for k, t in versions[1].items())
         await engine.close()
 
     asyncio.run(main())
@@ -140,7 +165,8 @@ def test_checksum_mismatch_or_bad_weights_keep_the_old_version_serving(tiny_ckpt
 
 class StagingEngine(NativeEngine):
     """The native engine with the two-phase receive of broadcast weights; `wire` stands in for
-    the NCCL broadcast (the vLLM engine's transport, run on the GPU machines)."""
+    the NCCL broadcast (the vLLM engine's transport, run on the GPU machines). Its one receive
+    buffer, `staged`, is what a load reads; `load_gate`, when set, holds a load until released."""
 
     stages_concurrently = True
 
@@ -149,26 +175,35 @@ class StagingEngine(NativeEngine):
         self.wire: dict[str, torch.Tensor] = {}
         self.staged: dict[str, torch.Tensor] = {}
         self.stage_threads: set[str] = set()
+        self.stages = 0
+        self.load_gate: threading.Event | None = None
 
     def stage_weights(self, version, checksum):
         self.stage_threads.add(threading.current_thread().name)
+        self.stages += 1
         self.staged = {k: v.clone() for k, v in self.wire.items()}
         if state_checksum(self.staged) != checksum:
             raise ChecksumMismatch(f"weights version {version}: checksum differs")
         return {"receive_verify_s": 0.0}
 
     def load_staged(self, version):
+        if self.load_gate is not None:
+            self.load_gate.wait()
         self.load_weights(self.staged, version)
         return {"load_s": 0.0}
 
 
-def test_broadcast_weights_are_verified_at_once_and_loaded_after_the_drain(tiny_ckpt):
+def staging_engine(ckpt) -> AsyncEngine:
+    model = from_pretrained(ckpt, dtype="float32")
+    return AsyncEngine(StagingEngine(model, max_num_seqs=8, max_num_tokens=256, kv_cache_tokens=2048,
+                                     max_model_len=512))
+
+
+def test_broadcast_weights_are_verified_at_once_and_the_newest_is_loaded_after_the_drain(tiny_ckpt):
     async def main():
-        model = from_pretrained(tiny_ckpt, dtype="float32")
-        engine = AsyncEngine(StagingEngine(model, max_num_seqs=8, max_num_tokens=256, kv_cache_tokens=2048,
-                                           max_model_len=512))
-        versions = [perturbed(model.state_dict(), seed=s) for s in (1, 2)]
-        running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=120), "old"))
+        engine = staging_engine(tiny_ckpt)
+        versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
+        running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
         await until(lambda: engine.stats()["generated_tokens"] >= 2)
 
         engine.engine.wire = dict(versions[0])
@@ -183,16 +218,14 @@ def test_broadcast_weights_are_verified_at_once_and_loaded_after_the_drain(tiny_
         # sent now waits for the load.
         assert staged["version"] == 1 and not running.done() and engine.stats()["updating"]
         later = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "new"))
+        # Version 2 overwrites the buffer before version 1 was loaded: no wait for the drain.
         engine.engine.wire = versions[1]
-        second = asyncio.create_task(engine.receive_weights(2, state_checksum(versions[1])))
-        await asyncio.sleep(0.05)
-        assert not second.done()  # the buffer still holds version 1, not yet loaded
-        old = await running
-        assert old.versions == [0] * 120
-        await second
-        assert (await later).versions == [1] * 4  # admitted between the two loads
-        await until(lambda: engine.stats()["updates"] == 2)
-        assert engine.stats()["version"] == 2 and engine.stats()["last_update"]["load_s"] == 0.0
+        await engine.receive_weights(2, state_checksum(versions[1]))
+        assert not running.done() and engine.stats()["superseded"] == 1
+        assert (await running).versions == [0] * 200
+        assert (await later).versions == [2] * 4
+        stats = engine.stats()
+        assert stats["version"] == 2 and stats["updates"] == 1 and stats["last_update"]["load_s"] == 0.0
         assert engine.engine.stage_threads == {"engine-stage_0"}
 
         # Verified weights that then fail to load leave the engine dead, not half-loaded and serving.
@@ -201,6 +234,51 @@ def test_broadcast_weights_are_verified_at_once_and_loaded_after_the_drain(tiny_
         await until(lambda: not engine.stats()["healthy"])
         with pytest.raises(EngineDeadError):
             await engine.generate([5, 6], SamplingParams(max_tokens=2), "after")
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_receive_never_overwrites_the_buffer_while_it_loads(tiny_ckpt):
+    async def main():
+        engine = staging_engine(tiny_ckpt)
+        versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
+        engine.engine.load_gate = threading.Event()
+        engine.engine.wire = versions[0]
+        await engine.receive_weights(1, state_checksum(versions[0]))  # nothing in flight: loads at once
+        await asyncio.sleep(0.05)
+        engine.engine.wire = versions[1]
+        second = asyncio.create_task(engine.receive_weights(2, state_checksum(versions[1])))
+        await asyncio.sleep(0.05)
+        assert not second.done() and engine.engine.stages == 1  # waits for the load of version 1
+        engine.engine.load_gate.set()
+        await second
+        await until(lambda: engine.stats()["updates"] == 2)
+        assert engine.stats()["version"] == 2 and engine.stats()["superseded"] == 0
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_bad_receive_over_an_accepted_version_kills_the_replica(tiny_ckpt):
+    async def main():
+        engine = staging_engine(tiny_ckpt)
+        versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
+        running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
+        await until(lambda: engine.stats()["generated_tokens"] >= 2)
+        engine.engine.wire = versions[0]
+        await engine.receive_weights(1, state_checksum(versions[0]))
+        waiting = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "promised-v1"))
+        engine.engine.wire = dict(versions[1])
+        engine.engine.wire["model.norm.weight"] = versions[1]["model.norm.weight"] + 1
+        with pytest.raises(ChecksumMismatch):
+            await engine.receive_weights(2, state_checksum(versions[1]))
+        # Version 1 was accepted, then its buffer overwritten: the in-flight request finishes on
+        # version 0, and the replica dies rather than serve version 0 to requests promised version 1.
+        assert (await running).versions == [0] * 200
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(waiting, timeout=30)
+        assert not engine.stats()["healthy"] and engine.stats()["version"] == 0
         await engine.close()
 
     asyncio.run(main())

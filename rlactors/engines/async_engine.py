@@ -2,13 +2,17 @@
 
 `generate` queues a request and awaits its completion; the loop (a task on the caller's event
 loop) adds queued requests between steps and runs each `engine.step()` on a worker thread, so the
-event loop keeps accepting calls while the engine computes. Weight updates are applied between
-steps: `drain` stops admitting, lets in-flight requests finish, then loads; `hot_swap` loads at
-once and in-flight requests continue on the new weights (each token carries its version).
-Weights broadcast by the trainer (vLLM) are first staged and verified beside the running engine,
-so the caller returns without waiting for the drain; only their load waits for a step boundary.
+event loop keeps accepting calls while the engine computes.
 
-If the loop dies (an engine step raised), every pending request and update fails with
+Weight updates come in two phases. The new weights are verified (checksum, names and shapes) beside
+the running engine and the call returns; they are loaded later, between steps: after a drain
+(in-flight requests finish on the old weights) or at once for a hot swap (in-flight requests go on
+with the new weights; each token carries its version). From the return on, nothing new is admitted
+until the load, so every request sent after an update returns runs on that version or a newer one.
+A version that arrives before the previous one was loaded replaces it (newest wins): the trainer
+never waits for a drain, and a replica never loads weights that are already outdated.
+
+If the loop dies (an engine step or a load raised), every pending request and update fails with
 EngineDeadError and so does every later call; `stats()["healthy"]` turns False.
 """
 
@@ -50,12 +54,15 @@ class _Request:
 
 @dataclass
 class _Update:
+    """Verified weights waiting for a step boundary."""
+
     version: int
     load: Callable[[], Any]  # runs between engine steps, in the engine thread
     mode: str
-    future: asyncio.Future
-    staged: bool = False  # already verified: a failing load leaves the model half-written
+    future: asyncio.Future  # the load's timings; cancelled when a newer version replaces it
     queued_at: float = field(default_factory=time.perf_counter)
+    held: bool = False  # its receive buffer is being overwritten: not loadable until replaced
+    applying: bool = False
 
 
 class AsyncEngine:
@@ -68,14 +75,14 @@ class AsyncEngine:
         self._in_engine: dict[str, _Request] = {}
         self._aborts: list[str] = []
         self._update: _Update | None = None
-        self._update_lock = asyncio.Lock()
+        self._receive_lock = asyncio.Lock()  # one incoming version at a time, in order
         self._wake = asyncio.Event()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._stage_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-stage")
         self._loop_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self._closed = False
-        self.counters = {"requests": 0, "completed": 0, "rejected": 0, "updates": 0}
+        self.counters = {"requests": 0, "completed": 0, "rejected": 0, "updates": 0, "superseded": 0}
         self.busy_s = 0.0  # wall time in engine steps: the replica is generating, not idle
         self.last_update: dict[str, Any] = {}  # timings of the last weights loaded
 
@@ -102,72 +109,88 @@ class AsyncEngine:
 
     async def update_weights(self, version: int, named_tensors: Mapping[str, torch.Tensor],
                              checksum: str | None = None, mode: str | None = None) -> dict[str, Any]:
-        """Loads new weights between engine steps; returns timings.
+        """Verifies new weights and queues their load between engine steps; returns once verified.
 
-        With a `checksum`, the received tensors are verified first: on a mismatch ChecksumMismatch
-        is raised and the old weights keep serving. Bad names or shapes raise ValueError, likewise.
-        """
-        load = functools.partial(self._verify_and_load, named_tensors, checksum, version)
-        return await self._load_between_steps(version, load, mode)
-
-    async def receive_weights(self, version: int, checksum: str, mode: str | None = None) -> dict[str, Any]:
-        """Weights broadcast by the trainer over NCCL (vLLM engine): received and verified now,
-        loaded between engine steps later (after a drain, or at once for a hot swap).
-
-        Returns once the weights are verified, so the trainer never waits for a drain. Requests
-        that arrive after that are served by the new weights only: a pending update admits
-        nothing. On a checksum mismatch ChecksumMismatch is raised and nothing is loaded. The
-        buffer holds one version, so the next call waits until this one is loaded.
+        With a `checksum`, the received tensors must match it (else ChecksumMismatch); names and
+        shapes must match the model (else ValueError). Either way the old weights keep serving.
         """
         mode = self._checked_mode(mode)
-        self._check_alive()
-        await self._update_lock.acquire()
-        try:
+        async with self._receive_lock:
+            self._check_alive()
+            start = time.perf_counter()
+            await asyncio.get_running_loop().run_in_executor(
+                self._stage_executor, self._verify, named_tensors, checksum, version)
+            self._check_alive()
+            self._queue(_Update(version, functools.partial(self.engine.load_weights, named_tensors, version), mode,
+                                asyncio.get_running_loop().create_future()))
+            return {"version": version, "mode": mode, "verify_s": time.perf_counter() - start}
+
+    async def receive_weights(self, version: int, checksum: str, mode: str | None = None) -> dict[str, Any]:
+        """Weights broadcast by the trainer over NCCL (vLLM engine): received into the engine's
+        buffer and verified now, loaded between engine steps later. Returns once verified.
+
+        The buffer holds one version. A version still waiting for its load is overwritten (the new
+        one replaces it); a load in progress is waited for. On a checksum mismatch
+        ChecksumMismatch is raised and nothing is loaded; if that mismatch overwrote a version
+        already accepted, this replica can no longer serve what it promised and its loop dies.
+        """
+        mode = self._checked_mode(mode)
+        async with self._receive_lock:
+            self._check_alive()
+            overwritten = await self._hold_pending_update()
             self._check_alive()
             # Staging touches only the receive buffer; an engine that cannot stage while it steps
             # stages between steps, on the engine thread.
             executor = self._stage_executor if self.engine.stages_concurrently else self._executor
-            staged = await asyncio.get_running_loop().run_in_executor(
-                executor, self.engine.stage_weights, version, checksum)
-        except BaseException:
-            self._update_lock.release()
-            raise
-        update = _Update(version, functools.partial(self.engine.load_staged, version), mode,
-                         asyncio.get_running_loop().create_future(), staged=True)
-        update.future.add_done_callback(self._staged_update_done)
-        self._update = update
-        self._kick()
-        return {"version": version, "mode": mode, **staged}
+            try:
+                staged = await asyncio.get_running_loop().run_in_executor(
+                    executor, self.engine.stage_weights, version, checksum)
+            except BaseException as e:
+                if overwritten is not None:
+                    overwritten.load = functools.partial(_raise, e)  # its load kills the loop
+                    overwritten.held = False
+                    self._kick()
+                raise
+            self._check_alive()
+            self._queue(_Update(version, functools.partial(self.engine.load_staged, version), mode,
+                                asyncio.get_running_loop().create_future()))
+            return {"version": version, "mode": mode, **staged}
 
-    def _staged_update_done(self, future: asyncio.Future) -> None:
-        self._update_lock.release()
-        if not future.cancelled() and future.exception() is None:
-            self.counters["updates"] += 1
-            self.last_update = future.result()
-
-    def _verify_and_load(self, named_tensors: Mapping[str, torch.Tensor], checksum: str | None, version: int) -> Any:
+    def _verify(self, named_tensors: Mapping[str, torch.Tensor], checksum: str | None, version: int) -> None:
         if checksum is not None:
             received = state_checksum(named_tensors)
             if received != checksum:
                 raise ChecksumMismatch(
                     f"weights for version {version} do not match their checksum (got {received}, "
                     f"expected {checksum}); still serving version {self.engine.version}")
-        return self.engine.load_weights(named_tensors, version)
+        self.engine.check_weights(named_tensors)
 
-    async def _load_between_steps(self, version: int, load: Callable[[], Any], mode: str | None) -> dict[str, Any]:
-        """Runs `load` in the engine thread between two steps (after a drain, or at once for a hot
-        swap), one update at a time; returns its timings."""
-        mode = self._checked_mode(mode)
-        self._check_alive()
-        async with self._update_lock:
-            start = time.perf_counter()
-            update = _Update(version, load, mode, asyncio.get_running_loop().create_future())
-            self._update = update
-            self._kick()
-            timings = await update.future
+    async def _hold_pending_update(self) -> _Update | None:
+        """Keeps the pending update from loading while its buffer is overwritten; returns it. A
+        load already running is waited for instead (the buffer is free after it)."""
+        update = self._update
+        if update is None:
+            return None
+        if update.applying:
+            await asyncio.wait([update.future])
+            return None
+        update.held = True
+        return update
+
+    def _queue(self, update: _Update) -> None:
+        """Makes `update` the next load; a pending one that has not started loading is dropped."""
+        pending = self._update
+        if pending is not None and not pending.applying:
+            pending.future.cancel()
+            self.counters["superseded"] += 1
+        update.future.add_done_callback(self._loaded)
+        self._update = update
+        self._kick()
+
+    def _loaded(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
             self.counters["updates"] += 1
-            self.last_update = timings
-            return {"version": version, "mode": mode, "total_s": time.perf_counter() - start, **timings}
+            self.last_update = future.result()
 
     def _checked_mode(self, mode: str | None) -> str:
         mode = mode or self.default_update_mode
@@ -233,10 +256,10 @@ class AsyncEngine:
         while True:
             self._apply_aborts()
             update = self._update
-            if update is not None and (update.mode == "hot_swap" or not self.engine.has_unfinished()):
+            if (update is not None and not update.held
+                    and (update.mode == "hot_swap" or not self.engine.has_unfinished())):
                 await self._apply_update(update)
-            draining = self._update is not None  # a drain waits: admit nothing new meanwhile
-            if not draining:
+            if self._update is None:  # verified weights wait for their load: admit nothing meanwhile
                 self._admit()
             if self.engine.has_unfinished():
                 start = time.perf_counter()
@@ -246,8 +269,8 @@ class AsyncEngine:
                     self._finish(completion)
             elif self._closed:
                 return
-            elif not self._incoming and self._update is None:
-                await self._wake.wait()
+            elif self._update is None or self._update.held:
+                await self._wake.wait()  # nothing to step and nothing to load
                 self._wake.clear()
 
     def _admit(self) -> None:
@@ -273,19 +296,20 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         waited = time.perf_counter() - update.queued_at
         start = time.perf_counter()
+        update.applying = True
         try:
             engine_timings = await loop.run_in_executor(self._executor, update.load)
-        except (ValueError, ChecksumMismatch) as e:
-            update.future.set_exception(e)
-            if update.staged:
-                raise  # the loop dies: this replica must not serve what it holds now
         except BaseException as e:
+            # The weights were verified: a load that fails leaves the model half-written, and
+            # this replica must not serve it.
             update.future.set_exception(EngineDeadError(f"loading weights version {update.version} failed: {e!r}"))
             raise
         else:
-            update.future.set_result({"wait_s": waited, "apply_s": time.perf_counter() - start, **(engine_timings or {})})
+            update.future.set_result({"version": update.version, "wait_s": waited,
+                                      "apply_s": time.perf_counter() - start, **(engine_timings or {})})
         finally:
-            self._update = None
+            if self._update is update:
+                self._update = None
 
     def _finish(self, completion: Completion) -> None:
         request = self._in_engine.pop(completion.request_id, None)
@@ -313,3 +337,7 @@ class AsyncEngine:
         if self._update is not None and not self._update.future.done():
             self._update.future.set_exception(error)
         self._update = None
+
+
+def _raise(error: BaseException) -> None:
+    raise error

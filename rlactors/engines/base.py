@@ -46,8 +46,14 @@ class Engine(abc.ABC):
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Replaces the weights (HF parameter names) and sets the policy version of later tokens.
 
-        Raises ValueError, with the old weights still in place, when a name or shape is wrong.
+        Raises ValueError, with the old weights still in place, when `check_weights` fails.
         """
+
+    def check_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Raises ValueError when `named_tensors` cannot be loaded; reads only shapes and names,
+        so it may run while step() runs. This default only refuses an empty set."""
+        if not named_tensors:
+            raise ValueError("no weights given")
 
     # Weights broadcast by the trainer (rlactors.weight_sync.nccl) arrive in two phases: staged
     # into a receive buffer and verified, then loaded between steps. Only the vLLM engine has them.

@@ -166,8 +166,7 @@ class NativeEngine(Engine):
 
     # -- weights and cache ------------------------------------------------------------------
 
-    @torch.no_grad()
-    def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+    def check_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         params = dict(self.model.named_parameters(remove_duplicate=False))
         unknown = sorted(set(named_tensors) - set(params))
         tied = "lm_head.weight" if self.model.args.tie_word_embeddings else None
@@ -177,6 +176,11 @@ class NativeEngine(Engine):
         if unknown or missing or wrong_shape:
             raise ValueError(f"weights do not match the model: unknown {unknown[:5]}, missing "
                              f"{missing[:5]}, wrong shapes {wrong_shape[:5]}")
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        self.check_weights(named_tensors)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
         for name, tensor in named_tensors.items():
             params[name].copy_(tensor)
         self.version = version

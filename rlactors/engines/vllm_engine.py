@@ -128,8 +128,7 @@ class VLLMEngine(Engine):
         return bool(self.requests or self.aborted)
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        if not named_tensors:
-            raise ValueError("load_weights got no tensors")
+        self.check_weights(named_tensors)
         self.engine.apply_model(functools.partial(_load_into_model, list(named_tensors.items())))
         self.version = version
         self.reset_prefix_cache()

@@ -341,8 +341,10 @@ class Controller:
     async def _push_weights(self) -> dict[str, float]:
         """The trainer's current policy to every replica, verified by checksum on arrival.
 
+        Returns once every replica has verified the weights; each loads them at its next step
+        boundary (after a drain, or at once for a hot swap) and admits no request before that.
         Returns seconds spent gathering the weights (and packing, checksumming) and moving them
-        (transfer, verification, loading), and the bytes moved to each replica."""
+        (transfer and verification), and the bytes moved to each replica."""
         mode = self.config.generator.update_mode
         start, details = time.perf_counter(), {}
         if self.nccl_weight_sync:
@@ -410,8 +412,11 @@ class Controller:
         # Idle = the share of replica time since the last step spent outside engine steps (not
         # generating). A restarted replica's counter starts again at 0, so a step that saw a restart
         # reports nothing.
+        engines = [r["engine"] for r in stats["replicas"] if r["engine"] is not None]
+        # Versions a replica accepted but never loaded, because a newer one arrived first.
+        metrics["generator/superseded_updates"] = float(sum(e["superseded"] for e in engines))
         now = time.perf_counter()
-        busy = sum(r["engine"]["busy_s"] for r in stats["replicas"] if r["engine"] is not None)
+        busy = sum(e["busy_s"] for e in engines)
         if self._generator_busy is not None and stats["live"]:
             then, busy_then = self._generator_busy
             if busy >= busy_then:

@@ -42,6 +42,8 @@ def test_training_steps_update_the_policy_and_the_generators(tiny_ckpt, tmp_path
     if mode == "sync":
         assert all(m["policy/age_mean"] == 0 for m in history)
         assert all(0.0 < f < 1.0 for f in idle)  # they generate, then wait while the trainer trains
+        # Each version is loaded before the next arrives (nothing in flight at a sync).
+        assert all(m["generator/superseded_updates"] == 0 for m in history)
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert (tmp_path / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"

@@ -74,6 +74,11 @@ class GeneratorConfig:
     gpu_memory_utilization: float = 0.5  # vllm
     update_mode: Literal["drain", "hot_swap"] = "drain"
     restart_dead: bool = True
+    # How weights reach the replicas: "messages" (full tensors over Monarch; a dead replica is
+    # restarted at the current version) or "broadcast" (one packed buffer from trainer rank 0:
+    # NCCL on GPUs, gloo on CPU; faster, but the group is fixed, so a dead replica stops the run).
+    # "auto": broadcast for vLLM replicas on GPUs of their own, messages otherwise.
+    weight_sync: Literal["auto", "messages", "broadcast"] = "auto"
 
     def validate(self, key: str) -> None:
         for name in ("replicas", "tp", "max_num_seqs", "max_num_tokens", "kv_cache_tokens", "block_size"):
@@ -223,6 +228,8 @@ class Config:
                f"{c.trainer.ranks} ranks do not split evenly over job.trainer_hosts={j.trainer_hosts}")
         _check(c.generator.replicas % j.generator_hosts == 0, "generator.replicas",
                f"{c.generator.replicas} replicas do not split evenly over job.generator_hosts={j.generator_hosts}")
+        _check(c.generator.weight_sync != "broadcast" or not c.controller.colocate, "generator.weight_sync",
+               "'broadcast' needs generators on GPUs of their own (controller.colocate is set)")
         if c.controller.device == "cpu":
             _check(c.generator.engine == "native", "generator.engine", "'vllm' needs controller.device = 'cuda'")
             return

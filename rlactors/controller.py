@@ -81,11 +81,14 @@ class Controller:
         self.router = None
 
     @property
-    def nccl_weight_sync(self) -> bool:
-        """vLLM replicas on GPUs of their own take weights by NCCL broadcast; colocated ones (NCCL
-        cannot join two ranks on one GPU) and native ones get tensors in Monarch messages."""
+    def broadcast_weight_sync(self) -> bool:
+        """Weights by broadcast from trainer rank 0 (`generator.weight_sync`; by default for vLLM
+        replicas on GPUs of their own: NCCL cannot join two ranks on one GPU), else in Monarch
+        messages."""
         c = self.config
-        return c.generator.engine == "vllm" and not c.controller.colocate
+        if c.generator.weight_sync == "auto":
+            return c.generator.engine == "vllm" and not c.controller.colocate
+        return c.generator.weight_sync == "broadcast"
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -131,7 +134,7 @@ class Controller:
                                          self._hosts.generators)
         await self._print_placement(ranks)
 
-        if self.nccl_weight_sync:
+        if self.broadcast_weight_sync:
             await self._join_weight_group()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(dump_toml(c))
@@ -330,7 +333,7 @@ class Controller:
         return metrics
 
     async def _join_weight_group(self) -> None:
-        """vLLM replicas get weights by NCCL broadcast from trainer rank 0: set up that group."""
+        """Replicas get weights by broadcast from trainer rank 0: set up that group."""
         dtype = self.config.model.dtype
         host, port = first_value(await self.trainer.weight_sync_address.call())
         layout = first_value(await self.trainer.weight_layout.call(dtype))
@@ -347,7 +350,7 @@ class Controller:
         (transfer and verification), and the bytes moved to each replica."""
         mode = self.config.generator.update_mode
         start, details = time.perf_counter(), {}
-        if self.nccl_weight_sync:
+        if self.broadcast_weight_sync:
             packed, dead = await asyncio.gather(self.trainer.pack_weights.call(), self.router.dead_replicas.call_one())
             if dead:
                 await self._stop_for_dead_replicas(dead)
@@ -382,13 +385,13 @@ class Controller:
         return {"gather_s": gathered - start, "transfer_s": done - gathered, "bytes": num_bytes, **details}
 
     async def _stop_for_dead_replicas(self, dead: list[int]) -> None:
-        """The NCCL weight group is fixed at start, and a broadcast would wait for a dead member
+        """The weight broadcast group is fixed at start, and a broadcast would wait for a dead member
         forever: the run stops instead, with the trained state saved."""
         saved = "no step was trained yet"
         if self.step:
             await self._save_step_once()
             saved = f"the state after step {self.step} is saved in {self.checkpoint_root}"
-        raise TrainingError(f"generator replica(s) {dead} died and the NCCL weight group cannot sync without "
+        raise TrainingError(f"generator replica(s) {dead} died and the weight broadcast group cannot sync without "
                             f"them; {saved}: --resume continues with a new group")
 
     async def _save_step_once(self) -> None:

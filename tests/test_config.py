@@ -45,6 +45,7 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
         ("rollout.group_size=1", r"^rollout\.group_size: GRPO advantages need at least 2"),
         ("generator.tp=2", r"^generator\.tp: tensor parallelism needs engine = 'vllm'"),
         ("generator.engine=vllm", r"^generator\.engine: 'vllm' needs controller\.device = 'cuda'"),
+        ("generator.weight_sync=nccl", r"^generator\.weight_sync: expected one of 'auto', 'messages', 'broadcast'"),
         ("rollout.max_total_tokens=99999", r"^rollout\.max_total_tokens: exceeds generator\.max_model_len"),
         ("env.name=alphabet_sort", r"^env\.name: must be 'module:Class'"),
         ("trainer=3", r"^trainer: expected a table"),
@@ -71,6 +72,13 @@ def test_gpu_layout_separate_and_colocated():
     assert gpu_layout(load_config(overrides=single, available_gpus=1)) == ([0], [[0]])
     with pytest.raises(ConfigError, match=r"^controller\.device: max\(trainer\.ranks, .*\) = 2 GPUs, but 1"):
         load_config(overrides=single + ["generator.replicas=2"], available_gpus=1)
+
+
+def test_broadcast_weight_sync_needs_generators_on_gpus_of_their_own():
+    colocated = ["controller.device=cuda", "controller.colocate=true", "trainer.ranks=1", "generator.replicas=1"]
+    assert load_config(overrides=colocated, available_gpus=1).generator.weight_sync == "auto"
+    with pytest.raises(ConfigError, match=r"^generator\.weight_sync: 'broadcast' needs generators on GPUs of"):
+        load_config(overrides=[*colocated, "generator.weight_sync=broadcast"], available_gpus=1)
 
 
 def test_gpu_layout_on_the_hosts_of_a_job():

@@ -52,6 +52,21 @@ def test_training_steps_update_the_policy_and_the_generators(tiny_ckpt, tmp_path
     assert (tmp_path / "checkpoints" / "step_00000003" / "hf" / "model.safetensors").is_file()
 
 
+def test_weights_by_broadcast_train_like_weights_by_messages(tiny_ckpt, tmp_path):
+    """generator.weight_sync = 'broadcast' on CPU: trainer rank 0 sends one packed buffer over a
+    gloo group to both replicas, which verify it beside their engines and load it between steps."""
+    messages = _run(_config(tiny_ckpt, tmp_path / "messages", "controller.steps=2", 'generator.weight_sync="messages"'))
+    broadcast = _run(_config(tiny_ckpt, tmp_path / "broadcast", "controller.steps=2",
+                             'generator.weight_sync="broadcast"'))
+    assert [m["policy/version"] for m in broadcast] == [1.0, 2.0]
+    for by_message, by_broadcast in zip(messages, broadcast):
+        assert "weight_sync/broadcast_s" in by_broadcast and "weight_sync/broadcast_s" not in by_message
+        assert by_broadcast["weight_sync/bytes"] == pytest.approx(by_message["weight_sync/bytes"], rel=0.01)  # + alignment
+        assert by_broadcast["generator/live_replicas"] == 2
+        for key in ("loss/loss", "rollout/reward_mean", "loss/tokens", "train/grad_norm"):
+            assert by_broadcast[key] == pytest.approx(by_message[key], rel=1e-5, abs=1e-7), key
+
+
 def test_resume_continues_exactly_like_an_uninterrupted_run(tiny_ckpt, tmp_path):
     straight = _run(_config(tiny_ckpt, tmp_path / "straight"))
     interrupted = tmp_path / "interrupted"

@@ -44,7 +44,7 @@ class Generator(Actor):
     @concurrent_endpoint
     async def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
                                 layout: Any) -> list[int]:
-        """vLLM engine: joins the trainer's NCCL weight group (see rlactors.weight_sync.nccl)."""
+        """Joins the trainer's weight broadcast group (see rlactors.weight_sync.broadcast)."""
         return self.engine.engine.join_weight_group(host, port, rank_offset, world_size, layout)
 
     @concurrent_endpoint

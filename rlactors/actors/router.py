@@ -12,9 +12,8 @@
   and the request is retried on a live replica; a request error (ValueError) goes back to the caller.
 - Weights: `update_weights` fans out to every live replica in parallel. The router keeps the
   latest (version, tensors, checksum) it fanned out so that a restarted replica is brought to the
-  current version before it takes requests. (Weights pushed to replicas by another route, e.g.
-  vLLM's NCCL weight transfer, are not kept here: a restarted replica then starts from
-  `model.path`, and the controller's next sync updates it.)
+  current version before it takes requests. (Weights that reach the replicas by the trainer's
+  broadcast are not kept here; with them a dead replica is not restarted: `join_weight_group`.)
 """
 
 from __future__ import annotations
@@ -260,11 +259,11 @@ class GeneratorRouter(Actor):
 
     @concurrent_endpoint
     async def join_weight_group(self, host: str, port: int, layout: Any) -> int:
-        """vLLM replicas: every TP worker of replica i joins the trainer's NCCL weight group as
+        """Every TP worker of replica i joins the trainer's weight broadcast group as
         rank 1 + i * tp + its TP rank (the trainer is rank 0). Returns the group's world size.
 
         The group is fixed at its creation, so a replica restarted later cannot join it: with
-        NCCL weight sync a dead replica is not restarted. The group still counts it, so a
+        broadcast weight sync a dead replica is not restarted. The group still counts it, so a
         broadcast would wait for it: the controller checks `dead_replicas()` before each sync and
         stops the run instead (`--resume` forms a new group)."""
         await self._ensure_started()

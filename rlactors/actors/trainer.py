@@ -23,7 +23,7 @@ from rlactors.losses import LossNorm
 from rlactors.rollout.types import MicroBatch
 from rlactors.trainer.core import PolicyTrainerCore, VersionedWeights
 from rlactors.trainer.parallel import init_distributed
-from rlactors.weight_sync.nccl import free_port, local_address
+from rlactors.weight_sync.broadcast import free_port, local_address
 
 
 class PolicyTrainer(Actor):
@@ -58,7 +58,7 @@ class PolicyTrainer(Actor):
 
     @endpoint
     async def weight_sync_address(self) -> tuple[str, int]:
-        """An address and free port on this rank's host for the NCCL weight group's rendezvous."""
+        """An address and free port on this rank's host for the weight broadcast group's rendezvous."""
         return local_address(), free_port()
 
     @endpoint

@@ -126,7 +126,7 @@ class AsyncEngine:
             return {"version": version, "mode": mode, "verify_s": time.perf_counter() - start}
 
     async def receive_weights(self, version: int, checksum: str, mode: str | None = None) -> dict[str, Any]:
-        """Weights broadcast by the trainer over NCCL (vLLM engine): received into the engine's
+        """Weights broadcast by the trainer (NCCL or gloo): received into the engine's
         buffer and verified now, loaded between engine steps later. Returns once verified.
 
         The buffer holds one version. A version still waiting for its load is overwritten (the new
@@ -224,8 +224,8 @@ class AsyncEngine:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self.engine.close()
         self._executor.shutdown(wait=True)
-        # A receive waits in NCCL for its sender, which may be gone (the trainer died): do not
-        # wait for it; the proc is stopped next.
+        # A receive waits for its sender, which may be gone (the trainer died; NCCL waits for
+        # ever): do not wait for it; the proc is stopped next.
         self._stage_executor.shutdown(wait=False, cancel_futures=True)
 
     # -- the loop ---------------------------------------------------------------------------

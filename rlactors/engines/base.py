@@ -55,18 +55,23 @@ class Engine(abc.ABC):
         if not named_tensors:
             raise ValueError("no weights given")
 
-    # Weights broadcast by the trainer (rlactors.weight_sync.nccl) arrive in two phases: staged
-    # into a receive buffer and verified, then loaded between steps. Only the vLLM engine has them.
+    # Weights broadcast by the trainer (rlactors.weight_sync.broadcast) arrive in two phases:
+    # staged into a receive buffer and verified, then loaded between steps.
     stages_concurrently = False  # True: stage_weights may run in another thread while step() runs
 
+    @abc.abstractmethod
+    def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, layout: Any) -> list[int]:
+        """Joins the trainer's broadcast group (blocks until every member joins); returns the
+        ranks this engine holds in it (one per TP worker, from `rank_offset` on)."""
+
+    @abc.abstractmethod
     def stage_weights(self, version: int, checksum: str) -> dict[str, float]:
         """Receives the trainer's next broadcast into the receive buffer and checks its checksum
         (ChecksumMismatch on a difference); the served weights are untouched. Returns timings."""
-        raise NotImplementedError(f"{type(self).__name__} receives weights as tensors (load_weights)")
 
+    @abc.abstractmethod
     def load_staged(self, version: int) -> dict[str, float]:
         """Loads the staged weights and sets the policy version of later tokens. Returns timings."""
-        raise NotImplementedError(f"{type(self).__name__} receives weights as tensors (load_weights)")
 
     @abc.abstractmethod
     def reset_prefix_cache(self) -> None:

@@ -19,6 +19,8 @@ from rlactors.engines.sampling import request_generator, sample
 from rlactors.engines.scheduler import ScheduledChunk, Scheduler, SeqState
 from rlactors.models.qwen3 import Qwen3ForCausalLM
 from rlactors.types import Completion, SamplingParams
+from rlactors.weight_sync.broadcast import BufferReceiver
+from rlactors.weight_sync.packed import PackedLayout
 
 
 class NativeEngine(Engine):
@@ -47,6 +49,7 @@ class NativeEngine(Engine):
         self.aborted: list[Completion] = []
         self.counters = {"steps": 0, "finished": 0, "aborted": 0, "generated_tokens": 0,
                          "computed_tokens": 0}
+        self.receiver: BufferReceiver | None = None  # set by join_weight_group
 
     @classmethod
     def from_config(cls, generator_config: Any, model_config: Any,
@@ -185,6 +188,25 @@ class NativeEngine(Engine):
             params[name].copy_(tensor)
         self.version = version
         self.reset_prefix_cache()
+
+    # Weights by broadcast (rlactors.weight_sync.broadcast): the receive buffer is not the model,
+    # so a receive may run while step() runs.
+    stages_concurrently = True
+
+    def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                          layout: PackedLayout) -> list[int]:
+        self.receiver = BufferReceiver(host, port, rank_offset, world_size, layout, self.device)
+        return [rank_offset]
+
+    def stage_weights(self, version: int, checksum: str) -> dict[str, float]:
+        if self.receiver is None:
+            raise RuntimeError("stage_weights: this engine has not joined a weight group")
+        return self.receiver.receive(version, checksum)
+
+    def load_staged(self, version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        self.load_weights(self.receiver.weights(), version)
+        return {"load_s": time.perf_counter() - start}
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()

@@ -134,18 +134,18 @@ class VLLMEngine(Engine):
         self.reset_prefix_cache()
 
     def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, layout: Any) -> list[int]:
-        """Joins the trainer's NCCL weight group (rlactors.weight_sync.nccl) on every TP worker."""
-        from rlactors.weight_sync.nccl import worker_join
+        """Joins the trainer's NCCL weight group (rlactors.weight_sync.broadcast) on every TP worker."""
+        from rlactors.weight_sync.broadcast import worker_join
 
         return self.engine.collective_rpc(worker_join, args=(host, port, rank_offset, world_size, layout))
 
     def stage_weights(self, version: int, checksum: str) -> dict[str, float]:
-        from rlactors.weight_sync.nccl import worker_stage
+        from rlactors.weight_sync.broadcast import worker_stage
 
         return self.engine.collective_rpc(worker_stage, args=(version, checksum))[0]
 
     def load_staged(self, version: int) -> dict[str, float]:
-        from rlactors.weight_sync.nccl import worker_load_staged
+        from rlactors.weight_sync.broadcast import worker_load_staged
 
         timings = self.engine.collective_rpc(worker_load_staged)[0]
         self.version = version

@@ -45,7 +45,7 @@ from rlactors.rollout.types import MicroBatch
 from rlactors.trainer import checkpoint as ckpt
 from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, local_rows, make_mesh
 from rlactors.weight_sync.checksum import state_checksum
-from rlactors.weight_sync.nccl import WeightSender
+from rlactors.weight_sync.broadcast import WeightSender
 from rlactors.weight_sync.packed import PackedLayout
 
 MICROBATCH_FIELDS = ("input_ids", "positions", "target_ids", "loss_mask", "advantages",
@@ -303,7 +303,7 @@ class PolicyTrainerCore:
         return None if weights is None else VersionedWeights(self.version, weights, state_checksum(weights))
 
     # ------------------------------------------------------------------------------------------
-    # GPU weight sync (rlactors.weight_sync.nccl): rank 0 broadcasts one packed buffer
+    # Weight sync by broadcast (rlactors.weight_sync.broadcast): rank 0 sends one packed buffer
 
     def weight_layout(self, dtype: str | None = None) -> PackedLayout:
         """The packed layout of the policy in the generator dtype (from global shapes, no gather)."""
@@ -312,7 +312,7 @@ class PolicyTrainerCore:
                                for name, p in self.model.named_parameters())
 
     def init_weight_sender(self, host: str, port: int, world_size: int, dtype: str | None = None) -> None:
-        """Rank 0 joins the NCCL weight group as its rank 0 (blocks until every replica joins);
+        """Rank 0 joins the weight group as its rank 0 (blocks until every replica joins);
         every rank records the dtype it will gather the weights in."""
         self._sync_dtype = DTYPES[dtype or self.model_config.dtype]
         if self.rank == 0:
@@ -327,7 +327,8 @@ class PolicyTrainerCore:
         self._gather_params(self._sync_dtype, views)
         if self.rank != 0:
             return None
-        torch.cuda.current_stream().synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
         gathered = time.perf_counter()
         checksum = self.sender.layout.checksum(self.sender.buffer)
         return {"version": self.version, "checksum": checksum, "pack_s": gathered - start,

@@ -72,6 +72,7 @@ IMPOSSIBLE = [
     (["generator.max_model_len=1"], "generator.max_model_len"),
     (["generator.gpu_memory_utilization=1.5"], "generator.gpu_memory_utilization"),
     (['generator.update_mode="swap"'], "generator.update_mode"),
+    (['generator.weight_sync="nccl"'], "generator.weight_sync"),
     (["rollout.group_size=1"], "rollout.group_size"),  # GRPO needs 2 rollouts per prompt
     (["rollout.prompts_per_step=0"], "rollout.prompts_per_step"),
     (["rollout.max_turns=0"], "rollout.max_turns"),

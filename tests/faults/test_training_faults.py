@@ -2,7 +2,8 @@
 this process), with real Monarch procs on CPU: env failures counted in the step metrics, the
 trainer proc SIGKILLed mid-run then `--resume` matching an uninterrupted run, a half-written
 checkpoint never picked, non-finite generator logprobs excluded, a non-finite loss that stops
-the run with its state saved, and corrupted weights on their way to the replicas."""
+the run with its state saved, corrupted weights on their way to the replicas, and with weights by
+broadcast, a failed checksum and a dead replica (the group is fixed: the run stops, saved)."""
 
 from __future__ import annotations
 
@@ -206,10 +207,12 @@ class _CorruptingUpdates:
             self.after = await self.router.stats.call_one()
 
 
-class _RouterWithCorruptedTransfers:
-    def __init__(self, router):
+class _RouterWith:
+    """The real router, with the endpoints given by name replaced."""
+
+    def __init__(self, router, **endpoints):
         self._router = router
-        self.update_weights = _CorruptingUpdates(router.update_weights, router)
+        self.__dict__.update(endpoints)
 
     def __getattr__(self, name):
         return getattr(self._router, name)
@@ -218,7 +221,7 @@ class _RouterWithCorruptedTransfers:
 class CorruptedSyncController(Controller):
     async def start(self) -> None:
         await super().start()
-        self.router = _RouterWithCorruptedTransfers(self.router)
+        self.router = _RouterWith(self.router, update_weights=_CorruptingUpdates(self.router.update_weights, self.router))
 
 
 def test_corrupted_weight_sync_stops_the_run_and_the_replicas_keep_the_old_policy(tiny_ckpt, tmp_path, fault_record):
@@ -237,3 +240,85 @@ def test_corrupted_weight_sync_stops_the_run_and_the_replicas_keep_the_old_polic
                  "between the trainer (which computed the checksum) and the router", None,
                  f"no served token: the replica kept version 0; the run stopped with `{message}`; "
                  "checkpoint 1 (complete) resumes it")
+
+
+# -- weights by broadcast (generator.weight_sync = "broadcast": a gloo group on CPU, NCCL on GPUs) --
+
+BROADCAST = ("generator.replicas=2", 'generator.weight_sync="broadcast"')
+
+
+class _WrongChecksumReceives:
+    """Stands in front of the real router's `receive_weights`: the replicas are told a checksum
+    that is not the one of what the trainer broadcasts."""
+
+    def __init__(self, endpoint, router):
+        self.endpoint, self.router, self.after = endpoint, router, None
+
+    async def call_one(self, version, checksum, mode=None):
+        try:
+            return await self.endpoint.call_one(version, "0" * 32, mode)
+        finally:
+            self.after = await self.router.stats.call_one()
+
+
+class WrongChecksumBroadcastController(Controller):
+    async def start(self) -> None:
+        await super().start()
+        self.router = _RouterWith(self.router,
+                                  receive_weights=_WrongChecksumReceives(self.router.receive_weights, self.router))
+
+
+def test_a_broadcast_that_fails_its_checksum_stops_the_run_and_the_replicas_keep_the_old_policy(
+        tiny_ckpt, tmp_path, fault_record):
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, *BROADCAST))
+    controller = WrongChecksumBroadcastController(config)
+    with pytest.raises(TrainingError) as raised:
+        asyncio.run(controller.run())
+    message = str(raised.value)
+    assert message.startswith("weight sync of policy version 1 failed: ") and "ChecksumMismatch" in message
+    assert "rejected by replica 0" in message and "replica 1" in message
+    replicas = controller.router.receive_weights.after["replicas"]
+    assert [(r["alive"], r["version"], r["engine"]["version"]) for r in replicas] == [(True, 0, 0)] * 2
+    assert (checkpoint_dir(tmp_path / "checkpoints", 1) / COMPLETE_FILE).is_file()
+    fault_record("weight-sync corruption (broadcast)", "the replicas told a checksum that does not match "
+                 "the step-1 broadcast", None, f"no served token: both replicas kept version 0; the run stopped "
+                 f"with `{message[:120]}...`; checkpoint 1 (complete) resumes it")
+
+
+class ReplicaKilledBeforeSync(Controller):
+    """SIGKILLs replica 1's proc after step `kill_after_step` has trained, before its weight sync,
+    and records how long the router took to count it dead."""
+
+    kill_after_step = 2
+
+    async def _push_weights(self):
+        if self.step == self.kill_after_step and not hasattr(self, "detection_s"):
+            stats = await self.router.stats.call_one()
+            os.kill(stats["replicas"][1]["engine"]["pid"], signal.SIGKILL)
+            killed = time.monotonic()
+            while await self.router.dead_replicas.call_one() != [1]:
+                assert time.monotonic() - killed < 30, "the router did not count replica 1 dead"
+                await asyncio.sleep(0.05)
+            self.detection_s = time.monotonic() - killed
+        return await super()._push_weights()
+
+
+def test_a_dead_replica_stops_a_broadcast_run_saved_and_resume_forms_a_new_group(tiny_ckpt, tmp_path, fault_record):
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, *BROADCAST, "controller.checkpoint_every=0"))
+    controller = ReplicaKilledBeforeSync(config)
+    with pytest.raises(TrainingError) as raised:
+        asyncio.run(controller.run())
+    message = str(raised.value)
+    assert message == (f"generator replica(s) [1] died and the weight broadcast group cannot sync without them; "
+                       f"the state after step 2 is saved in {tmp_path / 'checkpoints'}: --resume continues "
+                       "with a new group")
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1]  # step 2 stopped at its weight sync
+    assert (checkpoint_dir(tmp_path / "checkpoints", 2) / COMPLETE_FILE).is_file()  # saved by the stop
+
+    resumed = asyncio.run(Controller(config, resume=True).run())
+    assert [m["policy/version"] for m in resumed] == [3.0]
+    assert resumed[0]["generator/live_replicas"] == 2 and "weight_sync/broadcast_s" in resumed[0]
+    fault_record("generator replica SIGKILLed (broadcast weight sync)", "replica 1's proc, after step 2 trained, "
+                 "before its weight sync", controller.detection_s,
+                 "step 2's metrics line; its trained state was saved, and --resume ran step 3 with a new "
+                 "group of 2 replicas")

@@ -1,0 +1,158 @@
+"""Weight sync by broadcast: trainer rank 0 sends one packed buffer to every replica at once.
+
+On GPUs the group is vLLM's stateless NCCL group (a TCP rendezvous plus a PyNcclCommunicator);
+on CPU it is a gloo group of its own (a TCPStore rendezvous). Either way it lives beside the
+trainer's torch.distributed world (and vLLM's TP group). The trainer is rank 0; replica r's TP
+worker t is rank 1 + r * tp + t. Both sides must join at the same time (the controller calls them
+together), and every broadcast likewise. The group is fixed when it is formed.
+
+A receiver stages each broadcast in its own buffer (on GPU, on a side stream) and checks its
+checksum before loading anything: on a mismatch the replica keeps serving its current weights
+and the error names the version. The load follows between engine steps; in vLLM, loads after the
+first are plain copies from the buffer where a copy plan was proven equal to vLLM's loader.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from typing import Any
+
+import torch
+
+from rlactors.weight_sync.checksum import ChecksumMismatch
+from rlactors.weight_sync.copy_plan import CopyPlan
+from rlactors.weight_sync.packed import PackedLayout
+
+
+def local_address() -> str:
+    """This host's address as the other hosts of the job reach it."""
+    return socket.gethostbyname(socket.gethostname())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+GLOO_TIMEOUT = datetime.timedelta(minutes=5)  # a rendezvous or broadcast that waits longer fails
+
+
+class GlooGroup:
+    """A CPU broadcast group, with the calls of vLLM's PyNcclCommunicator that are used here."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int):
+        import torch.distributed as dist
+
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=GLOO_TIMEOUT)
+        self.group = dist.ProcessGroupGloo(store, rank, world_size, GLOO_TIMEOUT)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+        self.group.broadcast(tensor, src).wait()  # a member that died fails it at once (connection closed or reset)
+
+
+def join_group(host: str, port: int, rank: int, world_size: int, device: torch.device) -> Any:
+    """Joins the weight group as `rank`; blocks until all `world_size` members have joined."""
+    if device.type == "cpu":
+        return GlooGroup(host, port, rank, world_size)
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
+    return PyNcclCommunicator(group, device=device)
+
+
+def receive_verified(group: Any, layout: PackedLayout, buffer: torch.Tensor, version: int, checksum: str,
+                     stream: Any = None) -> dict[str, float]:
+    """Receives the next broadcast into `buffer` and checks it against `checksum`
+    (ChecksumMismatch on a difference). Returns the seconds it took."""
+    start = time.perf_counter()
+    group.broadcast(buffer, src=0, stream=stream)
+    received = layout.checksum(buffer)  # on GPU, on the same stream, after the broadcast; waits for it
+    if received != checksum:
+        raise ChecksumMismatch(f"weights version {version}: received checksum {received}, trainer sent "
+                               f"{checksum}; keeping the previous weights")
+    return {"receive_verify_s": time.perf_counter() - start}
+
+
+class WeightSender:
+    """Trainer rank 0's side: a persistent send buffer (the trainer packs it) and the broadcast."""
+
+    def __init__(self, host: str, port: int, world_size: int, layout: PackedLayout, device: torch.device):
+        self.layout = layout
+        self.buffer = layout.empty(device).zero_()  # zeroed once: padding bytes count in the checksum
+        self.group = join_group(host, port, 0, world_size, device)
+
+    def broadcast(self) -> dict[str, float]:
+        """Sends the buffer as it is (the caller has packed it) to every receiver."""
+        start = time.perf_counter()
+        if self.buffer.is_cuda:
+            self.group.broadcast(self.buffer, src=0, stream=torch.cuda.current_stream())
+            torch.cuda.current_stream().synchronize()
+        else:
+            self.group.broadcast(self.buffer, src=0)
+        return {"bytes": float(self.layout.total_bytes), "broadcast_s": time.perf_counter() - start}
+
+
+class BufferReceiver:
+    """A replica's side outside vLLM (the native engine): its member of the group and a receive
+    buffer of its own, so a broadcast never touches the weights being served."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, layout: PackedLayout, device: torch.device):
+        self.layout = layout
+        self.buffer = layout.empty(device)
+        self.group = join_group(host, port, rank, world_size, device)
+
+    def receive(self, version: int, checksum: str) -> dict[str, float]:
+        return receive_verified(self.group, self.layout, self.buffer, version, checksum)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The received tensors: views into the buffer, valid until the next receive."""
+        return dict(self.layout.views(self.buffer))
+
+
+# -- vLLM worker side: run through LLM.collective_rpc, `worker` is vLLM's worker object ----------
+
+
+def _model(worker: Any) -> torch.nn.Module:
+    return worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
+
+
+def worker_join(worker: Any, host: str, port: int, rank_offset: int, world_size: int, layout: PackedLayout) -> int:
+    rank = rank_offset + worker.rank
+    device = torch.device("cuda", torch.cuda.current_device())
+    worker.rlactors_weight_group = join_group(host, port, rank, world_size, device)
+    worker.rlactors_weight_buffer = layout.empty(device)
+    worker.rlactors_weight_layout = layout
+    worker.rlactors_stage_stream = torch.cuda.Stream(device)  # receives beside the engine's work
+    return rank
+
+
+def worker_stage(worker: Any, version: int, checksum: str) -> dict[str, float]:
+    """Receives the broadcast into the worker's buffer and checks its checksum; the model's
+    weights are untouched, so the engine may be generating meanwhile (on its own stream)."""
+    stream: torch.cuda.Stream = worker.rlactors_stage_stream
+    with torch.cuda.stream(stream):
+        return receive_verified(worker.rlactors_weight_group, worker.rlactors_weight_layout,
+                                worker.rlactors_weight_buffer, version, checksum, stream)
+
+
+def worker_load_staged(worker: Any) -> dict[str, float]:
+    """Loads the verified buffer into the model. The first load goes through vLLM's
+    `load_weights` and derives the copy plan (rlactors.weight_sync.copy_plan) that later loads
+    use where it was proven equal."""
+    layout: PackedLayout = worker.rlactors_weight_layout
+    buffer: torch.Tensor = worker.rlactors_weight_buffer
+    start = time.perf_counter()
+    plan = getattr(worker, "rlactors_copy_plan", None)
+    if plan is not None:
+        plan.apply()
+    else:
+        model = _model(worker)
+        model.load_weights(layout.views(buffer))
+        if not hasattr(worker, "rlactors_copy_plan"):
+            worker.rlactors_copy_plan = CopyPlan.derive(model, layout, buffer)
+    torch.cuda.current_stream().synchronize()  # the buffer may be overwritten by the next broadcast
+    return {"load_s": time.perf_counter() - start, "copy_plan": float(plan is not None)}

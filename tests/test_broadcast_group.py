@@ -1,0 +1,78 @@
+"""The CPU weight broadcast (gloo) between real processes: the sender's packed buffer arrives bit
+for bit and verified, a wrong checksum is refused, and a member that dies fails the sender's next
+broadcast at once instead of hanging it (through the controller, a failed weight sync)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import re
+
+import torch
+
+from rlactors.weight_sync.broadcast import BufferReceiver, WeightSender, free_port
+from rlactors.weight_sync.checksum import ChecksumMismatch
+from rlactors.weight_sync.packed import PackedLayout
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"embed": torch.randn(300, 64, generator=g).to(torch.bfloat16), "norm": torch.randn(64, generator=g)}
+
+
+def _member(rank: int, port: int, results) -> None:
+    weights = _weights()
+    layout = PackedLayout.of(weights)
+    cpu = torch.device("cpu")
+    try:
+        if rank == 0:
+            sender = WeightSender("127.0.0.1", port, 3, layout, cpu)
+            layout.pack(weights, sender.buffer)
+            sender.broadcast()  # version 1
+            sender.broadcast()  # version 2, received with a wrong checksum
+            try:
+                sender.broadcast()  # rank 2 has died
+            except RuntimeError as e:
+                results.put((rank, "error", str(e)))
+            return
+        receiver = BufferReceiver("127.0.0.1", port, rank, 3, layout, cpu)
+        expected = layout.checksum(layout.pack(weights, layout.empty(cpu).zero_()))
+        receiver.receive(1, expected)
+        received = receiver.weights()
+        same = all(torch.equal(received[k], v) and received[k].dtype == v.dtype for k, v in weights.items())
+        try:
+            receiver.receive(2, "0" * 32)
+            refused = False
+        except ChecksumMismatch:
+            refused = True
+        results.put((rank, "received", same and refused))
+        if rank == 2:
+            results.close()
+            results.join_thread()  # the report is out
+            os._exit(0)  # dies without leaving the group
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        results.put((rank, "failed", repr(e)))
+
+
+def test_gloo_broadcast_delivers_verified_bits_and_a_dead_member_fails_it():
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    members = [context.Process(target=_member, args=(rank, port, results)) for rank in range(3)]
+    for member in members:
+        member.start()
+    reports = []
+    try:
+        while len(reports) < 3:
+            reports.append(results.get(timeout=90))
+    except queue.Empty:
+        raise AssertionError(f"members reported only {reports}") from None
+    finally:
+        for member in members:
+            member.join(30)
+            if member.is_alive():
+                member.kill()
+    assert sorted(r[:2] for r in reports) == [(0, "error"), (1, "received"), (2, "received")], reports
+    assert all(ok for _, what, ok in reports if what == "received")
+    assert re.search(r"Connection (closed by peer|reset)", next(text for _, what, text in reports if what == "error"))

@@ -1,7 +1,9 @@
 """Weight sync: trainer (FSDP2 on 1-2 GPUs) -> every vLLM replica, against the NCCL ceiling.
 
     python benchmarks/weight_sync.py --size 1.7b --trainer-gpus 2 --replicas 2
-    python benchmarks/weight_sync.py --device cpu          # native replicas over Monarch messages
+    python benchmarks/weight_sync.py --device cpu --trainer-gpus 2 --replicas 2 --weight-sync broadcast
+                                                           # native replicas on CPU: gloo broadcast
+                                                           # (or `messages`: full tensors over Monarch)
 
 Each sync is the controller's own path: gather the full weights from the FSDP shards into one
 packed buffer (bf16) and checksum it; NCCL-broadcast it from trainer rank 0 to every replica
@@ -65,7 +67,7 @@ def _broadcast_worker(rank: int, world_size: int, num_bytes: int, gpus: list[int
 def nccl_ceiling(num_bytes: int, gpus: list[int], iters: int) -> float:
     import torch.multiprocessing as mp
 
-    from rlactors.weight_sync.nccl import free_port
+    from rlactors.weight_sync.broadcast import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -109,6 +111,9 @@ def main() -> None:
     parser.add_argument("--trainer-gpus", type=int, default=1)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--weight-sync", choices=("auto", "messages", "broadcast"), default="auto",
+                        help="generator.weight_sync (auto: broadcast for vLLM, messages for native replicas)")
+    parser.add_argument("--dtype", help="model.dtype of the synced weights (default: bfloat16 on cuda, the config's on cpu)")
     args = parser.parse_args()
 
     use_fast_supervision()
@@ -117,10 +122,14 @@ def main() -> None:
     cuda = args.device == "cuda"
     overrides = [f'model.path="{ckpt}"', f"trainer.ranks={args.trainer_gpus}", f"generator.replicas={args.replicas}",
                  f'controller.device="{args.device}"', f'controller.run_dir="{ckpt.parent / "run"}"',
-                 "generator.max_model_len=512", "rollout.max_total_tokens=512"]
+                 "generator.max_model_len=512", "rollout.max_total_tokens=512",
+                 f'generator.weight_sync="{args.weight_sync}"']
+    if args.dtype:
+        overrides.append(f'model.dtype="{args.dtype}"')
     if cuda:
-        overrides += ['generator.engine="vllm"', 'model.dtype="bfloat16"', "generator.gpu_memory_utilization=0.35",
-                      'generator.update_mode="hot_swap"']
+        overrides += ['generator.engine="vllm"', "generator.gpu_memory_utilization=0.35", 'generator.update_mode="hot_swap"']
+        if not args.dtype:
+            overrides.append('model.dtype="bfloat16"')
     config = load_config(None, overrides)
     runs = asyncio.run(measure(config, args.iters))
 

@@ -64,19 +64,6 @@ def join_group(host: str, port: int, rank: int, world_size: int, device: torch.d
     return PyNcclCommunicator(group, device=device)
 
 
-def receive_verified(group: Any, layout: PackedLayout, buffer: torch.Tensor, version: int, checksum: str,
-                     stream: Any = None) -> dict[str, float]:
-    """Receives the next broadcast into `buffer` and checks it against `checksum`
-    (ChecksumMismatch on a difference). Returns the seconds it took."""
-    start = time.perf_counter()
-    group.broadcast(buffer, src=0, stream=stream)
-    received = layout.checksum(buffer)  # on GPU, on the same stream, after the broadcast; waits for it
-    if received != checksum:
-        raise ChecksumMismatch(f"weights version {version}: received checksum {received}, trainer sent "
-                               f"{checksum}; keeping the previous weights")
-    return {"receive_verify_s": time.perf_counter() - start}
-
-
 class WeightSender:
     """Trainer rank 0's side: a persistent send buffer (the trainer packs it) and the broadcast."""
 
@@ -88,25 +75,32 @@ class WeightSender:
     def broadcast(self) -> dict[str, float]:
         """Sends the buffer as it is (the caller has packed it) to every receiver."""
         start = time.perf_counter()
-        if self.buffer.is_cuda:
-            self.group.broadcast(self.buffer, src=0, stream=torch.cuda.current_stream())
-            torch.cuda.current_stream().synchronize()
-        else:
-            self.group.broadcast(self.buffer, src=0)
+        stream = torch.cuda.current_stream() if self.buffer.is_cuda else None
+        self.group.broadcast(self.buffer, src=0, stream=stream)
+        if stream is not None:
+            stream.synchronize()
         return {"bytes": float(self.layout.total_bytes), "broadcast_s": time.perf_counter() - start}
 
 
 class BufferReceiver:
-    """A replica's side outside vLLM (the native engine): its member of the group and a receive
-    buffer of its own, so a broadcast never touches the weights being served."""
+    """A replica's side (the native engine holds one, each vLLM TP worker one): its member of the
+    group and a receive buffer of its own, so a broadcast never touches the weights being served."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, layout: PackedLayout, device: torch.device):
         self.layout = layout
         self.buffer = layout.empty(device)
         self.group = join_group(host, port, rank, world_size, device)
 
-    def receive(self, version: int, checksum: str) -> dict[str, float]:
-        return receive_verified(self.group, self.layout, self.buffer, version, checksum)
+    def receive(self, version: int, checksum: str, stream: Any = None) -> dict[str, float]:
+        """Receives the next broadcast into the buffer and checks it against `checksum`
+        (ChecksumMismatch on a difference). Returns the seconds it took."""
+        start = time.perf_counter()
+        self.group.broadcast(self.buffer, src=0, stream=stream)
+        received = self.layout.checksum(self.buffer)  # on GPU, on the same stream, after the broadcast
+        if received != checksum:
+            raise ChecksumMismatch(f"weights version {version}: received checksum {received}, trainer sent "
+                                   f"{checksum}; keeping the previous weights")
+        return {"receive_verify_s": time.perf_counter() - start}
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The received tensors: views into the buffer, valid until the next receive."""
@@ -123,9 +117,7 @@ def _model(worker: Any) -> torch.nn.Module:
 def worker_join(worker: Any, host: str, port: int, rank_offset: int, world_size: int, layout: PackedLayout) -> int:
     rank = rank_offset + worker.rank
     device = torch.device("cuda", torch.cuda.current_device())
-    worker.rlactors_weight_group = join_group(host, port, rank, world_size, device)
-    worker.rlactors_weight_buffer = layout.empty(device)
-    worker.rlactors_weight_layout = layout
+    worker.rlactors_receiver = BufferReceiver(host, port, rank, world_size, layout, device)
     worker.rlactors_stage_stream = torch.cuda.Stream(device)  # receives beside the engine's work
     return rank
 
@@ -135,16 +127,15 @@ def worker_stage(worker: Any, version: int, checksum: str) -> dict[str, float]:
     weights are untouched, so the engine may be generating meanwhile (on its own stream)."""
     stream: torch.cuda.Stream = worker.rlactors_stage_stream
     with torch.cuda.stream(stream):
-        return receive_verified(worker.rlactors_weight_group, worker.rlactors_weight_layout,
-                                worker.rlactors_weight_buffer, version, checksum, stream)
+        return worker.rlactors_receiver.receive(version, checksum, stream)
 
 
 def worker_load_staged(worker: Any) -> dict[str, float]:
     """Loads the verified buffer into the model. The first load goes through vLLM's
     `load_weights` and derives the copy plan (rlactors.weight_sync.copy_plan) that later loads
     use where it was proven equal."""
-    layout: PackedLayout = worker.rlactors_weight_layout
-    buffer: torch.Tensor = worker.rlactors_weight_buffer
+    receiver: BufferReceiver = worker.rlactors_receiver
+    layout, buffer = receiver.layout, receiver.buffer
     start = time.perf_counter()
     plan = getattr(worker, "rlactors_copy_plan", None)
     if plan is not None:

@@ -189,22 +189,29 @@ def test_nonfinite_logprobs_are_excluded_and_a_nonfinite_step_stops_with_the_sta
                  "checkpoint 1 (complete) is the saved state")
 
 
-class _CorruptingUpdates:
-    """Stands in front of the real router's `update_weights`: flips one bit of one tensor of
-    every weight push on its way to the replicas (after the trainer computed the checksum), then
-    records what the replicas hold."""
+class _StandIn:
+    """Stands in front of one of the real router's endpoints: calls it with altered arguments,
+    then records what the replicas hold (`after`)."""
 
     def __init__(self, endpoint, router):
         self.endpoint, self.router, self.after = endpoint, router, None
+
+    async def _call(self, *args):
+        try:
+            return await self.endpoint.call_one(*args)
+        finally:
+            self.after = await self.router.stats.call_one()
+
+
+class _CorruptingUpdates(_StandIn):
+    """`update_weights`: flips one bit of one tensor of every weight push on its way to the
+    replicas (after the trainer computed the checksum)."""
 
     async def call_one(self, version, weights, checksum, mode=None):
         name = "model.layers.0.mlp.up_proj.weight"
         flipped = weights[name].clone()
         flipped.view(-1).view(torch.int32)[7] ^= 1 << 3
-        try:
-            return await self.endpoint.call_one(version, {**weights, name: flipped}, checksum, mode)
-        finally:
-            self.after = await self.router.stats.call_one()
+        return await self._call(version, {**weights, name: flipped}, checksum, mode)
 
 
 class _RouterWith:
@@ -247,18 +254,12 @@ def test_corrupted_weight_sync_stops_the_run_and_the_replicas_keep_the_old_polic
 BROADCAST = ("generator.replicas=2", 'generator.weight_sync="broadcast"')
 
 
-class _WrongChecksumReceives:
-    """Stands in front of the real router's `receive_weights`: the replicas are told a checksum
-    that is not the one of what the trainer broadcasts."""
-
-    def __init__(self, endpoint, router):
-        self.endpoint, self.router, self.after = endpoint, router, None
+class _WrongChecksumReceives(_StandIn):
+    """`receive_weights`: the replicas are told a checksum that is not the one of what the
+    trainer broadcasts."""
 
     async def call_one(self, version, checksum, mode=None):
-        try:
-            return await self.endpoint.call_one(version, "0" * 32, mode)
-        finally:
-            self.after = await self.router.stats.call_one()
+        return await self._call(version, "0" * 32, mode)
 
 
 class WrongChecksumBroadcastController(Controller):

@@ -8,6 +8,9 @@
 #   bash benchmarks/device/gpu_visit.sh sync2    # nvidia-h200-x2: weight sync 1 -> 1 (1.7B, 0.6B), the gpu tests
 #   bash benchmarks/device/gpu_visit.sh system2  # nvidia-h200-x2: e2e sync vs async (staleness 1, 2) on
 #                                                #   configs/alphabet_sort_2gpu.toml, then a 40-step run's reward curve
+#   bash benchmarks/device/gpu_visit.sh single1  # nvidia-h200 (one GPU): every gpu test that fits, trainer MFU at 1.7B
+#   bash benchmarks/device/gpu_visit.sh system1  # nvidia-h200 (one GPU): e2e sync vs async (staleness 1, 2) on
+#                                                #   configs/alphabet_sort_1gpu.toml (trainer and vLLM colocated), a 40-step reward curve
 # Expects vLLM and Monarch importable (PYTHONPATH), as staged by ../shared/device/README.md.
 # Jobs confined by CUDA_VISIBLE_DEVICES run side by side on disjoint GPUs.
 set -u
@@ -22,6 +25,7 @@ step() {  # step NAME SECONDS GPUS CMD...: runs CMD on GPUS with a time limit, l
   echo "$name rc=$rc $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
   tail -n 6 "$OUT/$name.log"
 }
+START=$(mktemp)  # its time marks the results this visit writes
 nvidia-smi -L | tee -a "$OUT/summary.txt"
 python -c "import torch, vllm, monarch; print('torch', torch.__version__, 'vllm', vllm.__version__)" | tee -a "$OUT/summary.txt"
 case "${1:-single}" in
@@ -57,6 +61,20 @@ system2)
       controller.steps=40 controller.checkpoint_every=0 'controller.run_dir="runs/reward_2gpu"'
   cp runs/reward_2gpu/metrics.jsonl runs/reward_2gpu/*.png "$OUT"/ 2>/dev/null
   ;;
+single1)
+  # tests/test_hosts.py imports monarch.job, whose dashboard needs flask: not among the staged wheels
+  step gpu_tests 330 0 python -m pytest -m gpu tests -q -p no:cacheprovider --tb=short --ignore=tests/test_hosts.py
+  step trainer 240 0 python benchmarks/trainer_throughput.py --device cuda --sizes 1.7b --ckpt-root /tmp/ck \
+      --out "$OUT/trainer_throughput_h200.md"
+  ;;
+system1)
+  step e2e 330 0 python benchmarks/e2e_alphabet_sort.py --config configs/alphabet_sort_1gpu.toml --steps 13 \
+      --staleness 1 2
+  step reward_run 240 0 python examples/alphabet_sort/run.py --config configs/alphabet_sort_1gpu.toml \
+      controller.steps=40 controller.checkpoint_every=0 'controller.run_dir="runs/reward_1gpu"'
+  cp runs/reward_1gpu/metrics.jsonl runs/reward_1gpu/*.png "$OUT"/ 2>/dev/null
+  ;;
 esac
-cp benchmarks/results/*gpu*.md benchmarks/results/weight_sync.md benchmarks/results/e2e_alphabet_sort.md "$OUT"/ 2>/dev/null
+# Only the result files this visit changed: a call brings back at most 8 files.
+find benchmarks/results -type f -newer "$START" -exec cp -t "$OUT"/ {} +
 cat "$OUT/summary.txt"

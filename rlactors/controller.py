@@ -135,7 +135,7 @@ class Controller:
         await self._print_placement(ranks)
 
         if self.broadcast_weight_sync:
-            await self._join_weight_group()
+            await self._form_weight_group(await self.router.plan_weight_group.call_one())
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(dump_toml(c))
         if resume_from is not None:
@@ -332,13 +332,21 @@ class Controller:
         metrics.update(packed.metrics)
         return metrics
 
-    async def _join_weight_group(self) -> None:
-        """Replicas get weights by broadcast from trainer rank 0: set up that group."""
+    async def _form_weight_group(self, plan: dict[str, Any]) -> None:
+        """Replicas get weights by broadcast from trainer rank 0: form that group with the
+        replicas `plan` (the router's `plan_weight_group`) names, on a new port. A group's members
+        are fixed, so one is formed at start and again whenever a member died or a restarted
+        replica is up; every member keeps its buffers."""
+        if not plan["members"]:
+            saved = "no step was trained yet"
+            if self.step:
+                await self._save_step_once()
+                saved = f"the state after step {self.step} is saved in {self.checkpoint_root}"
+            raise TrainingError(f"no generator replica is up to receive the weights; {saved}")
         dtype = self.config.model.dtype
         host, port = first_value(await self.trainer.weight_sync_address.call())
         layout = first_value(await self.trainer.weight_layout.call(dtype))
-        world_size = 1 + self.config.generator.replicas * self.config.generator.tp
-        await asyncio.gather(self.trainer.init_weight_sender.call(host, port, world_size, dtype),
+        await asyncio.gather(self.trainer.init_weight_sender.call(host, port, plan["world_size"], dtype),
                              self.router.join_weight_group.call_one(host, port, layout))
 
     async def _push_weights(self) -> dict[str, float]:
@@ -351,9 +359,10 @@ class Controller:
         mode = self.config.generator.update_mode
         start, details = time.perf_counter(), {}
         if self.broadcast_weight_sync:
-            packed, dead = await asyncio.gather(self.trainer.pack_weights.call(), self.router.dead_replicas.call_one())
-            if dead:
-                await self._stop_for_dead_replicas(dead)
+            packed, plan = await asyncio.gather(self.trainer.pack_weights.call(),
+                                                self.router.plan_weight_group.call_one())
+            if plan["stale"]:  # a member died, or a restarted replica waits for weights
+                await self._form_weight_group(plan)
             packed = first_value(packed)
             version, gathered = packed["version"], time.perf_counter()
             try:
@@ -384,16 +393,6 @@ class Controller:
             self._version_synced.notify_all()
         return {"gather_s": gathered - start, "transfer_s": done - gathered, "bytes": num_bytes, **details}
 
-    async def _stop_for_dead_replicas(self, dead: list[int]) -> None:
-        """The weight broadcast group is fixed at start, and a broadcast would wait for a dead member
-        forever: the run stops instead, with the trained state saved."""
-        saved = "no step was trained yet"
-        if self.step:
-            await self._save_step_once()
-            saved = f"the state after step {self.step} is saved in {self.checkpoint_root}"
-        raise TrainingError(f"generator replica(s) {dead} died and the weight broadcast group cannot sync without "
-                            f"them; {saved}: --resume continues with a new group")
-
     async def _save_step_once(self) -> None:
         """Saves the current step before the run stops, unless its checkpoint is complete already
         (saving again would rewrite a complete checkpoint)."""
@@ -411,7 +410,8 @@ class Controller:
     async def _generator_metrics(self) -> dict[str, float]:
         stats = await self.router.stats.call_one()
         metrics = {"generator/live_replicas": float(stats["live"]), "generator/dead_replicas": float(stats["dead"]),
-                   "generator/retries": float(stats["retries"]), "generator/restarts": float(stats["restarts"])}
+                   "generator/retries": float(stats["retries"]), "generator/restarts": float(stats["restarts"]),
+                   "generator/weight_groups": float(stats["weight_groups"])}
         # Idle = the share of replica time since the last step spent outside engine steps (not
         # generating). A restarted replica's counter starts again at 0, so a step that saw a restart
         # reports nothing.

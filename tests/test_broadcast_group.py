@@ -1,6 +1,7 @@
 """The CPU weight broadcast (gloo) between real processes: the sender's packed buffer arrives bit
-for bit and verified, a wrong checksum is refused, and a member that dies fails the sender's next
-broadcast at once instead of hanging it (through the controller, a failed weight sync)."""
+for bit and verified, a wrong checksum is refused, a member that dies fails the sender's next
+broadcast at once instead of hanging it, and the survivors then form a new group that delivers
+the next version into the buffers they already hold."""
 
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ def _weights() -> dict[str, torch.Tensor]:
     return {"embed": torch.randn(300, 64, generator=g).to(torch.bfloat16), "norm": torch.randn(64, generator=g)}
 
 
-def _member(rank: int, port: int, results) -> None:
+def _member(rank: int, port: int, new_port: int, results) -> None:
     weights = _weights()
     layout = PackedLayout.of(weights)
     cpu = torch.device("cpu")
+    doubled = {name: tensor * 2 for name, tensor in weights.items()}  # version 3
     try:
         if rank == 0:
-            sender = WeightSender("127.0.0.1", port, 3, layout, cpu)
+            sender = WeightSender(layout, cpu)
+            sender.join("127.0.0.1", port, 3)
             layout.pack(weights, sender.buffer)
             sender.broadcast()  # version 1
             sender.broadcast()  # version 2, received with a wrong checksum
@@ -35,8 +38,12 @@ def _member(rank: int, port: int, results) -> None:
                 sender.broadcast()  # rank 2 has died
             except RuntimeError as e:
                 results.put((rank, "error", str(e)))
+            sender.join("127.0.0.1", new_port, 2)  # the survivors' group
+            layout.pack(doubled, sender.buffer)
+            sender.broadcast()
             return
-        receiver = BufferReceiver("127.0.0.1", port, rank, 3, layout, cpu)
+        receiver = BufferReceiver(layout, cpu)
+        receiver.join("127.0.0.1", port, rank, 3)
         expected = layout.checksum(layout.pack(weights, layout.empty(cpu).zero_()))
         receiver.receive(1, expected)
         received = receiver.weights()
@@ -51,20 +58,26 @@ def _member(rank: int, port: int, results) -> None:
             results.close()
             results.join_thread()  # the report is out
             os._exit(0)  # dies without leaving the group
+        buffer = receiver.buffer.data_ptr()
+        receiver.join("127.0.0.1", new_port, 1, 2)
+        receiver.receive(3, layout.checksum(layout.pack(doubled, layout.empty(cpu).zero_())))
+        received = receiver.weights()
+        same = all(torch.equal(received[k], v) for k, v in doubled.items())
+        results.put((rank, "regrouped", same and receiver.buffer.data_ptr() == buffer))
     except BaseException as e:  # noqa: BLE001 - reported to the test
         results.put((rank, "failed", repr(e)))
 
 
-def test_gloo_broadcast_delivers_verified_bits_and_a_dead_member_fails_it():
+def test_gloo_broadcast_delivers_verified_bits_a_dead_member_fails_it_and_survivors_regroup():
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = free_port()
-    members = [context.Process(target=_member, args=(rank, port, results)) for rank in range(3)]
+    port, new_port = free_port(), free_port()
+    members = [context.Process(target=_member, args=(rank, port, new_port, results)) for rank in range(3)]
     for member in members:
         member.start()
     reports = []
     try:
-        while len(reports) < 3:
+        while len(reports) < 4:
             reports.append(results.get(timeout=90))
     except queue.Empty:
         raise AssertionError(f"members reported only {reports}") from None
@@ -73,6 +86,6 @@ def test_gloo_broadcast_delivers_verified_bits_and_a_dead_member_fails_it():
             member.join(30)
             if member.is_alive():
                 member.kill()
-    assert sorted(r[:2] for r in reports) == [(0, "error"), (1, "received"), (2, "received")], reports
-    assert all(ok for _, what, ok in reports if what == "received")
+    assert sorted(r[:2] for r in reports) == [(0, "error"), (1, "received"), (1, "regrouped"), (2, "received")], reports
+    assert all(ok for _, what, ok in reports if what in ("received", "regrouped"))
     assert re.search(r"Connection (closed by peer|reset)", next(text for _, what, text in reports if what == "error"))

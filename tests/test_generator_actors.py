@@ -177,6 +177,11 @@ class StagingEngine(NativeEngine):
         self.stage_threads: set[str] = set()
         self.stages = 0
         self.load_gate: threading.Event | None = None
+        self.joins: list[tuple[str, tuple]] = []
+
+    def join_weight_group(self, *group):
+        self.joins.append((threading.current_thread().name, group))
+        return [group[2]]
 
     def stage_weights(self, version, checksum):
         self.stage_threads.add(threading.current_thread().name)
@@ -255,6 +260,26 @@ def test_a_receive_never_overwrites_the_buffer_while_it_loads(tiny_ckpt):
         await second
         await until(lambda: engine.stats()["updates"] == 2)
         assert engine.stats()["version"] == 2 and engine.stats()["superseded"] == 0
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_new_weight_group_is_joined_beside_the_drain_and_keeps_the_waiting_version(tiny_ckpt):
+    async def main():
+        engine = staging_engine(tiny_ckpt)
+        version = perturbed(engine.engine.model.state_dict(), seed=1)
+        running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
+        await until(lambda: engine.stats()["generated_tokens"] >= 2)
+        engine.engine.wire = version
+        await engine.receive_weights(1, state_checksum(version))
+        # A member died: the controller forms a new group while version 1 waits for the drain.
+        assert await engine.join_weight_group("10.0.0.1", 29500, 1, 2, None) == [1]
+        assert not running.done() and engine.stats()["updating"]
+        assert (await running).versions == [0] * 200
+        await until(lambda: engine.stats()["updates"] == 1)
+        assert engine.stats()["version"] == 1
+        assert engine.engine.joins == [("engine-stage_0", ("10.0.0.1", 29500, 1, 2, None))]
         await engine.close()
 
     asyncio.run(main())

@@ -45,7 +45,7 @@ class Generator(Actor):
     async def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
                                 layout: Any) -> list[int]:
         """Joins the trainer's weight broadcast group (see rlactors.weight_sync.broadcast)."""
-        return self.engine.engine.join_weight_group(host, port, rank_offset, world_size, layout)
+        return await self.engine.join_weight_group(host, port, rank_offset, world_size, layout)
 
     @concurrent_endpoint
     async def receive_weights(self, version: int, checksum: str, mode: str | None = None) -> dict[str, Any]:

@@ -12,8 +12,9 @@
   and the request is retried on a live replica; a request error (ValueError) goes back to the caller.
 - Weights: `update_weights` fans out to every live replica in parallel. The router keeps the
   latest (version, tensors, checksum) it fanned out so that a restarted replica is brought to the
-  current version before it takes requests. (Weights that reach the replicas by the trainer's
-  broadcast are not kept here; with them a dead replica is not restarted: `join_weight_group`.)
+  current version before it takes requests. Weights that reach the replicas by the trainer's
+  broadcast are not kept here: a replica restarted then waits, out of routing, until the
+  controller forms a new broadcast group with it and a broadcast reaches it (`plan_weight_group`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class ReplicaPicker:
         return least
 
 
-@dataclass
+@dataclass(eq=False)  # one object per spawn: compared by identity
 class _Replica:
     index: int
     name: str
@@ -83,6 +84,7 @@ class _Replica:
     alive: bool = False  # answered its first call and has not failed since
     dead: bool = False
     restarted: bool = False  # spawned to replace a dead replica
+    awaiting_weights: bool = False  # restarted under broadcast sync: up, serving after its first broadcast
     in_flight: int = 0
     routed: int = 0
     completed: int = 0
@@ -107,12 +109,14 @@ class GeneratorRouter(Actor):
         self.gpu_ids = [list(ids) for ids in gpu_ids] if gpu_ids is not None else None
         self.picker = ReplicaPicker()
         self.latest_weights: tuple[int, Mapping[str, torch.Tensor], str | None] | None = None
-        self.counters = {"retries": 0, "deaths": 0, "restarts": 0, "failed_restarts": 0}
+        self.counters = {"retries": 0, "deaths": 0, "restarts": 0, "failed_restarts": 0, "weight_groups": 0}
         self._spawned = 0
         self._live = asyncio.Event()
         self._restarts: dict[int, asyncio.Task] = {}
         self.replicas = [self._spawn(i) for i in range(g.replicas)]
         self._ready: asyncio.Task | None = None
+        self._weight_group: list[_Replica] | None = None  # the broadcast group's members, once formed
+        self._planned_group: list[_Replica] = []
 
     # -- replicas ---------------------------------------------------------------------------
 
@@ -140,9 +144,13 @@ class GeneratorRouter(Actor):
 
     async def _bring_up(self, replica: _Replica) -> bool:
         """Waits for a new replica's first answer and brings it to the latest weights fanned out
-        (even if a newer version arrives meanwhile); True once it serves."""
+        (even if a newer version arrives meanwhile); True once it serves, or, with broadcast
+        sync, once it is up and waits for the next weight group."""
         try:
             replica.version = (await replica.actor.stats.call_one())["version"]
+            if self._weight_group is not None:
+                replica.awaiting_weights = True
+                return True
             while self.latest_weights is not None and replica.version != self.latest_weights[0]:
                 version, tensors, checksum = self.latest_weights
                 await replica.actor.update_weights.call_one(version, tensors, checksum)
@@ -158,6 +166,7 @@ class GeneratorRouter(Actor):
         if replica.dead or replica is not self.replicas[replica.index]:
             return  # already handled, or a replica that has been replaced since
         was_alive, replica.alive, replica.dead = replica.alive, False, True
+        replica.awaiting_weights = False
         if was_alive:
             self.counters["deaths"] += 1
         logger.warning("generator replica %d (%s) is dead: %s", replica.index, replica.name, error)
@@ -250,7 +259,8 @@ class GeneratorRouter(Actor):
         # Recorded first, so that a replica (re)starting meanwhile also comes up at this version.
         previous, self.latest_weights = self.latest_weights, (version, named_tensors, checksum)
         live, rejected, _ = await self._fan_out(
-            version, lambda r: r.actor.update_weights.call_one(version, named_tensors, checksum, mode))
+            version, lambda r: r.actor.update_weights.call_one(version, named_tensors, checksum, mode),
+            [r for r in self.replicas if r.alive])
         if not any(r.version == version for r in live):
             self.latest_weights = previous  # nobody took these weights: restarts keep the old ones
         _raise_if_rejected(version, rejected)
@@ -258,43 +268,56 @@ class GeneratorRouter(Actor):
                 "seconds": time.perf_counter() - start}
 
     @concurrent_endpoint
-    async def join_weight_group(self, host: str, port: int, layout: Any) -> int:
-        """Every TP worker of replica i joins the trainer's weight broadcast group as
-        rank 1 + i * tp + its TP rank (the trainer is rank 0). Returns the group's world size.
-
-        The group is fixed at its creation, so a replica restarted later cannot join it: with
-        broadcast weight sync a dead replica is not restarted. The group still counts it, so a
-        broadcast would wait for it: the controller checks `dead_replicas()` before each sync and
-        stops the run instead (`--resume` forms a new group)."""
+    async def plan_weight_group(self) -> dict[str, Any]:
+        """Who would form a new weight broadcast group now: every replica that is up (live, or
+        restarted and waiting for weights). A group's members are fixed, so a new one is due
+        (`stale`) when a member has died or a restarted replica waits. The plan is what the next
+        `join_weight_group` joins; its world size counts the trainer's rank 0."""
         await self._ensure_started()
-        tp = self.generator_config.tp
-        world_size = 1 + len(self.replicas) * tp
-        await asyncio.gather(*(r.actor.join_weight_group.call_one(host, port, 1 + r.index * tp, world_size, layout)
-                               for r in self.replicas))
-        self.generator_config.restart_dead = False
+        members = [r for r in self.replicas if r.alive or r.awaiting_weights]
+        group = self._weight_group
+        stale = group is None or len(group) != len(members) or any(a is not b for a, b in zip(group, members))
+        self._planned_group = members
+        return {"stale": stale, "members": [r.index for r in members],
+                "world_size": 1 + len(members) * self.generator_config.tp}
+
+    @concurrent_endpoint
+    async def join_weight_group(self, host: str, port: int, layout: Any) -> int:
+        """Every TP worker of the planned members joins the trainer's new weight broadcast group:
+        member m's TP worker t as rank 1 + m * tp + t (the trainer is rank 0), each keeping its
+        receive buffer. Called together with the trainer's side. Returns the world size."""
+        members, tp = self._planned_group, self.generator_config.tp
+        world_size = 1 + len(members) * tp
+        await asyncio.gather(*(r.actor.join_weight_group.call_one(host, port, 1 + m * tp, world_size, layout)
+                               for m, r in enumerate(members)))
+        self._weight_group = members
+        self.counters["weight_groups"] += 1
         return world_size
 
     @concurrent_endpoint
     async def dead_replicas(self) -> list[int]:
         """The replicas this router has found dead (its own record: no call to any replica)."""
-        return [r.index for r in self.replicas if not r.alive and r.index not in self._restarts]
+        return [r.index for r in self.replicas if not (r.alive or r.awaiting_weights) and r.index not in self._restarts]
 
     @concurrent_endpoint
     async def receive_weights(self, version: int, checksum: str, mode: str | None = None) -> dict[str, Any]:
-        """Every live replica receives the trainer's broadcast of `version` (called together with
-        the trainer's broadcast). A replica whose checksum does not match keeps its old weights and
-        the call raises naming it; a replica that fails otherwise is marked dead."""
+        """Every member of the weight group receives the trainer's broadcast of `version` (called
+        together with the trainer's broadcast); a restarted member serves from then on. A replica
+        whose checksum does not match keeps its old weights and the call raises naming it; a
+        replica that fails otherwise is marked dead."""
         start = time.perf_counter()
+        members = [r for r in self._weight_group or () if r.alive or r.awaiting_weights]
         _, rejected, timings = await self._fan_out(
-            version, lambda r: r.actor.receive_weights.call_one(version, checksum, mode))
+            version, lambda r: r.actor.receive_weights.call_one(version, checksum, mode), members)
         _raise_if_rejected(version, rejected)
         return {"version": version, "seconds": time.perf_counter() - start, "replicas": timings}
 
-    async def _fan_out(self, version: int, call: Any) -> tuple[list[_Replica], list[str], list[Any]]:
-        """`call(replica)` on every live replica at once. A replica that accepts is at `version`;
-        one that rejects the weights (an ActorError from a live engine) keeps its version; any other
-        failure marks it dead. Returns the live replicas, the rejections and the accepted results."""
-        live = [r for r in self.replicas if r.alive]
+    async def _fan_out(self, version: int, call: Any,
+                       live: list[_Replica]) -> tuple[list[_Replica], list[str], list[Any]]:
+        """`call(replica)` on each of `live` at once. A replica that accepts is at `version` (and
+        serves, if it was waiting for weights); one that rejects the weights (an ActorError from a
+        live engine) keeps its version; any other failure marks it dead. Returns `live`, the
+        rejections and the accepted results."""
         results = await asyncio.gather(*(call(r) for r in live), return_exceptions=True)
         rejected, accepted = [], []
         for replica, result in zip(live, results):
@@ -304,6 +327,9 @@ class GeneratorRouter(Actor):
                 self._mark_dead(replica, result)
             else:
                 replica.version = version
+                if replica.awaiting_weights:
+                    replica.awaiting_weights, replica.alive = False, True
+                    self._live.set()
                 accepted.append(result)
         return live, rejected, accepted
 
@@ -325,7 +351,9 @@ class GeneratorRouter(Actor):
                      "completed": r.completed, "version": r.version, "engine": by_index.get(r.index)}
                     for r in self.replicas]
         return {"replicas": replicas, "live": len(by_index),
-                "dead": sum(not r.alive for r in self.replicas), "restarting": sorted(self._restarts),
+                "dead": sum(not (r.alive or r.awaiting_weights) for r in self.replicas),
+                "restarting": sorted(self._restarts),
+                "awaiting_weights": [r.index for r in self.replicas if r.awaiting_weights],
                 "sessions": len(self.picker.sessions), **self.counters}
 
     @concurrent_endpoint

@@ -156,6 +156,17 @@ class AsyncEngine:
                                 asyncio.get_running_loop().create_future()))
             return {"version": version, "mode": mode, **staged}
 
+    async def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                layout: Any) -> list[int]:
+        """Joins a weight broadcast group, in place of any earlier one (rlactors.weight_sync.broadcast).
+        Runs between receives, where staging runs; the receive buffer and a version in it that
+        waits for its load stay. Returns the ranks taken."""
+        async with self._receive_lock:
+            self._check_alive()
+            executor = self._stage_executor if self.engine.stages_concurrently else self._executor
+            return await asyncio.get_running_loop().run_in_executor(
+                executor, self.engine.join_weight_group, host, port, rank_offset, world_size, layout)
+
     def _verify(self, named_tensors: Mapping[str, torch.Tensor], checksum: str | None, version: int) -> None:
         if checksum is not None:
             received = state_checksum(named_tensors)

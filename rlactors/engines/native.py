@@ -195,7 +195,9 @@ class NativeEngine(Engine):
 
     def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
                           layout: PackedLayout) -> list[int]:
-        self.receiver = BufferReceiver(host, port, rank_offset, world_size, layout, self.device)
+        if self.receiver is None:
+            self.receiver = BufferReceiver(layout, self.device)
+        self.receiver.join(host, port, rank_offset, world_size)
         return [rank_offset]
 
     def stage_weights(self, version: int, checksum: str) -> dict[str, float]:

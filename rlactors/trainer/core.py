@@ -133,6 +133,7 @@ class PolicyTrainerCore:
         self.version = 0
         self._stats = LossStats()
         self._accumulated = 0  # forward_backward calls since the last optim_step
+        self.sender: WeightSender | None = None  # rank 0, once weights go by broadcast
 
     # ------------------------------------------------------------------------------------------
     # Training
@@ -312,11 +313,13 @@ class PolicyTrainerCore:
                                for name, p in self.model.named_parameters())
 
     def init_weight_sender(self, host: str, port: int, world_size: int, dtype: str | None = None) -> None:
-        """Rank 0 joins the weight group as its rank 0 (blocks until every replica joins);
-        every rank records the dtype it will gather the weights in."""
+        """Rank 0 forms the weight group as its rank 0 (blocks until every replica joins), in
+        place of any earlier group; every rank records the dtype it will gather the weights in."""
         self._sync_dtype = DTYPES[dtype or self.model_config.dtype]
         if self.rank == 0:
-            self.sender = WeightSender(host, port, world_size, self.weight_layout(dtype), self.device)
+            if self.sender is None:
+                self.sender = WeightSender(self.weight_layout(dtype), self.device)
+            self.sender.join(host, port, world_size)
 
     def pack_weights(self) -> dict[str, Any] | None:
         """Gathers every parameter (a collective: all ranks call it) into rank 0's send buffer;

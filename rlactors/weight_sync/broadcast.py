@@ -4,7 +4,9 @@ On GPUs the group is vLLM's stateless NCCL group (a TCP rendezvous plus a PyNccl
 on CPU it is a gloo group of its own (a TCPStore rendezvous). Either way it lives beside the
 trainer's torch.distributed world (and vLLM's TP group). The trainer is rank 0; replica r's TP
 worker t is rank 1 + r * tp + t. Both sides must join at the same time (the controller calls them
-together), and every broadcast likewise. The group is fixed when it is formed.
+together), and every broadcast likewise. A group's members are fixed when it is formed; when a
+replica dies (or a restarted one is ready) the controller forms a new group on a new port, and
+each member keeps its buffer across groups, so a version received but not yet loaded stays valid.
 
 A receiver stages each broadcast in its own buffer (on GPU, on a side stream) and checks its
 checksum before loading anything: on a mismatch the replica keeps serving its current weights
@@ -67,10 +69,15 @@ def join_group(host: str, port: int, rank: int, world_size: int, device: torch.d
 class WeightSender:
     """Trainer rank 0's side: a persistent send buffer (the trainer packs it) and the broadcast."""
 
-    def __init__(self, host: str, port: int, world_size: int, layout: PackedLayout, device: torch.device):
+    def __init__(self, layout: PackedLayout, device: torch.device):
         self.layout = layout
         self.buffer = layout.empty(device).zero_()  # zeroed once: padding bytes count in the checksum
-        self.group = join_group(host, port, 0, world_size, device)
+        self.group: Any = None
+
+    def join(self, host: str, port: int, world_size: int) -> None:
+        """Forms a group (as its rank 0) in place of the previous one."""
+        self.group = None
+        self.group = join_group(host, port, 0, world_size, self.buffer.device)
 
     def broadcast(self) -> dict[str, float]:
         """Sends the buffer as it is (the caller has packed it) to every receiver."""
@@ -86,10 +93,15 @@ class BufferReceiver:
     """A replica's side (the native engine holds one, each vLLM TP worker one): its member of the
     group and a receive buffer of its own, so a broadcast never touches the weights being served."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, layout: PackedLayout, device: torch.device):
+    def __init__(self, layout: PackedLayout, device: torch.device):
         self.layout = layout
         self.buffer = layout.empty(device)
-        self.group = join_group(host, port, rank, world_size, device)
+        self.group: Any = None
+
+    def join(self, host: str, port: int, rank: int, world_size: int) -> None:
+        """Joins a group in place of the previous one; the buffer, and what it holds, stay."""
+        self.group = None
+        self.group = join_group(host, port, rank, world_size, self.buffer.device)
 
     def receive(self, version: int, checksum: str, stream: Any = None) -> dict[str, float]:
         """Receives the next broadcast into the buffer and checks it against `checksum`
@@ -115,10 +127,13 @@ def _model(worker: Any) -> torch.nn.Module:
 
 
 def worker_join(worker: Any, host: str, port: int, rank_offset: int, world_size: int, layout: PackedLayout) -> int:
+    """Joins a (new) weight group; the worker's receive buffer is made at the first join only."""
     rank = rank_offset + worker.rank
-    device = torch.device("cuda", torch.cuda.current_device())
-    worker.rlactors_receiver = BufferReceiver(host, port, rank, world_size, layout, device)
-    worker.rlactors_stage_stream = torch.cuda.Stream(device)  # receives beside the engine's work
+    if getattr(worker, "rlactors_receiver", None) is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+        worker.rlactors_receiver = BufferReceiver(layout, device)
+        worker.rlactors_stage_stream = torch.cuda.Stream(device)  # receives beside the engine's work
+    worker.rlactors_receiver.join(host, port, rank, world_size)
     return rank
 
 

@@ -3,7 +3,7 @@ this process), with real Monarch procs on CPU: env failures counted in the step 
 trainer proc SIGKILLed mid-run then `--resume` matching an uninterrupted run, a half-written
 checkpoint never picked, non-finite generator logprobs excluded, a non-finite loss that stops
 the run with its state saved, corrupted weights on their way to the replicas, and with weights by
-broadcast, a failed checksum and a dead replica (the group is fixed: the run stops, saved)."""
+broadcast, a failed checksum and a dead replica (restarted into a new group; the run goes on)."""
 
 from __future__ import annotations
 
@@ -287,39 +287,77 @@ def test_a_broadcast_that_fails_its_checksum_stops_the_run_and_the_replicas_keep
 
 
 class ReplicaKilledBeforeSync(Controller):
-    """SIGKILLs replica 1's proc after step `kill_after_step` has trained, before its weight sync,
-    and records how long the router took to count it dead."""
+    """SIGKILLs replica 1's proc after step 1 has trained, before its weight sync, and records how
+    long the router took to count it dead; before step 2's sync it waits until the restarted
+    replica is up. Records every weight group formed and the router's stats after the last sync."""
 
-    kill_after_step = 2
+    groups: list[list[int]]
+
+    async def _form_weight_group(self, plan):
+        self.groups = [*getattr(self, "groups", []), plan["members"]]
+        await super()._form_weight_group(plan)
 
     async def _push_weights(self):
-        if self.step == self.kill_after_step and not hasattr(self, "detection_s"):
+        if self.step == 1:
             stats = await self.router.stats.call_one()
             os.kill(stats["replicas"][1]["engine"]["pid"], signal.SIGKILL)
             killed = time.monotonic()
-            while await self.router.dead_replicas.call_one() != [1]:
+            while (await self.router.stats.call_one())["deaths"] != 1:
                 assert time.monotonic() - killed < 30, "the router did not count replica 1 dead"
                 await asyncio.sleep(0.05)
             self.detection_s = time.monotonic() - killed
+        if self.step == 2:
+            up = time.monotonic()
+            while (await self.router.plan_weight_group.call_one())["members"] != [0, 1]:
+                assert time.monotonic() - up < 120, "replica 1 was not restarted"
+                await asyncio.sleep(0.1)
+        timings = await super()._push_weights()
+        self.router_stats = await self.router.stats.call_one()
+        return timings
+
+
+def test_a_dead_replica_in_a_broadcast_run_is_restarted_into_a_new_group_and_the_run_goes_on(
+        tiny_ckpt, tmp_path, fault_record):
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, *BROADCAST, "controller.steps=4",
+                                                   "controller.checkpoint_every=0"))
+    controller = ReplicaKilledBeforeSync(config)
+    metrics = asyncio.run(controller.run())
+    assert [m["policy/version"] for m in metrics] == [1.0, 2.0, 3.0, 4.0]
+    # Formed at start; at sync 1 without replica 1 (or with its restart, if that was up already);
+    # with the restarted replica once it was up.
+    assert controller.groups in ([[0, 1], [0], [0, 1]], [[0, 1], [0, 1]]), controller.groups
+    stats = controller.router_stats
+    assert stats["weight_groups"] == len(controller.groups) and stats["restarts"] == 1 and stats["deaths"] == 1
+    # Both replicas, the restarted one too, accepted the last broadcast and serve it.
+    assert [(r["alive"], r["version"]) for r in stats["replicas"]] == [(True, 4), (True, 4)]
+    assert stats["replicas"][1]["routed"] > 0 and stats["awaiting_weights"] == []
+    assert metrics[-1]["generator/live_replicas"] == 2 and metrics[-1]["generator/restarts"] == 1
+    fault_record("generator replica SIGKILLed (broadcast weight sync)", "replica 1's proc, after step 1 trained, "
+                 "before its weight sync", controller.detection_s,
+                 f"nothing: the run went on; weight groups formed {controller.groups} (the restarted replica "
+                 "joined the group formed once it was up, and served from the next broadcast on)")
+
+
+class OnlyReplicaKilledBeforeSync(Controller):
+    """SIGKILLs the only replica (not restarted) after step 1 has trained, before its weight sync."""
+
+    async def _push_weights(self):
+        if self.step == 1:
+            stats = await self.router.stats.call_one()
+            os.kill(stats["replicas"][0]["engine"]["pid"], signal.SIGKILL)
+            killed = time.monotonic()
+            while await self.router.dead_replicas.call_one() != [0]:
+                assert time.monotonic() - killed < 30, "the router did not count replica 0 dead"
+                await asyncio.sleep(0.05)
         return await super()._push_weights()
 
 
-def test_a_dead_replica_stops_a_broadcast_run_saved_and_resume_forms_a_new_group(tiny_ckpt, tmp_path, fault_record):
-    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, *BROADCAST, "controller.checkpoint_every=0"))
-    controller = ReplicaKilledBeforeSync(config)
+def test_a_broadcast_run_with_no_replica_left_stops_with_the_step_saved(tiny_ckpt, tmp_path):
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, *BROADCAST, "generator.replicas=1",
+                                                   "generator.restart_dead=false", "controller.checkpoint_every=0"))
     with pytest.raises(TrainingError) as raised:
-        asyncio.run(controller.run())
-    message = str(raised.value)
-    assert message == (f"generator replica(s) [1] died and the weight broadcast group cannot sync without them; "
-                       f"the state after step 2 is saved in {tmp_path / 'checkpoints'}: --resume continues "
-                       "with a new group")
-    assert [m["step"] for m in read_metrics(tmp_path)] == [1]  # step 2 stopped at its weight sync
-    assert (checkpoint_dir(tmp_path / "checkpoints", 2) / COMPLETE_FILE).is_file()  # saved by the stop
-
-    resumed = asyncio.run(Controller(config, resume=True).run())
-    assert [m["policy/version"] for m in resumed] == [3.0]
-    assert resumed[0]["generator/live_replicas"] == 2 and "weight_sync/broadcast_s" in resumed[0]
-    fault_record("generator replica SIGKILLed (broadcast weight sync)", "replica 1's proc, after step 2 trained, "
-                 "before its weight sync", controller.detection_s,
-                 "step 2's metrics line; its trained state was saved, and --resume ran step 3 with a new "
-                 "group of 2 replicas")
+        asyncio.run(OnlyReplicaKilledBeforeSync(config).run())
+    assert str(raised.value) == ("no generator replica is up to receive the weights; the state after step 1 "
+                                 f"is saved in {tmp_path / 'checkpoints'}")
+    assert (checkpoint_dir(tmp_path / "checkpoints", 1) / COMPLETE_FILE).is_file()
+    assert read_metrics(tmp_path) == []  # step 1 stopped at its weight sync

@@ -38,6 +38,9 @@ from rlactors.types import Completion, SamplingParams
 logger = logging.getLogger(__name__)
 
 CONTROLLER_STATE = "controller_state.json"
+# A weight broadcast still running this long after one of its members died is stuck: NCCL waits
+# for every member for ever (gloo fails by itself at once).
+BROADCAST_DEATH_GRACE_S = 2.0
 
 
 class TrainingError(RuntimeError):
@@ -366,9 +369,7 @@ class Controller:
             packed = first_value(packed)
             version, gathered = packed["version"], time.perf_counter()
             try:
-                sent, received = await asyncio.gather(
-                    self.trainer.broadcast_weights.call(),
-                    self.router.receive_weights.call_one(version, packed["checksum"], mode))
+                sent, received = await self._broadcast(version, packed["checksum"], mode)
             except ActorError as e:  # a replica rejected the weights (checksum), or a side failed
                 raise TrainingError(f"weight sync of policy version {version} failed: {e.exception}") from None
             sender, replicas = first_value(sent), received["replicas"]
@@ -392,6 +393,29 @@ class Controller:
             self.generator_version = version
             self._version_synced.notify_all()
         return {"gather_s": gathered - start, "transfer_s": done - gathered, "bytes": num_bytes, **details}
+
+    async def _broadcast(self, version: int, checksum: str, mode: str) -> tuple[Any, dict[str, Any]]:
+        """The trainer's broadcast together with every member's receive. While they run the router
+        is asked every 0.5 s which members have died: a broadcast that outlives a member's death by
+        BROADCAST_DEATH_GRACE_S stops the run. The trainer is then stuck in the collective, so
+        nothing more is saved."""
+        transfer = asyncio.ensure_future(asyncio.gather(
+            self.trainer.broadcast_weights.call(), self.router.receive_weights.call_one(version, checksum, mode)))
+        dead_since = None
+        while not (await asyncio.wait([transfer], timeout=0.5))[0]:
+            dead = await self.router.dead_weight_group_members.call_one()
+            if not dead:
+                continue
+            dead_since = dead_since or time.monotonic()
+            if time.monotonic() - dead_since >= BROADCAST_DEATH_GRACE_S:
+                transfer.cancel()
+                transfer.add_done_callback(lambda f: f.cancelled() or f.exception())  # abandoned, not an error
+                last = latest_checkpoint(self.checkpoint_root)
+                where = f"the last complete checkpoint is {last}" if last else "no checkpoint was completed"
+                raise TrainingError(f"weight sync of policy version {version}: generator replica(s) {dead} died "
+                                    f"during the broadcast, which waits for every member; {where}; "
+                                    "continue with --resume")
+        return transfer.result()
 
     async def _save_step_once(self) -> None:
         """Saves the current step before the run stops, unless its checkpoint is complete already

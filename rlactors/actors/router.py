@@ -295,6 +295,11 @@ class GeneratorRouter(Actor):
         return world_size
 
     @concurrent_endpoint
+    async def dead_weight_group_members(self) -> list[int]:
+        """Members of the current weight group that have died: a broadcast waits for them."""
+        return [r.index for r in self._weight_group or () if r.dead]
+
+    @concurrent_endpoint
     async def dead_replicas(self) -> list[int]:
         """The replicas this router has found dead (its own record: no call to any replica)."""
         return [r.index for r in self.replicas if not (r.alive or r.awaiting_weights) and r.index not in self._restarts]

@@ -214,21 +214,21 @@ class _CorruptingUpdates(_StandIn):
         return await self._call(version, {**weights, name: flipped}, checksum, mode)
 
 
-class _RouterWith:
-    """The real router, with the endpoints given by name replaced."""
+class _ActorWith:
+    """The real actor mesh (router or trainer), with the endpoints given by name replaced."""
 
-    def __init__(self, router, **endpoints):
-        self._router = router
+    def __init__(self, actor, **endpoints):
+        self._actor = actor
         self.__dict__.update(endpoints)
 
     def __getattr__(self, name):
-        return getattr(self._router, name)
+        return getattr(self._actor, name)
 
 
 class CorruptedSyncController(Controller):
     async def start(self) -> None:
         await super().start()
-        self.router = _RouterWith(self.router, update_weights=_CorruptingUpdates(self.router.update_weights, self.router))
+        self.router = _ActorWith(self.router, update_weights=_CorruptingUpdates(self.router.update_weights, self.router))
 
 
 def test_corrupted_weight_sync_stops_the_run_and_the_replicas_keep_the_old_policy(tiny_ckpt, tmp_path, fault_record):
@@ -265,7 +265,7 @@ class _WrongChecksumReceives(_StandIn):
 class WrongChecksumBroadcastController(Controller):
     async def start(self) -> None:
         await super().start()
-        self.router = _RouterWith(self.router,
+        self.router = _ActorWith(self.router,
                                   receive_weights=_WrongChecksumReceives(self.router.receive_weights, self.router))
 
 
@@ -361,3 +361,52 @@ def test_a_broadcast_run_with_no_replica_left_stops_with_the_step_saved(tiny_ckp
                                  f"is saved in {tmp_path / 'checkpoints'}")
     assert (checkpoint_dir(tmp_path / "checkpoints", 1) / COMPLETE_FILE).is_file()
     assert read_metrics(tmp_path) == []  # step 1 stopped at its weight sync
+
+
+class _StuckBroadcast:
+    """The trainer's `broadcast_weights` as over NCCL with a dead member: replica 1 is SIGKILLed
+    and the call never returns."""
+
+    def __init__(self, controller):
+        self.controller = controller
+
+    async def _never(self):
+        await asyncio.Event().wait()
+
+    def call(self):
+        async def kill_then_wait():
+            stats = await self.controller.router.stats.call_one()
+            os.kill(stats["replicas"][1]["engine"]["pid"], signal.SIGKILL)
+            self.controller.killed_at = time.monotonic()
+            await self._never()
+        return kill_then_wait()
+
+
+class StuckBroadcastController(Controller):
+    async def start(self) -> None:
+        await super().start()
+        self.trainer = _ActorWith(self.trainer, broadcast_weights=_StuckBroadcast(self))
+
+    async def _broadcast(self, *args):
+        try:
+            return await super()._broadcast(*args)
+        finally:
+            self.given_up_at = time.monotonic()
+
+
+def test_a_replica_dying_during_a_stuck_broadcast_stops_the_run_instead_of_hanging(tiny_ckpt, tmp_path, fault_record):
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, *BROADCAST, "generator.restart_dead=false",
+                                                   "controller.checkpoint_every=0"))
+    controller = StuckBroadcastController(config)
+    with pytest.raises(TrainingError) as raised:
+        asyncio.run(asyncio.wait_for(controller.run(), 120))  # a regression hangs: fail instead
+    stopped_s = controller.given_up_at - controller.killed_at  # then the shutdown stops the procs
+    assert str(raised.value) == ("weight sync of policy version 1: generator replica(s) [1] died during the "
+                                 "broadcast, which waits for every member; no checkpoint was completed; "
+                                 "continue with --resume")
+    assert stopped_s < 10, stopped_s
+    fault_record("generator replica SIGKILLed during a broadcast that waits for it (as NCCL does)",
+                 "replica 1's proc, while step 1's broadcast is in flight (the trainer's side stood in by a "
+                 "call that never returns)", None,
+                 f"step 1's update: the sync gave up {stopped_s:.1f} s after the kill and the run stopped, naming "
+                 "the dead replica and the last checkpoint, instead of waiting for ever")

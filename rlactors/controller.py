@@ -234,9 +234,7 @@ class Controller:
                     raise producer.exception()
         except SupervisionError as e:
             # A proc died (trainer or router): stop with what died and where to resume from.
-            last = latest_checkpoint(self.checkpoint_root)
-            where = f"the last complete checkpoint is {last}" if last else "no checkpoint was completed"
-            raise TrainingError(f"step {self.step + 1}: {' '.join(str(e).split())}; {where}; "
+            raise TrainingError(f"step {self.step + 1}: {' '.join(str(e).split())}; {self._last_checkpoint()}; "
                                 "continue with --resume") from None
         finally:
             producer.cancel()
@@ -410,12 +408,15 @@ class Controller:
             if time.monotonic() - dead_since >= BROADCAST_DEATH_GRACE_S:
                 transfer.cancel()
                 transfer.add_done_callback(lambda f: f.cancelled() or f.exception())  # abandoned, not an error
-                last = latest_checkpoint(self.checkpoint_root)
-                where = f"the last complete checkpoint is {last}" if last else "no checkpoint was completed"
                 raise TrainingError(f"weight sync of policy version {version}: generator replica(s) {dead} died "
-                                    f"during the broadcast, which waits for every member; {where}; "
+                                    f"during the broadcast, which waits for every member; {self._last_checkpoint()}; "
                                     "continue with --resume")
         return transfer.result()
+
+    def _last_checkpoint(self) -> str:
+        """Where a stopped run resumes from, for its error line."""
+        last = latest_checkpoint(self.checkpoint_root)
+        return f"the last complete checkpoint is {last}" if last else "no checkpoint was completed"
 
     async def _save_step_once(self) -> None:
         """Saves the current step before the run stops, unless its checkpoint is complete already

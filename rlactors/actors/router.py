@@ -90,6 +90,11 @@ class _Replica:
     completed: int = 0
     version: int | None = None
 
+    @property
+    def up(self) -> bool:
+        """Serving, or restarted and waiting for its first broadcast: a weight group member."""
+        return self.alive or self.awaiting_weights
+
 
 class GeneratorRouter(Actor):
     def __init__(self, generator_config: Any, model_config: Any, gpu_ids: Sequence[Sequence[int]] | None = None,
@@ -274,9 +279,9 @@ class GeneratorRouter(Actor):
         (`stale`) when a member has died or a restarted replica waits. The plan is what the next
         `join_weight_group` joins; its world size counts the trainer's rank 0."""
         await self._ensure_started()
-        members = [r for r in self.replicas if r.alive or r.awaiting_weights]
+        members = [r for r in self.replicas if r.up]
         group = self._weight_group
-        stale = group is None or len(group) != len(members) or any(a is not b for a, b in zip(group, members))
+        stale = group != members  # replicas compare by identity: a restarted one is a new member
         self._planned_group = members
         return {"stale": stale, "members": [r.index for r in members],
                 "world_size": 1 + len(members) * self.generator_config.tp}
@@ -302,7 +307,7 @@ class GeneratorRouter(Actor):
     @concurrent_endpoint
     async def dead_replicas(self) -> list[int]:
         """The replicas this router has found dead (its own record: no call to any replica)."""
-        return [r.index for r in self.replicas if not (r.alive or r.awaiting_weights) and r.index not in self._restarts]
+        return [r.index for r in self.replicas if not r.up and r.index not in self._restarts]
 
     @concurrent_endpoint
     async def receive_weights(self, version: int, checksum: str, mode: str | None = None) -> dict[str, Any]:
@@ -311,7 +316,7 @@ class GeneratorRouter(Actor):
         whose checksum does not match keeps its old weights and the call raises naming it; a
         replica that fails otherwise is marked dead."""
         start = time.perf_counter()
-        members = [r for r in self._weight_group or () if r.alive or r.awaiting_weights]
+        members = [r for r in self._weight_group or () if r.up]
         _, rejected, timings = await self._fan_out(
             version, lambda r: r.actor.receive_weights.call_one(version, checksum, mode), members)
         _raise_if_rejected(version, rejected)
@@ -356,7 +361,7 @@ class GeneratorRouter(Actor):
                      "completed": r.completed, "version": r.version, "engine": by_index.get(r.index)}
                     for r in self.replicas]
         return {"replicas": replicas, "live": len(by_index),
-                "dead": sum(not (r.alive or r.awaiting_weights) for r in self.replicas),
+                "dead": sum(not r.up for r in self.replicas),
                 "restarting": sorted(self._restarts),
                 "awaiting_weights": [r.index for r in self.replicas if r.awaiting_weights],
                 "sessions": len(self.picker.sessions), **self.counters}

@@ -139,12 +139,9 @@ class AsyncEngine:
             self._check_alive()
             overwritten = await self._hold_pending_update()
             self._check_alive()
-            # Staging touches only the receive buffer; an engine that cannot stage while it steps
-            # stages between steps, on the engine thread.
-            executor = self._stage_executor if self.engine.stages_concurrently else self._executor
             try:
                 staged = await asyncio.get_running_loop().run_in_executor(
-                    executor, self.engine.stage_weights, version, checksum)
+                    self._staging_executor, self.engine.stage_weights, version, checksum)
             except BaseException as e:
                 if overwritten is not None:
                     overwritten.load = functools.partial(_raise, e)  # its load kills the loop
@@ -163,9 +160,14 @@ class AsyncEngine:
         waits for its load stay. Returns the ranks taken."""
         async with self._receive_lock:
             self._check_alive()
-            executor = self._stage_executor if self.engine.stages_concurrently else self._executor
             return await asyncio.get_running_loop().run_in_executor(
-                executor, self.engine.join_weight_group, host, port, rank_offset, world_size, layout)
+                self._staging_executor, self.engine.join_weight_group, host, port, rank_offset, world_size, layout)
+
+    @property
+    def _staging_executor(self) -> concurrent.futures.Executor:
+        """Where receives and group joins run: they touch only the receive buffer, so beside the
+        engine; an engine that cannot stage while it steps stages between steps, on its thread."""
+        return self._stage_executor if self.engine.stages_concurrently else self._executor
 
     def _verify(self, named_tensors: Mapping[str, torch.Tensor], checksum: str | None, version: int) -> None:
         if checksum is not None:

@@ -286,22 +286,29 @@ def test_a_broadcast_that_fails_its_checksum_stops_the_run_and_the_replicas_keep
                  f"with `{message[:120]}...`; checkpoint 1 (complete) resumes it")
 
 
+async def _kill_replica(router, index: int) -> float:
+    """SIGKILLs generator replica `index`'s proc; returns when, by time.monotonic()."""
+    stats = await router.stats.call_one()
+    os.kill(stats["replicas"][index]["engine"]["pid"], signal.SIGKILL)
+    return time.monotonic()
+
+
 class ReplicaKilledBeforeSync(Controller):
     """SIGKILLs replica 1's proc after step 1 has trained, before its weight sync, and records how
     long the router took to count it dead; before step 2's sync it waits until the restarted
     replica is up. Records every weight group formed and the router's stats after the last sync."""
 
-    groups: list[list[int]]
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.groups: list[list[int]] = []
 
     async def _form_weight_group(self, plan):
-        self.groups = [*getattr(self, "groups", []), plan["members"]]
+        self.groups.append(plan["members"])
         await super()._form_weight_group(plan)
 
     async def _push_weights(self):
         if self.step == 1:
-            stats = await self.router.stats.call_one()
-            os.kill(stats["replicas"][1]["engine"]["pid"], signal.SIGKILL)
-            killed = time.monotonic()
+            killed = await _kill_replica(self.router, 1)
             while (await self.router.stats.call_one())["deaths"] != 1:
                 assert time.monotonic() - killed < 30, "the router did not count replica 1 dead"
                 await asyncio.sleep(0.05)
@@ -343,9 +350,7 @@ class OnlyReplicaKilledBeforeSync(Controller):
 
     async def _push_weights(self):
         if self.step == 1:
-            stats = await self.router.stats.call_one()
-            os.kill(stats["replicas"][0]["engine"]["pid"], signal.SIGKILL)
-            killed = time.monotonic()
+            killed = await _kill_replica(self.router, 0)
             while await self.router.dead_replicas.call_one() != [0]:
                 assert time.monotonic() - killed < 30, "the router did not count replica 0 dead"
                 await asyncio.sleep(0.05)
@@ -375,9 +380,7 @@ class _StuckBroadcast:
 
     def call(self):
         async def kill_then_wait():
-            stats = await self.controller.router.stats.call_one()
-            os.kill(stats["replicas"][1]["engine"]["pid"], signal.SIGKILL)
-            self.controller.killed_at = time.monotonic()
+            self.controller.killed_at = await _kill_replica(self.controller.router, 1)
             await self._never()
         return kill_then_wait()
 

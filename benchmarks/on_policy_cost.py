@@ -41,6 +41,17 @@ def make_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list
     return [torch.randint(3, vocab, (int(k),), generator=g).tolist() for k in lengths]
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -287,12 +298,12 @@ def report(args, model_args, prompts, tokens, rows, notes) -> str:
         base_train = b[4]["train_s"]
         table.append(f"| {engine} | {mode} | {throughput:,.0f} | {seconds / b[3]:.2f}x | {train_tps:,.0f} | "
                      f"{s['train_s'] / base_train:.2f}x | {s['diff_max']:.3g} | {s['diff_mean']:.3g} |")
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()}, {os.cpu_count()} cores"
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"{cpu_model()}, {os.cpu_count()} cores"
     lines = [
         f"# True on-policy cost ({args.device.upper()})",
         "",
         f"Date: {datetime.date.today()}; {device}; torch {torch.__version__}"
-        + (f", {args.threads} intra-op thread(s), MKL_CBWR={os.environ.get('MKL_CBWR')}"
+        + (f", {args.threads} intra-op thread(s), torch CPU kernels {torch.backends.cpu.get_cpu_capability()}"
            if args.device == "cpu" else "")
         + ".",
         f"Command: `{' '.join(['python benchmarks/on_policy_cost.py', *sys.argv[1:]])}`",

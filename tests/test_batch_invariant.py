@@ -6,9 +6,6 @@ measures that too, so the reason for each replacement stays visible.
 """
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -38,38 +35,51 @@ def seeded():
 # -- matmul ----------------------------------------------------------------------------------------
 
 
-MATMUL_ROWS_PROBE = """
-import torch, torch.nn.functional as F
-torch.manual_seed(0)
-changed = []
-for k in (256, 1024):
-    w, x = torch.randn(384, k), torch.randn(200, k)
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        full = F.linear(x, w)
-        changed += [not torch.equal(F.linear(x[:m], w), full[:m]) for m in (1, 2, 3, 5, 8, 64)]
-print(sum(changed))
-"""
+def integer_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 integers, exponent) per row with x's rows rounded to integers times 2**(exponent - bits),
+    computed independently of rounded_rows: the exponent from Python's math.frexp of the row max."""
+    exponents = torch.tensor([[math.frexp(float(row.abs().max()))[1]] for row in x.reshape(-1, x.shape[-1])])
+    exponents = exponents.view(*x.shape[:-1], 1)
+    return torch.round(x.double() * torch.pow(2.0, (bits - exponents).double())).long(), exponents
 
 
-def matmul_rows_changed(mkl_cbwr: str) -> int:
-    """How many of the probe's row batches change bits, in a fresh process with MKL_CBWR set."""
-    env = {**os.environ, "MKL_CBWR": mkl_cbwr}
-    done = subprocess.run([sys.executable, "-c", MATMUL_ROWS_PROBE], env=env, capture_output=True,
-                          text=True, timeout=120, check=True)
-    return int(done.stdout.strip())
+@pytest.mark.parametrize("k", [1, 3, 64, 384, 4096])
+def test_exact_matmul_is_the_exact_dot_product_of_the_rounded_rows(k):
+    """The reference sums in int64, where any order is exact: exact_matmul must be its value
+    rounded once to fp32, whatever the BLAS summed in fp64."""
+    a, b = torch.randn(37, k) * torch.rand(37, 1) * 100, torch.randn(29, k)
+    b[3] = 0  # a zero row
+    bits = bi.fixed_point_bits(k)
+    assert k * 4 ** bits <= 2**53
+    (a_int, a_exp), (b_int, b_exp) = integer_rows(a, bits), integer_rows(b, bits)
+    assert a_int.abs().max() <= 2**bits and b_int.abs().max() <= 2**bits
+    exact = (a_int @ b_int.T).double()  # int64: |sum| <= 2**53, so exactly representable in fp64
+    expected = (exact * torch.pow(2.0, (a_exp - bits).double()) * torch.pow(2.0, (b_exp - bits).double()).T).float()
+    assert torch.equal(bi.exact_matmul(a, b), expected)
+    torch.testing.assert_close(bi.exact_matmul(a, b), a @ b.T, rtol=1e-5, atol=1e-5 * float((a @ b.T).abs().max()))
 
 
-def test_default_matmul_rows_depend_on_batch_size_but_not_in_strict_mkl():
-    """MKL's default mode takes another path for small M (and another blocking for large K), so a
-    row's value changes with the number of rows next to it; its strict mode does not."""
-    assert matmul_rows_changed("AUTO") > 0
-    assert matmul_rows_changed("AUTO,STRICT") == 0
+def test_rounded_rows_are_row_local_integers_close_to_the_input():
+    x = torch.randn(50, 96) * torch.logspace(-20, 20, 50)[:, None]
+    rounded = bi.rounded_rows(x, bits=20)
+    assert rounded.dtype == torch.float64
+    ints, exponents = integer_rows(x, 20)
+    assert torch.equal(rounded, ints.double() * torch.pow(2.0, (exponents - 20).double()))
+    assert ((rounded - x.double()).abs() <= x.abs().amax(-1, keepdim=True).double() * 2.0**-20).all()
+    assert rows_equal_in_every_batch(lambda t: bi.rounded_rows(t, bits=20), x)
 
 
-def test_this_process_runs_strict_mkl():
-    assert os.environ["MKL_CBWR"] == "AUTO,STRICT"
-    bi.require_invariant_cpu_matmul()
+def test_exact_weighted_sum_ignores_what_zero_weights_point_at():
+    """A hidden key's value row, whatever finite value it holds, changes no output bit: each
+    value row is rounded on its own."""
+    weights, values = torch.rand(6, 64), torch.randn(64, 32)
+    weights[:, 40:] = 0
+    out = bi.exact_weighted_sum(weights, values)
+    torch.testing.assert_close(out, weights @ values)
+    changed = values.clone()
+    changed[40:] = torch.randn(24, 32) * 1e6
+    assert torch.equal(bi.exact_weighted_sum(weights, changed), out)
+    assert rows_equal_in_every_batch(lambda w: bi.exact_weighted_sum(w, values), torch.rand(200, 64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -81,6 +91,21 @@ def test_linear_rows_are_batch_invariant(dtype, k, n):
     for threads in (1, 2, 3):  # the generator and the trainer need not have the same thread count
         torch.set_num_threads(threads)
         assert all(torch.equal(bi.linear(x[o:o + n], w), full[o:o + n]) for o, n in BATCHES)
+
+
+def test_frozen_weights_are_rounded_once_per_version():
+    """An engine's linears keep the rounded weight until an in-place load changes the weight."""
+    layer = bi.Linear(64, 32)
+    layer.batch_invariant = layer.weights_frozen = True
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        first = layer(x)
+        kept = layer._rounded[2]
+        assert torch.equal(layer(x), first) and layer._rounded[2] is kept
+        layer.weight.copy_(torch.randn(32, 64))  # a weight load
+        assert torch.equal(layer(x), bi.linear(x, layer.weight)) and not torch.equal(layer(x), first)
+    with torch.inference_mode():  # the engine steps in inference mode
+        assert torch.equal(layer(x), bi.linear(x, layer.weight))
 
 
 def test_linear_matches_default_and_keeps_leading_dims():

@@ -165,8 +165,10 @@ def full_token_logprobs(model, hidden, targets):
 
 @pytest.mark.parametrize("batch_invariant", [False, True])
 @pytest.mark.parametrize("num_tokens", [23, 0])
-def test_chunked_token_logprobs_and_entropy_are_bitwise_the_full_ones(tiny_ckpt_untied, batch_invariant,
-                                                                      num_tokens):
+def test_chunked_token_logprobs_and_entropy_are_the_full_ones(tiny_ckpt_untied, batch_invariant, num_tokens):
+    """Bitwise in batch-invariant mode, where a row's logits do not depend on the chunk around it.
+    In the default mode the BLAS may sum a row's logits in another order for another number of
+    rows (it does on some CPUs), so chunking is only close there."""
     model = from_pretrained(tiny_ckpt_untied)
     model.set_batch_invariant(batch_invariant)
     gen = torch.Generator().manual_seed(0)
@@ -175,14 +177,15 @@ def test_chunked_token_logprobs_and_entropy_are_bitwise_the_full_ones(tiny_ckpt_
     with torch.no_grad():
         expected, expected_entropy = full_token_logprobs(model, hidden, targets.long())
     hidden.requires_grad_()
+    same = torch.equal if batch_invariant else (lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-5))
     for chunk_size in (1, 5, 23, 64):
         for grad_enabled in (False, True):
             with torch.set_grad_enabled(grad_enabled):
                 logprobs, entropy = model.token_logprobs_and_entropy(hidden, targets, chunk_size=chunk_size)
                 only_logprobs = model.token_logprobs(hidden, targets, chunk_size=chunk_size)
             assert logprobs.dtype == entropy.dtype == torch.float32
-            assert torch.equal(logprobs, expected) and torch.equal(entropy, expected_entropy)
-            assert torch.equal(only_logprobs, expected)
+            assert same(logprobs, expected) and same(entropy, expected_entropy)
+            assert same(only_logprobs, expected)
             assert logprobs.requires_grad == grad_enabled and not entropy.requires_grad
 
 

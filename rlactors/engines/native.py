@@ -33,7 +33,7 @@ class NativeEngine(Engine):
         self.model = model.eval().requires_grad_(False)
         # True on-policy: batch-invariant kernels, so a token's logprob is the trainer's exactly.
         self.true_on_policy = true_on_policy
-        model.set_batch_invariant(true_on_policy)
+        model.set_batch_invariant(true_on_policy, weights_frozen=True)
         args = model.args
         self.vocab_size = args.vocab_size
         self.max_model_len = max_model_len

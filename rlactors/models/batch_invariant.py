@@ -10,12 +10,14 @@ What breaks it with the default ops, and the fix (measured on CPU with torch 2.1
 an H200; pinned by tests/test_batch_invariant.py):
 
 - matmul: the BLAS picks its kernel, its blocking of K and its thread split from the whole
-  shape, so a row's dot products are summed in another order when the number of rows changes
-  (MKL fp32: M < 16 takes another path; for K >= 1024 rows differ up to M ~ 256; a fixed row
-  tile is not enough either, since the thread split still moves). CPU fix: MKL's strict
-  reproducibility mode (``MKL_CBWR=AUTO,STRICT``, set below at import), in which every M, thread
-  count and offset gives a row the same bits. CUDA fix: a Triton matmul with one fixed tile
-  shape and the whole K loop inside each tile, in order (cuBLAS picks split-K by shape).
+  shape, and on CPU also from the CPU's vendor and instruction set, so a row's dot products are
+  summed in another order when the number of rows changes (MKL fp32 on one Intel CPU: M < 16
+  takes another path, for K >= 1024 rows differ up to M ~ 256; on an AMD CPU rows differ even in
+  MKL's strict reproducibility mode). CPU fix: ``exact_matmul``. Every row is rounded to integers
+  times a power of two (20 to 23 bits) and the products are summed in fp64, where each partial
+  sum is an exact integer, so the BLAS's order cannot change a bit, on any CPU. CUDA fix: a
+  Triton matmul with one fixed tile shape and the whole K loop inside each tile, in order
+  (cuBLAS picks split-K by shape).
 - silu / sigmoid: torch's vectorized CPU loop computes the tail of a tensor with the scalar
   function, which rounds differently, so an element's value depends on its index in the tensor.
   Fix: ``silu_mul`` spells silu with exp and a division, which round the same on both paths.
@@ -24,8 +26,11 @@ an H200; pinned by tests/test_batch_invariant.py):
   ``AttentionPlan``), for both: keys in blocks of ``KEY_BLOCK`` from position 0, folded in order
   by an online softmax; a block past a query's position is an exact no-op.
 - row reductions on CUDA (RMSNorm's mean, log_softmax): torch sizes its blocks by the number of
-  rows. Fix: one-program-per-row Triton kernels. On CPU torch reduces each row in one fixed
-  order already, and embedding lookups and exact elementwise ops (RoPE) are invariant anywhere.
+  rows. Fix: one-program-per-row Triton kernels. On CPU torch's own kernels (not the BLAS)
+  reduce a contiguous row in an order set by its length and the vector width alone, whatever the
+  number of rows, and embedding lookups and exact elementwise ops (RoPE) are invariant anywhere.
+  torch's exp, log and sqrt give the same bits on its vectorized and scalar paths for every fp32
+  input (checked exhaustively on AVX-512), so an element's place in a tensor does not matter.
 
 Backward passes use the default kernels: only forward values must match the generator, and a
 gradient computed in another summation order is just as correct. That keeps the trainer's cost
@@ -36,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,42 +52,94 @@ KEY_BLOCK = 64  # keys per attention block, counted from position 0 of a sequenc
 
 
 # ------------------------------------------------------------------------------------------------
+# Exact CPU matmuls
+
+# fp64 represents every integer of magnitude <= 2**53 exactly.
+_EXACT_BITS = 53
+
+
+def fixed_point_bits(reduced: int) -> int:
+    """Integer bits per operand for an exact fp64 dot product of ``reduced`` terms: with both
+    operands' integers of magnitude <= 2**bits, every partial sum is an integer of magnitude <=
+    reduced * 2**(2 * bits) <= 2**53."""
+    return (_EXACT_BITS - max(reduced - 1, 0).bit_length()) // 2
+
+
+def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** exponent`` in fp64, exactly, built from its bits (int64 ``exponent`` in [-1022, 1023])."""
+    return ((exponent + 1023) << 52).view(torch.float64)
+
+
+def _rounding_shift(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(c, e)`` per row of ``x`` (last dim): ``2**e`` is the least power of two above the row's
+    largest magnitude and ``c = 1.5 * 2**(e - bits + 52)`` (fp64), whose last mantissa bit is
+    ``2**(e - bits)``."""
+    # amax and amin: torch's aminmax is several times slower here.
+    largest = torch.maximum(x.amax(-1, keepdim=True), x.amin(-1, keepdim=True).neg_())
+    _, exponent = torch.frexp(largest)
+    exponent = exponent.long()
+    return _power_of_two(exponent + (52 - bits)).mul_(1.5), exponent
+
+
+def rounded_rows(x: torch.Tensor, bits: int | None = None) -> torch.Tensor:
+    """``x`` in fp64 with each row (last dim) rounded to a multiple of ``2**(e - bits)``, where
+    ``2**e`` is the least power of two above the row's largest magnitude; ``bits`` defaults to
+    the most that keeps a dot product of two such rows exact (``fixed_point_bits``).
+
+    The rounding is ``(x + c) - c`` with ``c`` from ``_rounding_shift``: one IEEE addition in fp64
+    rounds ``x`` at that bit (to nearest, ties to even) and the subtraction is exact. So a
+    rounded row is an integer times ``2**(e - bits)``, at most ``2**bits`` in magnitude, and it
+    depends on that row's values alone.
+    """
+    shift, _ = _rounding_shift(x, bits or fixed_point_bits(x.shape[-1]))
+    return torch.add(x, shift).sub_(shift)  # x + shift is computed in fp64 (type promotion)
+
+
+def exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 ``a @ b.mT`` (``a [..., M, K]``, ``b [..., N, K]``, broadcast batch dims) in which an
+    output element depends only on its own row of ``a`` and row of ``b``, on any BLAS.
+
+    ``rounded_rows`` turns every row into integers times one power of two, with ``bits`` from
+    ``fixed_point_bits(K)``. The terms of a dot product then share one power of two, and every
+    partial sum, in fp64, is an integer small enough to be exact: the sum is the same in any
+    order, so whatever blocking, thread split, kernel or instruction set the BLAS picks for this
+    shape, the result is the exact dot product of the rounded rows, rounded once to fp32. The
+    input rounding costs at most ``2**-bits`` of the row's largest entry (22 or more bits for
+    K <= 512, 20 for K <= 8192): results are close to fp32 matmuls, not equal to them.
+    """
+    return torch.matmul(rounded_rows(a), rounded_rows(b).mT).float()
+
+
+def exact_weighted_sum(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """fp32 ``weights @ values`` (``weights [..., M, K]``, ``values [..., K, N]``), exact as in
+    ``exact_matmul``, with each row of ``values`` rounded on its own.
+
+    Rounding the columns of ``values`` would tie a value's rounding to every other row of
+    ``values``. Here row ``k`` of ``values`` becomes integers times its own ``2**s_k``; that
+    power of two moves, exactly, into column ``k`` of ``weights``, whose rows are rounded next.
+    A zero weight stays an exact zero, so a row of ``values`` that the weights ignore (a hidden
+    key) changes no result, whatever it holds, as long as it is finite.
+    """
+    bits = fixed_point_bits(values.shape[-2])
+    _, exponent = _rounding_shift(values, bits)
+    integer_shift = torch.full((), 1.5 * 2.0**52, dtype=torch.float64, device=values.device)
+    value_ints = torch.mul(values, _power_of_two(bits - exponent)).add_(integer_shift).sub_(integer_shift)
+    scaled = torch.mul(weights, _power_of_two(exponent - bits).mT)  # exact, in fp64
+    shift, _ = _rounding_shift(scaled, bits)
+    return torch.matmul(scaled.add_(shift).sub_(shift), value_ints).float()
+
+
+# ------------------------------------------------------------------------------------------------
 # Linear
-
-# MKL's strict conditional-numerical-reproducibility mode: every gemm sums each output element
-# in one fixed order, whatever the number of threads and (measured) whatever the number of rows.
-# MKL reads this once, at its first call in the process, so it is set at import, before any
-# matmul; a value the user set is kept. Its cost is part of benchmarks/results/on_policy_cost_cpu.md.
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
-
-
-@functools.cache
-def _cpu_matmul_is_row_invariant() -> bool:
-    """Probes the BLAS: the same rows alone and among others, at a K where MKL's default mode
-    takes other code paths for small M (measured: rows 1..12 of 64 differ)."""
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(256, 1024, generator=generator)
-    x = torch.randn(64, 1024, generator=generator)
-    full = F.linear(x, weight)
-    return all(torch.equal(F.linear(x[:m], weight), full[:m]) for m in (1, 2, 3, 5, 8))
-
-
-def require_invariant_cpu_matmul() -> None:
-    """Raises RuntimeError unless CPU matmuls give each row the same bits in any batch."""
-    if not _cpu_matmul_is_row_invariant():
-        raise RuntimeError(
-            "true_on_policy on CPU needs MKL's strict reproducibility mode (MKL_CBWR=AUTO,STRICT), "
-            f"but this process runs with MKL_CBWR={os.environ.get('MKL_CBWR')!r} or MKL started before "
-            "it was set: import rlactors.models (or set MKL_CBWR) before the process's first matmul")
 
 
 class _Linear(torch.autograd.Function):
-    """Triton fixed-tile matmul forward (CUDA); default matmuls in backward."""
+    """``linear``'s values forward, default matmuls in backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        return _triton().matmul(x, weight)
+        return _linear_values(x, weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -93,38 +149,60 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _linear_values(x: torch.Tensor, weight: torch.Tensor, rounded_weight: torch.Tensor | None = None) -> torch.Tensor:
+    if x.is_cuda:
+        return _triton().matmul(x, weight)
+    if rounded_weight is None:
+        rounded_weight = rounded_rows(weight)
+    return torch.matmul(rounded_rows(x), rounded_weight.mT).to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, rounded_weight: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) with each row of ``x[..., K]`` computed independently of
     the others: a row's result does not depend on the leading shape of ``x``.
 
-    CPU: MKL in strict mode, in fp32 (bf16 matmuls go through oneDNN, which picks blockings by
-    shape and thread count; they are computed in fp32 and rounded back). CUDA: a Triton matmul
-    with one fixed tile shape and the whole K reduction inside each tile, in order.
+    CPU: ``exact_matmul``'s exact integer sums (the same bits on any BLAS, CPU and thread count),
+    rounded once to ``x``'s dtype; ``rounded_weight`` is ``rounded_rows(weight)`` when the caller
+    keeps it. CUDA: a Triton matmul with one fixed tile shape and the whole K reduction inside each
+    tile, in order. Backward uses the default matmuls.
     """
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"linear: x is {x.dtype} but weight is {weight.dtype}")
-    if x.is_cuda:
-        out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight)
-        return out.view(*x.shape[:-1], weight.shape[0])
-    require_invariant_cpu_matmul()
-    if x.dtype == torch.float32:
-        return F.linear(x, weight)
-    return F.linear(x.float(), weight.float()).to(x.dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        out = _Linear.apply(rows, weight)
+    else:
+        out = _linear_values(rows, weight, rounded_weight)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` without bias that runs ``linear`` while ``batch_invariant`` is set (the
-    model's ``set_batch_invariant`` sets it); parameter names and init are nn.Linear's."""
+    model's ``set_batch_invariant`` sets it); parameter names and init are nn.Linear's.
+
+    With ``weights_frozen`` (an inference engine, whose weights change only by in-place loads) the
+    CPU path keeps ``rounded_rows(weight)`` until the weight's version counter moves, instead of
+    rounding the weight on every call.
+    """
 
     batch_invariant = False
+    weights_frozen = False
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
+        self._rounded: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (weight, version, rounded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight) if self.batch_invariant else F.linear(x, self.weight)
+        if not self.batch_invariant:
+            return F.linear(x, self.weight)
+        if not self.weights_frozen or x.is_cuda:
+            return linear(x, self.weight)
+        weight = self.weight
+        if self._rounded is None or self._rounded[0] is not weight or self._rounded[1] != weight._version:
+            self._rounded = (weight, weight._version, rounded_rows(weight))
+        return linear(x, weight, rounded_weight=self._rounded[2])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,7 +275,7 @@ class AttentionPlan:
     ``tile[i], slot[i]`` is where query ``i`` sits and ``query_index[t, s]`` the query in a slot
     (-1: empty); ``positions[t, s]`` is the position in each slot (0 for an empty slot, whose
     output is dropped); ``last[t]`` the largest one. On CUDA ``tile_size`` is ``QUERY_TILE``
-    (the kernel is compiled for it); on CPU, where strict MKL gives a row the same bits for any
+    (the kernel is compiled for it); on CPU, where ``exact_matmul`` gives a row the same bits for any
     number of rows, it shrinks to the longest run of queries, so decode steps pad nothing.
 
     Two ways to pass keys: ``plan(q, keys, values)`` with every segment's keys in a row, or
@@ -278,13 +356,13 @@ class AttentionPlan:
                              f"of segment {self.max_segment}")
 
     def _attend_torch(self, q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
-        require_invariant_cpu_matmul()
         n, num_heads, head_dim = q.shape
         num_kv_heads = kv.shape[1]
         group = num_heads // num_kv_heads
         reads = self._torch_reads(key_slots, num_kv_heads, group, kv.shape[2])
         nt = self.num_tiles
-        q_all = (q.float() / math.sqrt(head_dim)).view(n * num_kv_heads, group, head_dim)
+        # Each query and key row is rounded for exact_matmul: queries once here, keys as read.
+        q_all = rounded_rows(q.float() / math.sqrt(head_dim)).view(n * num_kv_heads, group, head_dim)
         kv_all = kv.reshape(-1, head_dim)
         # The online softmax over each tile's blocks, in order, a chunk of blocks at a time. The
         # running max, sum and output of every tile carry from chunk to chunk; the tiles that read
@@ -293,8 +371,10 @@ class AttentionPlan:
         for chunk in reads.chunks():
             rows = chunk.num_rows
             q_rows = q_all.index_select(0, chunk.q_index).view(rows, num_kv_heads, -1, head_dim)
-            keys, values = kv_all.index_select(0, chunk.kv_index).float().view(2, rows, num_kv_heads, KEY_BLOCK, head_dim)
-            scores = torch.matmul(q_rows, keys.transpose(-1, -2)).add_(chunk.hidden)  # [rows, Hkv, slot * group, KB]
+            keys, values = kv_all.index_select(0, chunk.kv_index).view(2, rows, num_kv_heads, KEY_BLOCK, head_dim)
+            # [rows, Hkv, slot * group, KB]: exact_matmul with the queries already rounded.
+            scores = torch.matmul(q_rows, rounded_rows(keys).mT)
+            scores = scores.float().add_(chunk.hidden)
             # The running max first (exact, so it can be folded before the rest), then weights
             # and sums of the chunk's blocks at once, then each block's sum and output folded in.
             running_max = scores.amax(-1)
@@ -312,7 +392,7 @@ class AttentionPlan:
             # exponents are clamped at -80 (a weight below exp(-80) ~ 2e-35, next to the row's
             # largest, 1, becomes exp(-80)) and the hidden keys' weights zeroed by a multiply.
             weights = (scores - running_max[..., None]).clamp_(min=-80.0).exp_().mul_(chunk.visible)
-            sums, outs = weights.sum(-1), torch.matmul(weights, values)
+            sums, outs = weights.sum(-1), exact_weighted_sum(weights, values)
             for (start, count), previous in zip(chunk.blocks, before):
                 if previous is None:
                     tile_sum, tile_out = sums[start:start + count].clone(), outs[start:start + count].clone()

@@ -169,12 +169,16 @@ class Qwen3ForCausalLM(nn.Module):
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def set_batch_invariant(self, enabled: bool = True) -> None:
+    def set_batch_invariant(self, enabled: bool = True, weights_frozen: bool = False) -> None:
         """Switches every op whose result could depend on the batch to its batch-invariant
-        version (``rlactors.models.batch_invariant``); attention is the caller's to choose."""
+        version (``rlactors.models.batch_invariant``); attention is the caller's to choose.
+        ``weights_frozen``: the weights change only by in-place loads (an inference engine), so
+        the linears may keep per-weight work between calls (``batch_invariant.Linear``)."""
         for module in self.modules():
             if hasattr(type(module), "batch_invariant"):
                 module.batch_invariant = enabled
+            if isinstance(module, bi.Linear):
+                module.weights_frozen = weights_frozen
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         """``hidden[T, hidden_size]`` after the final norm."""

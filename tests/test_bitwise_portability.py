@@ -1,0 +1,78 @@
+"""The bitwise promises hold whatever code path the CPU's math libraries take.
+
+CPU true on-policy sums every matmul exactly (``batch_invariant.exact_matmul``), so no setting
+of the BLAS may change a bit. Each setting below runs the bitwise tests in a fresh process (MKL
+reads its settings once, at its first call): MKL's AVX2 and AVX-512 code paths (what differs
+between CPUs), its conditional-reproducibility modes, 2 threads instead of 1, and torch's own
+kernels compiled for AVX2 instead of this CPU's best. Then a generator and a trainer that run
+under different MKL settings and thread counts still agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+BITWISE_TESTS = ["test_batch_invariant.py", "test_true_on_policy.py",
+                 "test_model.py::test_chunked_token_logprobs_and_entropy_are_the_full_ones"]
+SETTINGS = {
+    "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "mkl-avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "mkl-cbwr-compatible": {"MKL_CBWR": "COMPATIBLE"},
+    "mkl-cbwr-avx2": {"MKL_CBWR": "AVX2"},
+    "2-threads": {"OMP_NUM_THREADS": "2"},
+    "torch-avx2-kernels": {"ATEN_CPU_CAPABILITY": "avx2"},
+}
+
+
+def environment(setting: dict[str, str]) -> dict[str, str]:
+    """This process's environment without MKL or ATen settings, one intra-op thread, plus ``setting``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MKL_", "ATEN_CPU"))}
+    return {**env, "OMP_NUM_THREADS": "1", **setting}
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_bitwise_tests_pass_under(name):
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *BITWISE_TESTS],
+                          cwd=TESTS, env=environment(SETTINGS[name]), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
+    assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+GENERATE = """
+import sys, torch
+from test_true_on_policy import generate, prompts, requests_with
+from rlactors.types import SamplingParams
+mine = (prompts(1, seed=7)[0], SamplingParams(max_tokens=30, temperature=1.0, seed=3))
+torch.save(generate(sys.argv[1], True, requests_with(mine, 16, seed=8), max_num_tokens=96), sys.argv[2])
+"""
+
+SCORE = """
+import sys, torch
+from test_true_on_policy import episode, make_core, trainer_and_generator_logprobs
+from trainer_inputs import one_rank_process_group
+completions = torch.load(sys.argv[2], weights_only=False)
+with one_rank_process_group("cpu") as device:
+    core = make_core(sys.argv[1], device, true_on_policy=True)
+    trainer, generator = trainer_and_generator_logprobs(core, [episode(c) for c in completions.values()], 200)
+assert trainer.numel() == sum(len(c.token_ids) for c in completions.values())
+print("equal" if torch.equal(trainer, generator) else f"differ by {(trainer - generator).abs().max()}")
+"""
+
+
+def test_generator_and_trainer_under_different_blas_settings_agree_bit_for_bit(tiny_ckpt, tmp_path):
+    completions = tmp_path / "completions.pt"
+    generator_env = environment({"MKL_ENABLE_INSTRUCTIONS": "AVX2"})
+    trainer_env = environment({"MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "2"})
+    subprocess.run([sys.executable, "-c", GENERATE, str(tiny_ckpt), str(completions)], cwd=TESTS,
+                   env=generator_env, check=True, timeout=300)
+    scored = subprocess.run([sys.executable, "-c", SCORE, str(tiny_ckpt), str(completions)], cwd=TESTS,
+                            env=trainer_env, capture_output=True, text=True, timeout=300)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert scored.stdout.strip().splitlines()[-1] == "equal"

@@ -92,7 +92,6 @@ def as_dict(c) -> dict:
 
 def vllm_worker(args) -> None:
     """Subprocess: vLLM generation in one mode; writes completions and the best time as JSON."""
-    os.environ["VLLM_BATCH_INVARIANT"] = "1" if args.vllm_worker == "true_on_policy" else "0"
     from rlactors.config import GeneratorConfig, ModelConfig
     from rlactors.engines.vllm_engine import VLLMEngine
     from rlactors.types import SamplingParams
@@ -164,12 +163,12 @@ def episodes_of(completions: list[dict]):
     return out
 
 
-def make_core(args, ckpt: Path, true_on_policy: bool):
+def make_core(args, ckpt: Path, true_on_policy: bool, generator_engine: str = "native"):
     from rlactors.config import ModelConfig, TrainerConfig
     from rlactors.trainer.core import PolicyTrainerCore
 
     return PolicyTrainerCore(ModelConfig(path=str(ckpt), dtype=args.dtype, true_on_policy=true_on_policy),
-                             TrainerConfig(ranks=1, lr=1e-6), torch.device(args.device))
+                             TrainerConfig(ranks=1, lr=1e-6), torch.device(args.device), generator_engine)
 
 
 def logprob_diff(core, packed) -> tuple[float, float]:
@@ -221,15 +220,6 @@ def score_and_train(args, ckpt: Path, completions: list[dict], trainer_modes: di
     return out
 
 
-def vllm_override_trainer(args, ckpt: Path):
-    """A default-mode trainer with vLLM's batch-invariant aten kernels switched on, if possible."""
-    from vllm.model_executor.layers import batch_invariant as vllm_bi
-
-    enable = getattr(vllm_bi, "enable_batch_invariant_mode", None) or getattr(vllm_bi, "init_batch_invariance")
-    enable()
-    return make_core(args, ckpt, true_on_policy=False)
-
-
 # -- report --------------------------------------------------------------------------------------
 
 
@@ -246,44 +236,34 @@ def run(args) -> str:
     init_one_rank(args.device)
 
     rows, notes = [], []
-    gen = {}
-    for mode, tp in (("default", False), ("true_on_policy", True)):
-        completions, seconds = native_generate(args, ckpt, tp, prompts)
-        gen[mode] = (completions, seconds)
-        print(f"native {mode}: {seconds:.2f} s", flush=True)
-    tokens = sum(len(c["tokens"]) for c in gen["default"][0])
-    for mode, tp in (("default", False), ("true_on_policy", True)):
-        completions, seconds = gen[mode]
-        scored = score_and_train(args, ckpt, completions, {mode: lambda tp=tp: make_core(args, ckpt, tp)})[mode]
-        rows.append(("native", mode, tokens / seconds, seconds, scored))
-        print(f"  trainer {mode}: diff max {scored['diff_max']:.3g} mean {scored['diff_mean']:.3g}, "
-              f"step {scored['train_s']:.2f} s", flush=True)
+    tokens = args.num_prompts * args.max_tokens  # every request runs to max_tokens (no stop tokens)
+    if "native" in args.engines:
+        for mode, tp in (("default", False), ("true_on_policy", True)):
+            completions, seconds = native_generate(args, ckpt, tp, prompts)
+            print(f"native {mode}: {seconds:.2f} s", flush=True)
+            scored = score_and_train(args, ckpt, completions, {mode: lambda tp=tp: make_core(args, ckpt, tp)})[mode]
+            rows.append(("native", mode, tokens / seconds, seconds, scored))
+            print(f"  trainer {mode}: diff max {scored['diff_max']:.3g} mean {scored['diff_mean']:.3g}, "
+                  f"step {scored['train_s']:.2f} s", flush=True)
 
-    if args.device == "cuda":
-        have_vllm = importlib.util.find_spec("vllm") is not None
-        if not have_vllm:
+    if "vllm" in args.engines:
+        if importlib.util.find_spec("vllm") is None:
             notes.append("vLLM is not installed here: its rows are missing.")
-        if have_vllm:
-            for mode in ("default", "true_on_policy"):
+        else:
+            # vLLM default: vLLM's own model, scored by the default trainer. vLLM true_on_policy: our
+            # model inside vLLM (rlactors.engines.vllm_model), scored by the trainer on vLLM's kernels.
+            for mode, tp in (("default", False), ("true_on_policy", True)):
                 result = vllm_generate(args, ckpt, mode, prompts)
                 if isinstance(result, str):
                     notes.append(result)
                     continue
                 completions, seconds = result
-                trainers = {"default": lambda: make_core(args, ckpt, False),
-                            "true_on_policy": lambda: make_core(args, ckpt, True)}
-                scored = score_and_train(args, ckpt, completions, trainers)
-                for trainer_mode, s in scored.items():
-                    rows.append((f"vLLM (VLLM_BATCH_INVARIANT={int(mode == 'true_on_policy')})",
-                                 f"trainer {trainer_mode}", tokens / seconds, seconds, s))
-                if mode == "true_on_policy":
-                    try:
-                        s = score_and_train(args, ckpt, completions,
-                                            {"vllm kernels": lambda: vllm_override_trainer(args, ckpt)})["vllm kernels"]
-                        rows.append(("vLLM (VLLM_BATCH_INVARIANT=1)", "trainer with vLLM's aten overrides",
-                                     tokens / seconds, seconds, s))
-                    except Exception as e:  # an optional comparison: report why it is missing
-                        notes.append(f"trainer with vLLM's batch-invariant aten overrides: not run ({e!r})")
+                print(f"vLLM {mode}: {seconds:.2f} s", flush=True)
+                scored = score_and_train(args, ckpt, completions,
+                                         {mode: lambda tp=tp: make_core(args, ckpt, tp, "vllm")})[mode]
+                rows.append(("vLLM", mode, tokens / seconds, seconds, scored))
+                print(f"  trainer {mode}: diff max {scored['diff_max']:.3g} mean {scored['diff_mean']:.3g}, "
+                      f"step {scored['train_s']:.2f} s", flush=True)
     return report(args, model_args, prompts, tokens, rows, notes)
 
 
@@ -344,6 +324,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--row-tokens", type=int, default=None)
     parser.add_argument("--rows-per-microbatch", type=int, default=4)
+    parser.add_argument("--engines", nargs="+", choices=("native", "vllm"), default=None,
+                        help="generators to measure (default: native on CPU, native and vllm on CUDA)")
     parser.add_argument("--out", default=None)
     # internal: one vLLM generation in a subprocess
     parser.add_argument("--vllm-worker", choices=("default", "true_on_policy"), help=argparse.SUPPRESS)
@@ -354,7 +336,8 @@ def main() -> None:
     gpu = args.device == "cuda"
     defaults = {"size": "0.6b" if gpu else "tiny", "dtype": "bfloat16" if gpu else "float32",
                 "num_prompts": 256 if gpu else 32, "max_prompt": 512 if gpu else 64,
-                "max_tokens": 128 if gpu else 32, "row_tokens": 4096 if gpu else 512}
+                "max_tokens": 128 if gpu else 32, "row_tokens": 4096 if gpu else 512,
+                "engines": ["native", "vllm"] if gpu else ["native"]}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

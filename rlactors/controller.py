@@ -130,7 +130,8 @@ class Controller:
         device = c.controller.device
         replica_gpus = gpu_layout(c)[1] if device == "cuda" else None
         self._hosts = allocate_hosts(c.job)
-        trainer_procs, self.trainer, ranks = await spawn_trainer(self._hosts.trainers, c.model, c.trainer, device)
+        trainer_procs, self.trainer, ranks = await spawn_trainer(self._hosts.trainers, c.model, c.trainer, device,
+                                                                 generator_engine=c.generator.engine)
         router_procs = this_host().spawn_procs(per_host={"procs": 1})
         self._procs = [trainer_procs, router_procs]
         self.router = router_procs.spawn("router", GeneratorRouter, c.generator, c.model, replica_gpus,

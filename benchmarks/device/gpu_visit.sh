@@ -11,6 +11,10 @@
 #   bash benchmarks/device/gpu_visit.sh single1  # nvidia-h200 (one GPU): every gpu test that fits, trainer MFU at 1.7B
 #   bash benchmarks/device/gpu_visit.sh system1  # nvidia-h200 (one GPU): e2e sync vs async (staleness 1, 2) on
 #                                                #   configs/alphabet_sort_1gpu.toml (trainer and vLLM colocated), a 40-step reward curve
+#   bash benchmarks/device/gpu_visit.sh onpolicy1  # nvidia-h200: batch-invariant matmul sweep, vLLM true
+#                                                #   on-policy test, its cost at 0.6B
+#   bash benchmarks/device/gpu_visit.sh profile1   # nvidia-h200: router vs raw vLLM, and a py-spy profile
+#                                                #   of the router path
 # Expects vLLM and Monarch importable (PYTHONPATH), as staged by ../shared/device/README.md.
 # Jobs confined by CUDA_VISIBLE_DEVICES run side by side on disjoint GPUs.
 set -u
@@ -73,6 +77,22 @@ system1)
   step reward_run 240 0 python examples/alphabet_sort/run.py --config configs/alphabet_sort_1gpu.toml \
       controller.steps=40 controller.checkpoint_every=0 'controller.run_dir="runs/reward_1gpu"'
   cp runs/reward_1gpu/metrics.jsonl runs/reward_1gpu/*.png "$OUT"/ 2>/dev/null
+  ;;
+onpolicy1)
+  step matmul 200 0 python benchmarks/batch_invariant_matmul.py --configs sweep --out "$OUT/matmul.md"
+  step vllm_true_test 420 0 python -m pytest -q -x -p no:cacheprovider --tb=short tests/test_vllm_true_on_policy.py
+  ;;
+onpolicy_cost1)
+  step on_policy_cost 560 0 python benchmarks/on_policy_cost.py --device cuda --engines vllm --repeats 1 \
+      --train-steps 2 --out "$OUT/on_policy_cost_gpu.md"
+  ;;
+profile1)
+  python -m rlactors.models.tiny /tmp/ck06 --size 0.6b > /dev/null
+  step generator 300 0 python benchmarks/generator_throughput.py --device cuda --checkpoint /tmp/ck06
+  step profile 200 0 py-spy record --subprocesses --format raw --rate 100 -o "$OUT/router_profile.txt" -- \
+      python benchmarks/generator_throughput.py --device cuda --method router --checkpoint /tmp/ck06
+  python benchmarks/device/pyspy_top.py "$OUT/router_profile.txt" > "$OUT/router_profile_top.txt" 2>&1
+  rm -f "$OUT/router_profile.txt"
   ;;
 esac
 # Only the result files this visit changed: a call brings back at most 8 files.

@@ -27,15 +27,17 @@ from rlactors.weight_sync.broadcast import free_port, local_address
 
 
 class PolicyTrainer(Actor):
-    def __init__(self, model: ModelConfig, trainer: TrainerConfig, device: str = "cpu"):
+    def __init__(self, model: ModelConfig, trainer: TrainerConfig, device: str = "cpu",
+                 generator_engine: str = "native"):
         self.model_config, self.trainer_config, self.device_type = model, trainer, device
+        self.generator_engine = generator_engine
         self.core: PolicyTrainerCore | None = None
 
     @endpoint
     async def init(self) -> dict[str, int]:
         """Joins the process group and loads the policy from `model.path` (policy version 0)."""
         device = init_distributed(self.device_type)
-        self.core = PolicyTrainerCore(self.model_config, self.trainer_config, device)
+        self.core = PolicyTrainerCore(self.model_config, self.trainer_config, device, self.generator_engine)
         return {"rank": self.core.rank, "world_size": self.core.world_size, "host": host_name(),
                 "policy_version": self.core.version}
 
@@ -92,11 +94,13 @@ class PolicyTrainer(Actor):
 
 
 async def spawn_trainer(hosts: HostMesh, model: ModelConfig, trainer: TrainerConfig, device: str = "cpu",
-                        first_gpu: int = 0) -> tuple[ProcMesh, PolicyTrainer, list[dict[str, Any]]]:
+                        first_gpu: int = 0, generator_engine: str = "native",
+                        ) -> tuple[ProcMesh, PolicyTrainer, list[dict[str, Any]]]:
     """Spawns `trainer.ranks` procs split evenly over the hosts of `hosts` (on CUDA one GPU each:
     first_gpu, first_gpu + 1, ... of its host), sets the torch elastic env (ranks host-major), and
     initialises a PolicyTrainer on each. Returns (procs, actor mesh, each rank's `init` answer:
-    rank, world size, host, policy version)."""
+    rank, world size, host, policy version). `generator_engine`: whose kernels true on-policy
+    logprobs reproduce (`PolicyTrainerCore`)."""
     if device == "cuda":
         def bootstrap_command(point):
             gpu = cuda_visible_devices([first_gpu + point["gpus"]])
@@ -108,6 +112,6 @@ async def spawn_trainer(hosts: HostMesh, model: ModelConfig, trainer: TrainerCon
         raise ValueError(f"trainer.ranks={trainer.ranks} do not split evenly over {host_count} hosts")
     procs = hosts.spawn_procs(per_host={"gpus": trainer.ranks // host_count}, bootstrap_command=bootstrap_command)
     await setup_torch_elastic_env_async(procs)
-    actors = procs.spawn("policy_trainer", PolicyTrainer, model, trainer, device)
+    actors = procs.spawn("policy_trainer", PolicyTrainer, model, trainer, device, generator_engine)
     ranks = sorted((value for _, value in (await actors.init.call()).items()), key=lambda r: r["rank"])
     return procs, actors, ranks

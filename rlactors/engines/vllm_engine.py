@@ -1,5 +1,8 @@
 """The vLLM engine (GPU): vLLM 0.26's LLMEngine run in-process behind the Engine interface.
 
+In true on-policy mode vLLM runs our own model (`rlactors.engines.vllm_model`), so that every
+logprob it returns is the trainer's bit for bit.
+
 vLLM is imported inside `from_config` only, so CPU installs never need it. The engine core runs in
 this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): weights are loaded straight into the model with
 its own `load_weights` (HF names; vLLM fuses qkv / gate_up itself), through `apply_model`, which
@@ -57,10 +60,16 @@ class VLLMEngine(Engine):
 
     @classmethod
     def from_config(cls, generator_config: Any, model_config: Any) -> VLLMEngine:
+        """A vLLM engine for `model_config.path`. In `model_config.true_on_policy` mode vLLM runs
+        our own model with the trainer's kernels (`rlactors.engines.vllm_model`)."""
+        from rlactors.engines import vllm_model
+
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+        true_on_policy_args = {}
         if model_config.true_on_policy:
-            # vLLM's batch-invariant kernels; read when vLLM is imported, so set before the import.
-            os.environ["VLLM_BATCH_INVARIANT"] = "1"
+            os.environ.update(vllm_model.true_on_policy_environment())  # read by vLLM's import
+            vllm_model.register()
+            true_on_policy_args = vllm_model.true_on_policy_engine_args()
         from vllm import EngineArgs, LLMEngine
 
         from rlactors.models.checkpoint import load_args
@@ -77,6 +86,7 @@ class VLLMEngine(Engine):
             enable_prefix_caching=True,
             logprobs_mode="raw_logprobs",
             disable_log_stats=True,
+            **true_on_policy_args,
         )
         return cls(LLMEngine.from_engine_args(args), load_args(model_config.path).vocab_size, g.max_model_len, g.tp)
 

@@ -550,14 +550,18 @@ class BatchInvariantAttention:
         if q.shape[0] != self.positions.numel() or k.shape[0] != q.shape[0] or v.shape != k.shape:
             raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match the "
                              f"{self.positions.numel()} packed tokens of this BatchInvariantAttention")
-        return _PackedAttention.apply(q, k, v, self)
+        return OnPolicyAttentionFunction.apply(q, k, v, self)
 
     def forward_values(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = torch.stack((k.transpose(0, 1), v.transpose(0, 1)))  # [2, Hkv, T, D], contiguous
         return self.plan.paged(q, kv, self.key_slots)
 
 
-class _PackedAttention(torch.autograd.Function):
+class OnPolicyAttentionFunction(torch.autograd.Function):
+    """Autograd for a trainer's true on-policy attention: the forward values of
+    ``attention.forward_values`` (the generator's kernel), the gradient of ``attention.reference``
+    (the default attention) at the same inputs."""
+
     @staticmethod
     def forward(ctx, q, k, v, attention: BatchInvariantAttention):
         ctx.save_for_backward(q, k, v)

@@ -1,9 +1,9 @@
 """Triton kernels behind ``rlactors.models.batch_invariant`` on CUDA.
 
-Each kernel fixes its tile shape at compile time and never splits a reduction across programs,
-so a row's value is computed by the same instructions in the same order however many rows the
-launch has (cuBLAS and torch's CUDA reductions choose split-K and block sizes from the shape,
-which is what changes a row's bits with the batch). A row's program reads only that row.
+Each kernel fixes its tile shape at compile time and sums every reduction in one fixed order, so
+a row's value is computed by the same instructions in the same order however many rows the launch
+has (cuBLAS and torch's CUDA reductions choose split-K and block sizes from the shape, which is
+what changes a row's bits with the batch). A row's program reads only that row.
 """
 
 from __future__ import annotations
@@ -14,44 +14,105 @@ import triton.language as tl
 
 from rlactors.models.batch_invariant import KEY_BLOCK, QUERY_TILE, AttentionPlan
 
-MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K = 64, 128, 64
+MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K = 64, 64, 64
+MATMUL_WARPS, MATMUL_STAGES = 4, 3
+# K is summed in chunks of this many columns, each from zero, and the chunk sums are added in
+# order: the same sum whether one program runs the chunks in turn or each chunk has its own.
+MATMUL_CHUNK_K = 256
+# Below this many output tiles the chunks run in programs of their own, so that small-M
+# products (decode steps) still fill the GPU.
+MATMUL_MIN_TILES = 264
 ROW_BLOCK = 1024  # columns per step of the row kernels
+
+
+@triton.jit
+def _chunk_sum(x_ptr, w_ptr, rows, cols, k_start, k_end, M, N, stride_xm, stride_xk, stride_wn, stride_wk,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """fp32 sum over ``k_start <= k < k_end`` of x[rows, k] * w[cols, k], in order, from zero."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk,
+                    mask=(rows[:, None] < M) & (ks[None, :] < k_end), other=0.0)
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk,
+                    mask=(cols[None, :] < N) & (ks[:, None] < k_end), other=0.0)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    return acc
 
 
 @triton.jit
 def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr,
                    IEEE: tl.constexpr):
+    """One output tile: every chunk of K in turn, each summed from zero, added in order."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # the whole K reduction, in order, in this program
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk,
-                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk,
-                    mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0)
-        if IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, CHUNK_K):
+        total += _chunk_sum(x_ptr, w_ptr, rows, cols, k_start, tl.minimum(k_start + CHUNK_K, K), M, N,
+                            stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on,
-             acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+             total.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _matmul_chunk_kernel(x_ptr, w_ptr, partial_ptr, M, N, K,
+                         stride_xm, stride_xk, stride_wn, stride_wk,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         CHUNK_K: tl.constexpr, IEEE: tl.constexpr):
+    """One output tile's sum over one chunk of K, into ``partial[chunk]`` (fp32, [chunks, M, N])."""
+    pid_m, pid_n, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = chunk * CHUNK_K
+    acc = _chunk_sum(x_ptr, w_ptr, rows, cols, k_start, tl.minimum(k_start + CHUNK_K, K), M, N,
+                     stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    offsets = chunk.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(partial_ptr + offsets, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _sum_chunks_kernel(partial_ptr, out_ptr, total_elements, chunks, BLOCK: tl.constexpr):
+    """out = partial[0] + partial[1] + ... in order, as ``_matmul_kernel`` adds its chunks."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < total_elements
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for chunk in range(0, chunks):
+        total += tl.load(partial_ptr + chunk * total_elements + offsets, mask=mask, other=0.0)
+    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x[M, K] @ weight[N, K].T`` in ``x``'s dtype, fp32 accumulation (IEEE fp32 for fp32)."""
+    """``x[M, K] @ weight[N, K].T`` in ``x``'s dtype, fp32 accumulation (IEEE fp32 for fp32).
+
+    K is summed in chunks of ``MATMUL_CHUNK_K``, each from zero with the same tile shape and
+    instructions, and the chunk sums are added in order. With many output tiles one program runs
+    every chunk of its tile; with few (small M) each chunk runs in a program of its own and a
+    second kernel adds them: the same additions in the same order, so the same bits.
+    """
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, MATMUL_BLOCK_M), triton.cdiv(n, MATMUL_BLOCK_N))
-    _matmul_kernel[grid](x, weight, out, m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-                         out.stride(0), out.stride(1), BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=MATMUL_BLOCK_N,
-                         BLOCK_K=MATMUL_BLOCK_K, IEEE=x.dtype == torch.float32)
+    tiles = (triton.cdiv(m, MATMUL_BLOCK_M), triton.cdiv(n, MATMUL_BLOCK_N))
+    chunks = triton.cdiv(k, MATMUL_CHUNK_K)
+    shape = dict(BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=MATMUL_BLOCK_N, BLOCK_K=MATMUL_BLOCK_K, CHUNK_K=MATMUL_CHUNK_K,
+                 IEEE=x.dtype == torch.float32, num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES)
+    if chunks == 1 or tiles[0] * tiles[1] >= MATMUL_MIN_TILES:
+        _matmul_kernel[tiles](x, weight, out, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
+                              weight.stride(1), out.stride(0), out.stride(1), **shape)
+        return out
+    partial = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device)
+    _matmul_chunk_kernel[(*tiles, chunks)](x, weight, partial, m, n, k, x.stride(0), x.stride(1),
+                                           weight.stride(0), weight.stride(1), **shape)
+    block = 1024
+    _sum_chunks_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, chunks, BLOCK=block)
     return out
 
 

@@ -152,6 +152,9 @@ class Qwen3ForCausalLM(nn.Module):
     """
 
     batch_invariant = False
+    # fp32 log p(targets[t]) from logits[t] when the generator computes it other than by
+    # log_softmax and gather: a vLLM replica in true on-policy mode (rlactors.engines.vllm_model).
+    token_logprob_kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -247,9 +250,13 @@ class _TokenLogprobs(torch.autograd.Function):
         for start in range(0, max(hidden.shape[0], 1), chunk_size):  # one empty chunk when T == 0
             rows = slice(start, start + chunk_size)
             logits = model.logits(hidden[rows])
-            chunk_logprobs = model.log_softmax(logits)
             target = targets[rows, None]
-            target_logprobs = chunk_logprobs.gather(-1, target).squeeze(-1)
+            if model.token_logprob_kernel is None:
+                chunk_logprobs = model.log_softmax(logits)
+                target_logprobs = chunk_logprobs.gather(-1, target).squeeze(-1)
+            else:
+                target_logprobs = model.token_logprob_kernel(logits, target[:, 0])
+                chunk_logprobs = model.log_softmax(logits) if with_entropy else None
             logprobs.append(target_logprobs)
             # log_softmax = logits - logsumexp, so the target's entries give the logsumexp at
             # O(T) cost, consistent with the log_softmax's own rounding (measured at Qwen3's

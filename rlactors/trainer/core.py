@@ -107,10 +107,13 @@ class PolicyTrainerCore:
     The fp32 master weights are loaded from `model.path` (an HF checkpoint dir). Decoder layers
     are torch.compile'd with `trainer.compile_layers` on CUDA, except in `model.true_on_policy`
     mode, which runs the generator's eager batch-invariant kernels (compiled code fuses and
-    rounds differently).
+    rounds differently): those of `rlactors.models.batch_invariant` for the native engine, and
+    for vLLM replicas also vLLM's attention and sampled-token logprob kernels
+    (`rlactors.engines.vllm_model`).
     """
 
-    def __init__(self, model: ModelConfig, trainer: TrainerConfig, device: torch.device):
+    def __init__(self, model: ModelConfig, trainer: TrainerConfig, device: torch.device,
+                 generator_engine: str = "native"):
         model.validate("model")
         trainer.validate("trainer")
         self.model_config, self.config, self.device = model, trainer, device
@@ -128,6 +131,11 @@ class PolicyTrainerCore:
         )
         self.model.set_batch_invariant(model.true_on_policy)
         self._attention = BatchInvariantAttention if model.true_on_policy else VarlenAttention
+        if model.true_on_policy and generator_engine == "vllm":
+            from rlactors.engines.vllm_model import PagedFlashAttention, vllm_token_logprobs
+
+            self._attention = PagedFlashAttention
+            self.model.token_logprob_kernel = vllm_token_logprobs
         self._load_hf_weights(model.path)
         self.optimizer = self._new_optimizer()
         self.version = 0

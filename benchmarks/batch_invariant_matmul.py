@@ -1,0 +1,130 @@
+"""The batch-invariant CUDA matmul (rlactors/models/batch_invariant_triton.py) against cuBLAS.
+
+For the linear layers of the Qwen3-0.6B and 1.7B shapes, at decode sizes (M = 1 .. 256) and
+prefill/training sizes (M = 2048, 8192): time per call, replayed from a CUDA graph as vLLM runs
+decode steps, and the ratio to torch's cuBLAS matmul. Every configuration is also checked for
+its promise: each row of an M = 8192 product has the bits of the same row computed in smaller
+batches, at other offsets (both launch paths: chunks in one program, or in programs of their own).
+
+    python benchmarks/batch_invariant_matmul.py [--configs default|sweep] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # name: (N, K) of x[M, K] @ w[N, K].T
+    "0.6b qkv (q)": (2048, 1024), "0.6b o": (1024, 2048), "0.6b gate/up": (3072, 1024), "0.6b down": (1024, 3072),
+    "1.7b gate/up": (6144, 2048), "1.7b down": (2048, 6144),
+}
+DECODE_M, PREFILL_M = (1, 16, 64, 128, 256), (2048, 8192)
+# (BLOCK_M, BLOCK_N, BLOCK_K, CHUNK_K, WARPS, STAGES, MIN_TILES)
+SWEEP = [(64, 64, 64, 256, 4, 3, 264), (64, 128, 64, 256, 4, 3, 264), (128, 128, 64, 512, 8, 3, 264),
+         (64, 64, 64, 128, 4, 4, 264), (128, 64, 64, 256, 4, 3, 264), (64, 128, 64, 512, 4, 4, 528)]
+
+
+def set_config(bit, config) -> None:
+    (bit.MATMUL_BLOCK_M, bit.MATMUL_BLOCK_N, bit.MATMUL_BLOCK_K, bit.MATMUL_CHUNK_K, bit.MATMUL_WARPS,
+     bit.MATMUL_STAGES, bit.MATMUL_MIN_TILES) = config
+
+
+def graph_time(fn, calls: int = 20, replays: int = 10) -> float:
+    """Seconds per call of fn, from a CUDA graph of `calls` calls replayed `replays` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / (calls * replays)
+
+
+def rows_invariant(matmul, n: int, k: int) -> bool:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+    x = torch.randn(8192, k, device="cuda", generator=g).bfloat16()
+    full = matmul(x, w)
+    return all(torch.equal(matmul(x[o:o + m], w), full[o:o + m])
+               for o, m in ((0, 1), (5, 1), (3, 7), (100, 64), (1, 256), (17, 1000), (0, 4096)))
+
+
+def measure(config) -> dict:
+    from rlactors.models import batch_invariant_triton as bit
+
+    set_config(bit, config)
+    out = {"invariant": all(rows_invariant(bit.matmul, n, k) for n, k in SHAPES.values()), "ratios": {}}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda").bfloat16()
+        for m in DECODE_M + PREFILL_M:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            ours = graph_time(lambda: bit.matmul(x, w))
+            cublas = graph_time(lambda: torch.matmul(x, w.T))
+            out["ratios"][(name, m)] = (ours, cublas)
+    return out
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", choices=("default", "sweep"), default="default")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from rlactors.models import batch_invariant_triton as bit
+
+    default = (bit.MATMUL_BLOCK_M, bit.MATMUL_BLOCK_N, bit.MATMUL_BLOCK_K, bit.MATMUL_CHUNK_K, bit.MATMUL_WARPS,
+               bit.MATMUL_STAGES, bit.MATMUL_MIN_TILES)
+    configs = [default] + ([c for c in SWEEP if c != default] if args.configs == "sweep" else [])
+    lines = [f"# Batch-invariant matmul vs cuBLAS ({torch.cuda.get_device_name()})", "",
+             f"Date: {datetime.date.today()}; torch {torch.__version__}; bf16 inputs, fp32 accumulation.",
+             f"Command: `python benchmarks/batch_invariant_matmul.py {' '.join(sys.argv[1:])}`", "",
+             "Time per call from CUDA-graph replay (20 calls x 10 replays); ratio = ours / cuBLAS "
+             "(torch.matmul). Geometric means over the shapes below, at decode sizes "
+             f"M = {', '.join(map(str, DECODE_M))} and prefill sizes M = {', '.join(map(str, PREFILL_M))}.", "",
+             "| config (BM, BN, BK, chunk K, warps, stages, min tiles) | rows invariant | decode ratio | prefill ratio |",
+             "|---|---|---|---|"]
+    details = []
+    for config in configs:
+        result = measure(config)
+        ratios = result["ratios"]
+        decode = geomean(o / c for (_, m), (o, c) in ratios.items() if m in DECODE_M)
+        prefill = geomean(o / c for (_, m), (o, c) in ratios.items() if m in PREFILL_M)
+        lines.append(f"| {config} | {result['invariant']} | {decode:.2f}x | {prefill:.2f}x |")
+        print(lines[-1], flush=True)
+        if config == default:
+            details = ["", f"Per shape, config {config} (microseconds: ours / cuBLAS):", "",
+                       "| shape | " + " | ".join(f"M={m}" for m in DECODE_M + PREFILL_M) + " |",
+                       "|---|" + "---|" * len(DECODE_M + PREFILL_M)]
+            for name in SHAPES:
+                cells = [f"{ratios[(name, m)][0] * 1e6:.1f} / {ratios[(name, m)][1] * 1e6:.1f}"
+                         for m in DECODE_M + PREFILL_M]
+                details.append(f"| {name} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines + details) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

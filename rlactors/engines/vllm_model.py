@@ -1,0 +1,177 @@
+"""True on-policy with vLLM: our model inside vLLM, and the trainer's copies of vLLM's two kernels.
+
+vLLM runs ``VLLMCausalLM``, our own decoder (``rlactors.models``) registered as an out-of-tree
+architecture: vLLM supplies the scheduler, the paged KV cache, CUDA graphs and sampling, while
+every op that shapes a logprob is ours and is the op the trainer runs forward (the batch-invariant
+Triton kernels of ``rlactors.models.batch_invariant``), except two that vLLM owns:
+
+- attention, in vLLM's KV cache through its FlashAttention backend. In batch-invariant mode
+  (``VLLM_BATCH_INVARIANT=1``) that calls FlashAttention with one split and no ahead-of-time
+  schedule, so a query's keys are folded in fixed blocks from position 0 whatever the batch. The
+  trainer's ``PagedFlashAttention`` lays each packed document out in pages of the same size and
+  layout as vLLM's cache and makes the same call, so its prefill has the bits of vLLM's decode,
+  chunked prefill and prefix-cache hits.
+- the log-probability of the sampled token: vLLM's V2 model runner computes it from our logits
+  with a one-program-per-row Triton kernel (``compute_token_logprobs``); the trainer calls that
+  same function on the same logits (``vllm_token_logprobs``).
+
+Nothing in vLLM is patched: the engine only registers the architecture and configures vLLM
+(``true_on_policy_engine_args``). vLLM is imported lazily: this module imports on CPU-only machines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlactors.models.args import ModelArgs
+from rlactors.models.attention import VarlenAttention
+from rlactors.models.batch_invariant import OnPolicyAttentionFunction
+from rlactors.models.qwen3 import Qwen3ForCausalLM
+
+ARCHITECTURE = "RLActorsForCausalLM"
+PAGE_SIZE = 16  # vLLM's KV-cache block size in true on-policy mode; the trainer pages its keys alike
+
+
+def register() -> None:
+    """Makes ``ARCHITECTURE`` a vLLM model architecture (idempotent)."""
+    from vllm import ModelRegistry
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, VLLMCausalLM)
+
+
+def true_on_policy_environment() -> dict[str, str]:
+    """Environment vLLM must see before it is imported: FlashAttention with one split and no
+    ahead-of-time schedule (batch-invariant mode), and the V2 model runner, whose sampled-token
+    logprob is the per-row kernel the trainer calls."""
+    return {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+
+def true_on_policy_engine_args() -> dict[str, Any]:
+    """EngineArgs fields of a true on-policy vLLM replica (beside model, sizes and dtype)."""
+    return {
+        "hf_overrides": {"architectures": [ARCHITECTURE]},
+        # No torch.compile: Inductor would fuse our ops and round differently from the trainer.
+        # CUDA graphs capture the whole forward of decode steps (our kernels and vLLM's attention).
+        "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+        "attention_backend": "FLASH_ATTN",
+        "block_size": PAGE_SIZE,
+        # Cascade attention splits a shared prefix into its own pass: another summation order.
+        "disable_cascade_attn": True,
+    }
+
+
+class VLLMCausalLM(Qwen3ForCausalLM):
+    """Our decoder as a vLLM model: parameter names are the checkpoint's (HF) names, the ops are
+    the batch-invariant ones, and attention goes through one vLLM ``Attention`` layer per decoder
+    layer (the paged KV cache)."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = ""):
+        from vllm.model_executor.layers.attention.attention import Attention
+
+        args = ModelArgs.from_hf_config(vllm_config.model_config.hf_config.to_dict())
+        super().__init__(args)
+        self.set_batch_invariant(True, weights_frozen=True)
+        self.paged_attention = nn.ModuleList(
+            Attention(args.num_attention_heads, args.head_dim, args.head_dim ** -0.5, args.num_key_value_heads,
+                      cache_config=vllm_config.cache_config, prefix=f"{prefix}model.layers.{i}.self_attn.attn")
+            for i in range(args.num_hidden_layers))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(input_ids, positions, self._attend)
+
+    def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        tokens = q.shape[0]
+        out = self.paged_attention[layer_idx](q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1))
+        return out.view(tokens, -1, self.args.head_dim)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden_states)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.args.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"{name}: not a parameter of {ARCHITECTURE}")
+            params[name].copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+# -- the trainer's side ----------------------------------------------------------------------------
+
+
+def vllm_token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """fp32 ``log p(targets[t])`` under ``logits[t]``: vLLM's own per-row kernel, as its sampler
+    computes the logprob of a sampled token."""
+    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+    return compute_token_logprobs(logits, targets[:, None])[:, 0]
+
+
+class PagedFlashAttention:
+    """The trainer's ``attention(layer_idx, q, k, v)`` over packed documents, computed forward as a
+    vLLM replica computes it: each document's keys and values are written to pages of
+    ``PAGE_SIZE`` in vLLM's cache layout (``[pages, kv heads, PAGE_SIZE, 2 * head_dim]``, keys then
+    values in the last dim), and every query attends through vLLM's FlashAttention call with the
+    arguments its backend passes in batch-invariant mode. Backward differentiates the default
+    ``VarlenAttention`` at the same inputs.
+    """
+
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, backend: str = "auto"):
+        self.reference = VarlenAttention(cu_seqlens, max_seqlen, backend)
+        device = cu_seqlens.device
+        self.cu_seqlens = cu_seqlens.to(torch.int32)
+        self.lengths = self.cu_seqlens.diff()
+        self.max_seqlen = max_seqlen
+        pages = (self.lengths + PAGE_SIZE - 1) // PAGE_SIZE
+        first_page = pages.cumsum(0) - pages
+        self.num_pages = int(pages.sum())
+        width = int(pages.max())
+        self.block_table = (first_page[:, None] + torch.arange(width, device=device)).to(torch.int32)
+        self.block_table = torch.minimum(self.block_table, (first_page + pages - 1)[:, None])  # past the end: unread
+        # Token t of document d goes to page first_page[d] + p // PAGE_SIZE, row p % PAGE_SIZE (p: its position).
+        starts = self.cu_seqlens[:-1].long()
+        document = torch.repeat_interleave(torch.arange(self.lengths.numel(), device=device), self.lengths.long())
+        position = torch.arange(int(self.cu_seqlens[-1]), device=device) - starts[document]
+        self.page = first_page[document] + position // PAGE_SIZE
+        self.row = position % PAGE_SIZE
+
+    @classmethod
+    def from_positions(cls, positions: torch.Tensor, backend: str = "auto") -> PagedFlashAttention:
+        from rlactors.models.attention import cu_seqlens_from_positions
+
+        cu_seqlens = cu_seqlens_from_positions(positions)
+        return cls(cu_seqlens, int(cu_seqlens.diff().max().item()), backend)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return OnPolicyAttentionFunction.apply(q, k, v, self)
+
+    def forward_values(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        cache = torch.zeros(self.num_pages, num_kv_heads, PAGE_SIZE, 2 * head_dim, dtype=k.dtype, device=k.device)
+        cache[self.page, :, self.row] = torch.cat((k, v), dim=-1)
+        key_cache, value_cache = cache.transpose(1, 2).split(head_dim, dim=-1)  # as vLLM's backend views it
+        out = torch.empty_like(q)
+        scale = torch.ones((), dtype=torch.float32, device=q.device).expand(self.lengths.numel(), num_kv_heads)
+        flash_attn_varlen_func(
+            q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=self.cu_seqlens, max_seqlen_q=self.max_seqlen,
+            seqused_k=self.lengths, max_seqlen_k=self.max_seqlen, softmax_scale=head_dim ** -0.5, causal=True,
+            alibi_slopes=None, window_size=[-1, -1], block_table=self.block_table, softcap=0.0,
+            scheduler_metadata=None, fa_version=get_flash_attn_version(head_size=head_dim),
+            q_descale=scale, k_descale=scale, v_descale=scale, num_splits=1)
+        return out

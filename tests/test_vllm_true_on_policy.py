@@ -1,0 +1,123 @@
+"""True on-policy with vLLM: every logprob vLLM samples with equals the trainer's, bit for bit.
+
+vLLM runs our model (rlactors.engines.vllm_model) in true on-policy mode with prefix caching, CUDA
+graphs and chunked prefill (a 512-token step budget against prompts of 16-1024 tokens); the
+scenarios run in one engine in a process of its own (tests/vllm_scenarios.py). The trainer core
+(true_on_policy, vLLM's kernels) then scores every generated token, packed in rows of two sizes.
+Needs CUDA and vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlactors.config import BatcherConfig, ModelConfig, TrainerConfig
+from rlactors.models.checkpoint import load_args, load_state_dict, save_pretrained
+from rlactors.models.tiny import make_tiny_checkpoint
+from rlactors.rollout.batcher import Batcher
+from rlactors.rollout.types import Episode, RolloutStatus
+from rlactors.trainer.core import PolicyTrainerCore
+from rlactors.trainer.parallel import init_distributed
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
+]
+
+TESTS = Path(__file__).resolve().parent
+
+
+@contextlib.contextmanager
+def one_rank(device_type: str):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port)}.items():
+            mp.setenv(key, value)
+        yield init_distributed(device_type)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The Qwen3-0.6B shape with random weights, and the same weights moved a little (the update)."""
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), size="0.6b", seed=0, dtype="bfloat16")
+    g = torch.Generator().manual_seed(1)
+    moved = {name: (t.float() * (1 + 0.01 * torch.randn(t.shape, generator=g))).to(torch.bfloat16)
+             for name, t in load_state_dict(ckpt, "cpu").items()}
+    updated = tmp_path_factory.mktemp("updated")
+    save_pretrained(moved, load_args(ckpt), updated)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (updated / name).write_bytes((ckpt / name).read_bytes())
+    return ckpt, updated
+
+
+@pytest.fixture(scope="module")
+def scenarios(checkpoints, tmp_path_factory):
+    ckpt, updated = checkpoints
+    out = tmp_path_factory.mktemp("out") / "scenarios.json"
+    done = subprocess.run([sys.executable, str(TESTS / "vllm_scenarios.py"), str(ckpt), str(updated), str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def episode(c: dict) -> Episode:
+    n, m = len(c["prompt"]), len(c["tokens"])
+    return Episode(token_ids=c["prompt"] + c["tokens"], loss_mask=[False] * n + [True] * m,
+                   generator_logprobs=[0.0] * n + c["logprobs"], advantages=[0.0] * n + [1.0] * m,
+                   versions=[-1] * n + c["versions"], group_id="g", rollout_index=0, branch=0, reward=0.0,
+                   status=RolloutStatus.COMPLETED)
+
+
+def trainer_and_generator(core: PolicyTrainerCore, completions: list[dict], row_tokens: int):
+    packed = Batcher(BatcherConfig(row_tokens=row_tokens, rows_per_microbatch=4)).pack(
+        [episode(c) for c in completions])
+    trainer, generator = [], []
+    for mb in packed.per_rank[0]:
+        logprobs = core.compute_logprobs([mb])
+        trainer.append(logprobs[mb.loss_mask])
+        generator.append(mb.generator_logprobs[mb.loss_mask])
+    return torch.cat(trainer), torch.cat(generator)
+
+
+def assert_bitwise(core, completions: list[dict], name: str) -> None:
+    expected = sum(len(c["tokens"]) for c in completions)
+    for row_tokens in (2048, 8192):  # the same tokens packed two ways
+        trainer, generator = trainer_and_generator(core, completions, row_tokens)
+        assert trainer.numel() == expected, name
+        mismatched = int((trainer != generator).sum())
+        assert mismatched == 0, (f"{name}, rows of {row_tokens}: {mismatched} of {expected} logprobs differ, "
+                                 f"max {(trainer - generator).abs().max():.3g}")
+
+
+def test_trainer_logprobs_equal_vllm_logprobs_bit_for_bit(checkpoints, scenarios):
+    ckpt, updated = checkpoints
+    assert len(scenarios["t1"]) == 256 and len(scenarios["among_256"]) == 256
+    prompt_lengths = [len(c["prompt"]) for c in scenarios["t1"].values()]
+    assert min(prompt_lengths) < 64 and max(prompt_lengths) > 900  # chunked at 512 tokens per step
+    mine_alone, mine_among = scenarios["alone"]["mine"], scenarios["among_256"]["mine"]
+    assert mine_alone["tokens"] == mine_among["tokens"] and mine_alone["logprobs"] == mine_among["logprobs"]
+    with one_rank("cuda") as device:
+        core = PolicyTrainerCore(ModelConfig(path=str(ckpt), dtype="bfloat16", true_on_policy=True),
+                                 TrainerConfig(ranks=1), device, generator_engine="vllm")
+        for name in ("t1", "t07", "alone", "among_256", "turn2"):
+            assert_bitwise(core, list(scenarios[name].values()), name)
+        del core
+        assert all(c["versions"] == [1] * len(c["tokens"]) for c in scenarios["updated"].values())
+        core = PolicyTrainerCore(ModelConfig(path=str(updated), dtype="bfloat16", true_on_policy=True),
+                                 TrainerConfig(ranks=1), device, generator_engine="vllm")
+        assert_bitwise(core, list(scenarios["updated"].values()), "updated")

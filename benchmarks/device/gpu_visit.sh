@@ -86,6 +86,15 @@ onpolicy_cost1)
   step on_policy_cost 560 0 python benchmarks/on_policy_cost.py --device cuda --engines vllm --repeats 1 \
       --train-steps 2 --out "$OUT/on_policy_cost_gpu.md"
   ;;
+onpolicy2)
+  step matmul 150 0 python benchmarks/batch_invariant_matmul.py --configs sweep --out "$OUT/matmul.md"
+  step vllm_true_test 300 0 python -m pytest -q -x -p no:cacheprovider --tb=short tests/test_vllm_true_on_policy.py
+  step on_policy_cost 330 0 python benchmarks/on_policy_cost.py --device cuda --engines vllm --repeats 1 \
+      --train-steps 2 --out "$OUT/on_policy_cost_gpu.md"
+  python -m rlactors.models.tiny /tmp/ck06 --size 0.6b > /dev/null
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 step raw_inprocess 150 0 python benchmarks/generator_throughput.py --device cuda \
+      --method raw --checkpoint /tmp/ck06
+  ;;
 profile1)
   python -m rlactors.models.tiny /tmp/ck06 --size 0.6b > /dev/null
   step generator 300 0 python benchmarks/generator_throughput.py --device cuda --checkpoint /tmp/ck06

@@ -76,6 +76,8 @@ class VLLMCausalLM(Qwen3ForCausalLM):
         args = ModelArgs.from_hf_config(vllm_config.model_config.hf_config.to_dict())
         super().__init__(args)
         self.set_batch_invariant(True, weights_frozen=True)
+        # On the GPU from the start: a CUDA graph cannot capture the copy rope() would make.
+        self.model.inv_freq = self.model.inv_freq.to(self.model.embed_tokens.weight.device)
         self.paged_attention = nn.ModuleList(
             Attention(args.num_attention_heads, args.head_dim, args.head_dim ** -0.5, args.num_key_value_heads,
                       cache_config=vllm_config.cache_config, prefix=f"{prefix}model.layers.{i}.self_attn.attn")

@@ -48,14 +48,27 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr,
                    IEEE: tl.constexpr):
-    """One output tile: every chunk of K in turn, each summed from zero, added in order."""
+    """One output tile: every chunk of K in turn, each summed from zero, added in order. One loop
+    over K (the compiler pipelines its loads), whose sum is added to the total and restarted at
+    each chunk's end: ``_chunk_sum``'s sums, added as ``_sum_chunks_kernel`` adds them."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, K, CHUNK_K):
-        total += _chunk_sum(x_ptr, w_ptr, rows, cols, k_start, tl.minimum(k_start + CHUNK_K, K), M, N,
-                            stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk,
+                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk,
+                    mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+        chunk_end = ((k0 + BLOCK_K) % CHUNK_K == 0) | (k0 + BLOCK_K >= K)
+        total = tl.where(chunk_end, total + acc, total)
+        acc = tl.where(chunk_end, 0.0, acc)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on,
              total.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -83,7 +96,7 @@ def _sum_chunks_kernel(partial_ptr, out_ptr, total_elements, chunks, BLOCK: tl.c
     mask = offsets < total_elements
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for chunk in range(0, chunks):
-        total += tl.load(partial_ptr + chunk * total_elements + offsets, mask=mask, other=0.0)
+        total += tl.load(partial_ptr + chunk.to(tl.int64) * total_elements + offsets, mask=mask, other=0.0)
     tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 

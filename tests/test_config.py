@@ -124,3 +124,10 @@ def test_shipped_configs_load(path):
     # GPU configs are checked as if on an 8-GPU node.
     config = load_config(path, available_gpus=8)
     assert config.controller.steps >= 1
+
+
+def test_true_on_policy_with_vllm_is_tensor_parallel_1_only():
+    vllm = ["controller.device=cuda", "generator.engine=vllm", "trainer.ranks=1", "generator.replicas=1"]
+    with pytest.raises(ConfigError, match=r"^generator\.tp: model\.true_on_policy with vLLM runs tensor parallelism 1"):
+        load_config(overrides=vllm + ["generator.tp=2", "model.true_on_policy=true"], available_gpus=8)
+    assert load_config(overrides=vllm + ["generator.tp=2"], available_gpus=8).generator.tp == 2

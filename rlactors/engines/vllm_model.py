@@ -142,8 +142,9 @@ class PagedFlashAttention:
         first_page = pages.cumsum(0) - pages
         self.num_pages = int(pages.sum())
         width = int(pages.max())
-        self.block_table = (first_page[:, None] + torch.arange(width, device=device)).to(torch.int32)
-        self.block_table = torch.minimum(self.block_table, (first_page + pages - 1)[:, None])  # past the end: unread
+        block_table = first_page[:, None] + torch.arange(width, device=device)
+        # Past a document's end: its last page again (never read; the table must hold valid pages).
+        self.block_table = torch.minimum(block_table, (first_page + pages - 1)[:, None]).to(torch.int32)
         # Token t of document d goes to page first_page[d] + p // PAGE_SIZE, row p % PAGE_SIZE (p: its position).
         starts = self.cu_seqlens[:-1].long()
         document = torch.repeat_interleave(torch.arange(self.lengths.numel(), device=device), self.lengths.long())

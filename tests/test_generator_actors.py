@@ -142,6 +142,22 @@ def test_hot_swap_continues_in_flight_requests_on_the_new_weights(tiny_ckpt):
     asyncio.run(main())
 
 
+def test_an_engine_without_hot_swaps_refuses_one_and_keeps_serving(tiny_ckpt):
+    """An engine that tags a request's tokens with one version (vLLM started for drain updates)."""
+    async def main():
+        engine = async_engine(tiny_ckpt)
+        engine.engine.hot_swaps = False
+        new = perturbed(engine.engine.model.state_dict(), seed=1)
+        with pytest.raises(ValueError, match="cannot hot swap"):
+            await engine.update_weights(3, new, mode="hot_swap")
+        await engine.update_weights(3, new)  # a drain update is fine
+        completion = await engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "r")
+        assert completion.versions == [3] * 4
+        await engine.close()
+
+    asyncio.run(main())
+
+
 def test_checksum_mismatch_or_bad_weights_keep_the_old_version_serving(tiny_ckpt):
     async def main():
         engine = async_engine(tiny_ckpt)

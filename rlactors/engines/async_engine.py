@@ -209,6 +209,9 @@ class AsyncEngine:
         mode = mode or self.default_update_mode
         if mode not in UPDATE_MODES:
             raise ValueError(f"update mode must be one of {UPDATE_MODES}, got {mode!r}")
+        if mode == "hot_swap" and not self.engine.hot_swaps:
+            raise ValueError("this engine loads weights between requests only (started for "
+                             "generator.update_mode = 'drain'): it cannot hot swap")
         return mode
 
     def stats(self) -> dict[str, Any]:

@@ -55,6 +55,11 @@ class Engine(abc.ABC):
         if not named_tensors:
             raise ValueError("no weights given")
 
+    # True: weights may load while requests run (a hot swap), each token tagged with the version
+    # that produced it. False: loads only when no request runs (drain), and a request's tokens all
+    # come from one version.
+    hot_swaps = True
+
     # Weights broadcast by the trainer (rlactors.weight_sync.broadcast) arrive in two phases:
     # staged into a receive buffer and verified, then loaded between steps.
     stages_concurrently = False  # True: stage_weights may run in another thread while step() runs

@@ -28,6 +28,7 @@ from rlactors.types import Completion, SamplingParams
 @dataclass
 class _Request:
     prompt_token_ids: list[int]
+    version: int  # the engine's version when the request was added
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -40,12 +41,23 @@ def _load_into_model(named_tensors: list[tuple[str, torch.Tensor]], model: torch
 
 
 class VLLMEngine(Engine):
-    def __init__(self, llm_engine: Any, vocab_size: int, max_model_len: int, tp: int = 1, version: int = 0):
+    """vLLM behind the Engine interface.
+
+    With `hot_swaps` vLLM reports every request's new tokens after every step (its DELTA outputs),
+    so a token sampled after a mid-request weight load carries the new version. Without, weights
+    load only between requests (drain) and vLLM reports a request once, when it finishes (as its
+    own `LLM.generate` does): building an output for every running request at every step costs
+    the replica several milliseconds a step at a few hundred requests.
+    """
+
+    def __init__(self, llm_engine: Any, vocab_size: int, max_model_len: int, tp: int = 1, version: int = 0,
+                 hot_swaps: bool = True):
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         self._vllm_params = VLLMSamplingParams
-        self._delta = RequestOutputKind.DELTA
+        self.hot_swaps = hot_swaps
+        self._output_kind = RequestOutputKind.DELTA if hot_swaps else RequestOutputKind.FINAL_ONLY
         self.engine = llm_engine
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -88,7 +100,8 @@ class VLLMEngine(Engine):
             disable_log_stats=True,
             **true_on_policy_args,
         )
-        return cls(LLMEngine.from_engine_args(args), load_args(model_config.path).vocab_size, g.max_model_len, g.tp)
+        return cls(LLMEngine.from_engine_args(args), load_args(model_config.path).vocab_size, g.max_model_len, g.tp,
+                   hot_swaps=g.update_mode == "hot_swap")
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling: SamplingParams | Mapping[str, Any]) -> None:
@@ -99,9 +112,9 @@ class VLLMEngine(Engine):
             n=1, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids),
             ignore_eos=True,  # only stop_token_ids end a completion early, as in the native engine
-            logprobs=0, detokenize=False, output_kind=self._delta)
+            logprobs=0, detokenize=False, output_kind=self._output_kind)
         self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        self.requests[request_id] = _Request(prompt)
+        self.requests[request_id] = _Request(prompt, self.version)
 
     def step(self) -> list[Completion]:
         finished, self.aborted = self.aborted, []
@@ -111,12 +124,12 @@ class VLLMEngine(Engine):
             if request is None:
                 continue
             out = output.outputs[0]
-            new = list(out.token_ids)
-            if new and request.first_token is None:
+            new = list(out.token_ids)  # this step's tokens (DELTA), or all of them once finished
+            if new and request.first_token is None and self.hot_swaps:
                 request.first_token = now
             request.token_ids += new
             request.logprobs += [entry[token].logprob for token, entry in zip(new, out.logprobs)]
-            request.versions += [self.version] * len(new)
+            request.versions += [self.version if self.hot_swaps else request.version] * len(new)
             self.counters["generated_tokens"] += len(new)
             if output.finished:
                 del self.requests[output.request_id]
@@ -179,10 +192,11 @@ class VLLMEngine(Engine):
 
     def _completion(self, request_id: str, request: _Request, reason: str | None) -> Completion:
         now = time.perf_counter()
-        first_token = request.first_token or now
+        first_token = request.first_token or request.arrival
         return Completion(
             request_id=request_id, prompt_token_ids=request.prompt_token_ids, token_ids=request.token_ids,
             logprobs=request.logprobs, versions=request.versions,
             finish_reason=reason if reason in ("stop", "length", "abort") else "error",
-            # vLLM keeps its own queue/prefill split; here, arrival to first token is "prefill".
+            # vLLM keeps its own queue/prefill split; here, arrival to first token is "prefill" (without
+            # hot swaps the first token is not seen alone: all of it counts as decode).
             timings={"queue_s": 0.0, "prefill_s": first_token - request.arrival, "decode_s": now - first_token})

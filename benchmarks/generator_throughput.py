@@ -139,25 +139,30 @@ def cpu_benchmark(args) -> str:
 # -- GPU -----------------------------------------------------------------------------------------
 
 
-def raw_vllm_run(ckpt: str, prompts, max_tokens: int, config) -> float:
+def raw_vllm_run(ckpt: str, prompt_sets, max_tokens: int, config) -> list[float]:
+    """Seconds of `LLM.generate` on each prompt set (new prompts each time: no prefix-cache hits)."""
     from vllm import LLM, SamplingParams as VLLMSamplingParams
 
     llm = LLM(model=ckpt, dtype="bfloat16", gpu_memory_utilization=config.gpu_memory_utilization,
               max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
               max_num_batched_tokens=config.max_num_tokens, enable_prefix_caching=True)
     params = [VLLMSamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True, logprobs=0,
-                                 detokenize=False) for i in range(len(prompts))]
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(inputs[:8], params[:8], use_tqdm=False)  # warm up
-    start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * max_tokens
+                                 detokenize=False) for i in range(len(prompt_sets[0]))]
+    warm = [{"prompt_token_ids": p[:4]} for p in prompt_sets[0][:8]]
+    llm.generate(warm, params[:8], use_tqdm=False)  # warm up
+    seconds = []
+    for prompts in prompt_sets:
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        start = time.perf_counter()
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        seconds.append(time.perf_counter() - start)
+        assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * max_tokens
     del llm
     return seconds
 
 
-async def router_vllm_run(ckpt: str, prompts, max_tokens: int, config) -> float:
+async def router_vllm_run(ckpt: str, prompt_sets, max_tokens: int, config) -> list[float]:
+    """Seconds of GeneratorRouter -> Generator(vLLM) on each prompt set, as `raw_vllm_run`."""
     from monarch.actor import this_host
 
     from rlactors.actors.router import GeneratorRouter
@@ -166,61 +171,70 @@ async def router_vllm_run(ckpt: str, prompts, max_tokens: int, config) -> float:
 
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     router = procs.spawn("router", GeneratorRouter, config, ModelConfig(path=ckpt, dtype="bfloat16"), [[0]])
-    warm = [router.generate.call_one(p, SamplingParams(max_tokens=max_tokens, seed=i), f"w{i}")
-            for i, p in enumerate(prompts[:8])]
+    warm = [router.generate.call_one(p[:4], SamplingParams(max_tokens=max_tokens, seed=i), f"w{i}")
+            for i, p in enumerate(prompt_sets[0][:8])]
     await asyncio.gather(*warm)
-    start = time.perf_counter()
-    done = await asyncio.gather(*(router.generate.call_one(p, SamplingParams(max_tokens=max_tokens, seed=i), f"r{i}")
-                                  for i, p in enumerate(prompts)))
-    seconds = time.perf_counter() - start
-    assert sum(len(c.token_ids) for c in done) == len(prompts) * max_tokens
+    seconds = []
+    for repeat, prompts in enumerate(prompt_sets):
+        start = time.perf_counter()
+        done = await asyncio.gather(*(router.generate.call_one(p, SamplingParams(max_tokens=max_tokens, seed=i),
+                                                               f"r{repeat}/{i}") for i, p in enumerate(prompts)))
+        seconds.append(time.perf_counter() - start)
+        assert sum(len(c.token_ids) for c in done) == len(prompts) * max_tokens
     await router.close.call_one()
     await procs.stop()
     return seconds
 
 
 def gpu_benchmark(args) -> str:
+    import json
+    import statistics
+
     from rlactors.config import GeneratorConfig
     from rlactors.models.tiny import make_tiny_checkpoint
 
     if args.checkpoint is None:
         with tempfile.TemporaryDirectory() as tmp:
-            args.checkpoint = str(make_tiny_checkpoint(Path(tmp) / "qwen3_0.6b", size="0.6b", seed=0))
+            args.checkpoint = str(make_tiny_checkpoint(Path(tmp) / f"qwen3_{args.size}", size=args.size, seed=0))
             return gpu_benchmark(args)
     ckpt = args.checkpoint
     config = GeneratorConfig(engine="vllm", replicas=1, max_num_seqs=256, max_num_tokens=8192, max_model_len=2048,
                              gpu_memory_utilization=0.4)
-    prompts = make_prompts(args.num_prompts, args.min_prompt, args.max_prompt, 151936)
-    expected = len(prompts) * args.max_tokens
+    prompt_sets = [make_prompts(args.num_prompts, args.min_prompt, args.max_prompt, 151936, seed=run)
+                   for run in range(args.repeats)]
+    expected = args.num_prompts * args.max_tokens
     if args.method == "raw":
-        print(f"RESULT raw {raw_vllm_run(ckpt, prompts, args.max_tokens, config)}")
+        print(f"RESULT {json.dumps(raw_vllm_run(ckpt, prompt_sets, args.max_tokens, config))}")
         return ""
     if args.method == "router":
-        print(f"RESULT router {asyncio.run(router_vllm_run(ckpt, prompts, args.max_tokens, config))}")
+        print(f"RESULT {json.dumps(asyncio.run(router_vllm_run(ckpt, prompt_sets, args.max_tokens, config)))}")
         return ""
-    # Each method in its own process, so that one's GPU memory never limits the other.
+    # Each method in its own process, so that one's GPU memory never limits the other; in each, one
+    # engine start and `--repeats` timed runs on new prompts.
     seconds = {}
     for method in ("raw", "router"):
         out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--method", method, "--checkpoint", ckpt],
                              check=True, stdout=subprocess.PIPE, text=True).stdout
-        seconds[method] = float(next(line for line in out.splitlines() if line.startswith("RESULT")).split()[2])
-    gpu = torch.cuda.get_device_name(0)
-    ratio = seconds["raw"] / seconds["router"]
+        seconds[method] = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[7:])
+    ratios = [raw / router for raw, router in zip(seconds["raw"], seconds["router"])]
+    rows = [f"| {run + 1} | {expected / raw:,.0f} | {expected / router:,.0f} | {ratio:.3f} |"
+            for run, (raw, router, ratio) in enumerate(zip(seconds["raw"], seconds["router"], ratios))]
     return "\n".join([
         "# Generator throughput (GPU)",
         "",
-        f"Date: {datetime.date.today()}; {gpu}; torch {torch.__version__}.",
+        f"Date: {datetime.date.today()}; {torch.cuda.get_device_name(0)}; torch {torch.__version__}.",
         f"Command: `{' '.join(['python benchmarks/generator_throughput.py', *sys.argv[1:]])}`",
         "",
-        f"Qwen3-0.6B-shaped random weights (bf16); {len(prompts)} prompts of {args.min_prompt}-{args.max_prompt} "
-        f"tokens; {args.max_tokens} new tokens each, temperature 1, seeded, logprobs of sampled tokens.",
+        f"Qwen3-{args.size.upper()}-shaped random weights (bf16); {args.num_prompts} prompts of {args.min_prompt}-"
+        f"{args.max_prompt} tokens; {args.max_tokens} new tokens each, temperature 1, seeded, logprobs of sampled "
+        "tokens. Each method in its own process: one engine start, then one timed run per prompt set (new "
+        "prompts each run, the same sets for both methods).",
         "",
-        "| method | seconds | generated tokens/s |",
-        "|---|---|---|",
-        f"| vLLM `LLM.generate` | {seconds['raw']:.2f} | {expected / seconds['raw']:,.0f} |",
-        f"| GeneratorRouter -> Generator(vLLM) | {seconds['router']:.2f} | {expected / seconds['router']:,.0f} |",
+        "| run | vLLM `LLM.generate` tokens/s | GeneratorRouter -> Generator(vLLM) tokens/s | router / raw |",
+        "|---|---|---|---|",
+        *rows,
         "",
-        f"Router / raw vLLM: **{ratio:.3f}** (goal >= 0.95).",
+        f"Router / raw vLLM: median **{statistics.median(ratios):.3f}**, min {min(ratios):.3f} (goal >= 0.97 in every run).",
         "",
     ])
 
@@ -236,7 +250,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--method", choices=("raw", "router"), help=argparse.SUPPRESS)  # GPU child process
-    parser.add_argument("--checkpoint", help="GPU: an existing checkpoint dir instead of a new random 0.6B one")
+    parser.add_argument("--checkpoint", help="GPU: an existing checkpoint dir instead of a new random one")
+    parser.add_argument("--size", choices=("0.6b", "1.7b"), default="0.6b", help="GPU: the random checkpoint's shape")
     args = parser.parse_args()
     on_gpu = args.device == "cuda"
     args.num_prompts = args.num_prompts or (1024 if on_gpu else 64)
@@ -245,7 +260,7 @@ def main() -> None:
     report = gpu_benchmark(args) if on_gpu else cpu_benchmark(args)
     if report:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        out = RESULTS / f"generator_throughput_{'gpu' if on_gpu else 'cpu'}.md"
+        out = RESULTS / (f"generator_throughput_gpu_{args.size}.md" if on_gpu else "generator_throughput_cpu.md")
         out.write_text(report)
         print(report)
         print(f"wrote {out}")

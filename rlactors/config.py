@@ -193,7 +193,9 @@ class JobConfig:
 @dataclass
 class EnvConfig:
     name: str = "examples.alphabet_sort.env:AlphabetSortEnv"  # "module:Class"
-    args: dict[str, Any] = field(default_factory=dict)  # checked by the env's own Config
+    # Checked by the env's own Config. A config file's args go with the env it names: overriding
+    # env.name drops them (load_config).
+    args: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, key: str) -> None:
         _check(":" in self.name, f"{key}.name", f"must be 'module:Class', got {self.name!r}")
@@ -381,8 +383,22 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
+def _drop_args_of_another_env(tree: dict[str, Any], overrides: list[tuple[list[str], Any]]) -> None:
+    """A file's `env.args` belong to the env the file names: an override naming another env
+    starts from that env's defaults (plus any `env.args` overrides)."""
+    env = tree.get("env")
+    if not isinstance(env, dict) or "args" not in env:
+        return
+    written_for = env.get("name", EnvConfig.name)
+    if any(keys == ["env", "name"] and value != written_for for keys, value in overrides):
+        del env["args"]
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = (), available_gpus: int | None = None) -> Config:
-    """Loads a TOML file (or the defaults), applies overrides, builds and validates the Config."""
+    """Loads a TOML file (or the defaults), applies overrides, builds and validates the Config.
+
+    An override of `env.name` naming another env than the file's drops the file's `env.args`:
+    they were written for its env."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -392,8 +408,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), avail
             tree = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
-    for text in overrides:
-        keys, value = parse_override(text)
+    parsed = [parse_override(text) for text in overrides]
+    _drop_args_of_another_env(tree, parsed)
+    for keys, value in parsed:
         _set_path(tree, keys, value)
     config = build_dataclass(Config, tree)
     config.validate(available_gpus)

@@ -1,12 +1,18 @@
 """Controller: from one Config, spawn the trainer mesh and the generator router, and train.
 
 Sync and async training are one loop. A producer starts the rollout groups of step `s` once the
-generators hold policy version `s - 1 - ahead`, where `ahead` is 0 in sync mode (every token of
-step `s` comes from the policy of step `s - 1`) and `controller.max_staleness` in async mode
-(generation runs up to that many versions ahead of the trainer and never waits for a step to
+generators hold the policy of step `s - 1 - ahead`, where `ahead` is 0 in sync mode (every token
+of step `s` comes from the policy of step `s - 1`) and `controller.max_staleness` in async mode
+(generation runs up to that many steps ahead of the trainer and never waits for a step to
 finish). The trainer takes `rollout.prompts_per_step` finished groups per step, drops episodes
 older than `max_staleness` versions (counted), trains, and pushes the new weights to every
-replica, verified by checksum.
+replica, verified by checksum. A step with nothing to train on (every group's rewards equal)
+is a whole step all the same: logged, counted, checkpointed when due; its policy is the previous
+step's, which the generators hold already.
+
+A run dir holds one run: a new run refuses a dir with steps in it, and `--resume` refuses a config
+whose env or seed differ from the run's. Ctrl-C lets a step whose update has begun complete, then
+saves the last completed step unless its checkpoint exists.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import asyncio
 import json
 import logging
 import math
+import sys
 import time
+import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +35,11 @@ from monarch.actor import ActorError
 from rlactors.config import Config, dump_toml, gpu_layout
 from rlactors.hosts import Hosts, allocate_hosts, first_value
 from rlactors.losses import LossNorm
-from rlactors.metrics import MetricsLogger
+from rlactors.metrics import EnvErrorLog, MetricsLogger
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.env import SampleStream, load_env
 from rlactors.rollout.rollouter import Rollouter, group_number, summarize as summarize_groups
-from rlactors.rollout.types import Episode, RolloutGroup
+from rlactors.rollout.types import Episode, Rollout, RolloutGroup
 from rlactors.trainer.checkpoint import checkpoint_dir, is_complete, latest_checkpoint
 from rlactors.types import Completion, SamplingParams
 
@@ -41,10 +49,19 @@ CONTROLLER_STATE = "controller_state.json"
 # A weight broadcast still running this long after one of its members died is stuck: NCCL waits
 # for every member for ever (gloo fails by itself at once).
 BROADCAST_DEATH_GRACE_S = 2.0
+# Settings a resumed run must keep: another env or seed would make it a different run.
+FIXED_ON_RESUME = ("env.name", "env.args", "controller.seed")
+# What to try when steps train nothing because every group's rewards are equal.
+NO_SIGNAL_HINT = ("start from a policy that sometimes succeeds (a warm start in model.path), make the task easier "
+                  "or its reward partial, or raise rollout.group_size or rollout.temperature")
 
 
 class TrainingError(RuntimeError):
     """The run cannot go on (a dead trainer, a non-finite loss); the message says why."""
+
+
+class RunComplete(Exception):
+    """`--resume` of a run that has reached controller.steps: there is nothing to train."""
 
 
 @dataclass
@@ -74,8 +91,14 @@ class Controller:
         self.step = 0
         self.policy_version = 0  # the trainer's
         self.generator_version = 0  # the newest version every live replica holds
-        self._version_synced = asyncio.Condition()
-        self._next_step_state: dict[int, ResumeState] = {}
+        self.generator_step = 0  # the newest step whose policy every live replica holds
+        self._generator_step_reached = asyncio.Condition()
+        # Step -> (samples, rollouter) states when its groups were started: where a resume after
+        # the step before it continues.
+        self._next_step_state: dict[int, tuple[dict[str, int], dict[str, int]]] = {}
+        self._env_errors: EnvErrorLog | None = None
+        self._told_no_signal = False
+        self.interrupt_report: str | None = None  # the line that says what Ctrl-C kept
         self._faults: list[str] = []
         self._procs: list[Any] = []
         self._hosts: Hosts | None = None
@@ -108,6 +131,7 @@ class Controller:
         monarch.actor.unhandled_fault_hook = self._on_unhandled_fault
 
         c = self.config
+        resume_from = self._check_run_dir()  # fails (or finds the run complete) before any proc starts
         if not Path(c.model.path).is_dir():
             raise TrainingError(f"model.path: checkpoint directory not found: {c.model.path}")
         if not (Path(c.model.path) / "config.json").is_file():
@@ -125,7 +149,6 @@ class Controller:
         self.rollouter = Rollouter(env, self._generate, c.rollout, seed=c.controller.seed)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.batcher = Batcher(c.batcher, dp_size=c.trainer.ranks, pad_token_id=pad_id)
-        resume_from = self._resume_checkpoint() if self.resume else None  # fails before any proc starts
 
         device = c.controller.device
         replica_gpus = gpu_layout(c)[1] if device == "cuda" else None
@@ -152,13 +175,51 @@ class Controller:
         print(f"trainer ranks on {', '.join(r['host'] for r in ranks)}; "
               f"generator replicas on {', '.join(replica_hosts)}", flush=True)
 
-    def _resume_checkpoint(self) -> Path:
+    def _check_run_dir(self) -> Path | None:
+        """A new run never writes over a run dir that holds steps; `--resume` continues the run in
+        run_dir with its env and seed, and raises RunComplete when it has all its steps. Returns
+        the checkpoint to resume from."""
+        if not self.resume:
+            # A dir with only config.toml (a run stopped before its first step) holds nothing to lose.
+            metrics, last = self.run_dir / "metrics.jsonl", latest_checkpoint(self.checkpoint_root)
+            held = (["metrics.jsonl"] if metrics.is_file() and metrics.stat().st_size else []) + \
+                ([f"checkpoints/{last.name}"] if last else [])
+            if held:
+                raise TrainingError(f"controller.run_dir: {self.run_dir} already holds a run ({', '.join(held)}); "
+                                    f"continue it with --resume, or give this run another controller.run_dir "
+                                    f"(or delete {self.run_dir})")
+            return None
         path = latest_checkpoint(self.checkpoint_root)
         if path is None:
             raise TrainingError(f"--resume: no complete checkpoint under {self.checkpoint_root}")
         if not (Path(path) / CONTROLLER_STATE).is_file():
             raise TrainingError(f"--resume: {path} has no {CONTROLLER_STATE}")
+        self._check_resumed_config(Path(path))
+        step = ResumeState(**json.loads((Path(path) / CONTROLLER_STATE).read_text())).step
+        if step >= self.config.controller.steps:
+            raise RunComplete(f"nothing to train: the run in {self.run_dir} is at step {step} and controller.steps "
+                              f"is {self.config.controller.steps}; raise controller.steps to train further")
         return Path(path)
+
+    def _check_resumed_config(self, checkpoint: Path) -> None:
+        """Refuses a resume whose env or seed differ from the run's config.toml; prints the other
+        settings that changed."""
+        saved_file = self.run_dir / "config.toml"
+        if not saved_file.is_file():
+            return
+        saved = _flat_config(tomllib.loads(saved_file.read_text()))
+        now = _flat_config(json.loads(json.dumps(self.config.to_dict())))  # tuples as lists, like TOML's
+        changed = {key: (saved[key], now[key]) for key in now if key in saved and saved[key] != now[key]}
+        for key in FIXED_ON_RESUME:
+            if key in changed:
+                was, asked = changed[key]
+                raise TrainingError(
+                    f"--resume: {key} is {asked!r} here but the run in {self.run_dir} has {was!r} ({saved_file}); "
+                    f"resume it as it was, or start a new run in another controller.run_dir "
+                    f"(model.path=\"{checkpoint / 'hf'}\" starts from this run's policy)")
+        if changed:
+            print("resuming with changed settings: "
+                  + "; ".join(f"{key} {was!r} -> {asked!r}" for key, (was, asked) in changed.items()), flush=True)
 
     async def _restore(self, path: Path) -> None:
         state = ResumeState(**json.loads((path / CONTROLLER_STATE).read_text()))
@@ -194,18 +255,20 @@ class Controller:
                         session_id: str | None = None) -> Completion:
         return await self.router.generate.call_one(prompt_token_ids, sampling, request_id, session_id)
 
-    async def _wait_for_generator_version(self, version: int) -> None:
-        async with self._version_synced:
-            await self._version_synced.wait_for(lambda: self.generator_version >= version)
+    async def _reach_generator_step(self, step: int) -> None:
+        """The generators hold the policy of `step` (pushed, or unchanged by it)."""
+        async with self._generator_step_reached:
+            self.generator_step = step
+            self._generator_step_reached.notify_all()
 
     async def _produce(self, queue: asyncio.Queue, ahead: int) -> None:
-        """Starts each step's groups once the generators are recent enough; finished groups
-        (or the exception that ended one) go to `queue` in completion order."""
+        """Starts each step's groups once the generators hold the policy of step `s - 1 - ahead`;
+        finished groups (or the exception that ended one) go to `queue` in completion order."""
         c = self.config
         for step in range(self.step + 1, c.controller.steps + 1):
-            await self._wait_for_generator_version(step - 1 - ahead)
-            self._next_step_state[step] = ResumeState(step - 1, step - 1, self.samples.state_dict(),
-                                                      self.rollouter.state_dict())
+            async with self._generator_step_reached:
+                await self._generator_step_reached.wait_for(lambda: self.generator_step >= step - 1 - ahead)
+            self._next_step_state[step] = (self.samples.state_dict(), self.rollouter.state_dict())
             for sample in self.samples.next(c.rollout.prompts_per_step):
                 task = asyncio.ensure_future(self.rollouter.run_group(sample))
                 task.add_done_callback(lambda t: queue.put_nowait(t.exception() or t.result()))
@@ -213,17 +276,47 @@ class Controller:
     # -- training -----------------------------------------------------------------------------
 
     async def run(self) -> list[dict[str, float]]:
-        """Starts the meshes, trains `controller.steps` steps, shuts down; per-step metrics."""
+        """Starts the meshes, trains `controller.steps` steps, shuts down; per-step metrics.
+
+        Cancelled (Ctrl-C under asyncio.run), it keeps the last completed step: saved unless its
+        checkpoint exists; `interrupt_report` says what was kept."""
         try:
             await self.start()
             return await self.train()
+        except RunComplete as complete:
+            print(complete, flush=True)
+            return []
+        except asyncio.CancelledError:
+            await self._keep_last_step()
+            raise
         finally:
             await self.shutdown()
+
+    async def _keep_last_step(self) -> None:
+        """After Ctrl-C: saves the last completed step unless its checkpoint is complete, and says
+        where the run can be resumed from (or that nothing was saved)."""
+        if self.step and not is_complete(checkpoint_dir(self.checkpoint_root, self.step)):
+            print(f"interrupted: saving step {self.step} (Ctrl-C again to quit without saving)", file=sys.stderr,
+                  flush=True)
+            try:
+                await self.save_checkpoint()
+            except Exception as e:  # noqa: BLE001 - stopping anyway: say what was kept
+                logger.error("saving step %d failed: %s", self.step, e)
+        last = latest_checkpoint(self.checkpoint_root)
+        if last is None:
+            self.interrupt_report = (f"interrupted before step {self.step + 1} completed: nothing is saved; "
+                                     "start the run again (without --resume)")
+        else:
+            after = f" after step {self.step}" if self.step else ""
+            self.interrupt_report = f"interrupted{after}: the run is saved in {last}; continue with --resume"
+        print(self.interrupt_report, file=sys.stderr, flush=True)
 
     async def train(self) -> list[dict[str, float]]:
         c = self.config
         ahead = 0 if c.controller.mode == "sync" else c.controller.max_staleness
         metrics_log = MetricsLogger(self.run_dir, c.controller.steps, resume_step=self.step)
+        self._env_errors = EnvErrorLog(self.run_dir, resume_step=self.step)
+        await self._reach_generator_step(self.step)  # start() pushed the resumed policy, if any
         await self._generator_metrics()  # the first reading of generator busy time, for step 1's idle fraction
         queue: asyncio.Queue = asyncio.Queue()
         producer = asyncio.ensure_future(self._produce(queue, ahead))
@@ -256,7 +349,23 @@ class Controller:
             groups.append(item)
         rollout_wait = time.perf_counter() - step_start
         groups.sort(key=group_number)  # the same batch whatever order the groups finished in
+        # From here the step completes even when interrupted: a run stopped in the middle of an
+        # update could not tell which step the trainer's weights belong to.
+        finish = asyncio.ensure_future(self._finish_step(step, groups, step_start, rollout_wait, metrics_log))
+        try:
+            return await asyncio.shield(finish)
+        except asyncio.CancelledError:
+            if not finish.done():
+                print(f"interrupted: completing step {step}, whose update has begun (Ctrl-C again to quit at once)",
+                      file=sys.stderr, flush=True)
+                await finish
+            raise
 
+    async def _finish_step(self, step: int, groups: list[RolloutGroup], step_start: float, rollout_wait: float,
+                           metrics_log: MetricsLogger) -> dict[str, float]:
+        """Trains on the step's groups, checkpoints when due, pushes a new policy, logs the step."""
+        c = self.config
+        self._env_errors.record(step, (r for g in groups for r in g.rollouts))
         episodes, ages, stale = [], [], 0
         for group in groups:
             for episode in group.episodes:
@@ -268,7 +377,9 @@ class Controller:
                 ages.append(age)
 
         train_start = time.perf_counter()
+        version_before = self.policy_version
         train_metrics = await self._train_on(episodes, step) if episodes else {}
+        trained = self.policy_version != version_before
         train_s = time.perf_counter() - train_start
 
         self.step = step
@@ -282,12 +393,14 @@ class Controller:
         sync_start = time.perf_counter()
         sync = await self._push_weights() if self.generator_version != self.policy_version else {}
         sync_s = time.perf_counter() - sync_start
+        await self._reach_generator_step(step)
         step_s = time.perf_counter() - step_start
 
         generated = sum(r.num_generated_tokens for g in groups for r in g.rollouts)
         metrics = {
             **summarize_groups(groups),
             **train_metrics,
+            "train/trained": float(trained),
             "policy/version": float(self.policy_version),
             "policy/age_mean": sum(ages) / len(ages) if ages else 0.0,
             "policy/age_max": float(max(ages, default=0)),
@@ -304,7 +417,13 @@ class Controller:
         if "batcher/tokens" in train_metrics and train_s:
             metrics["throughput/trained_tokens_per_s"] = train_metrics["batcher/tokens"] / train_s
         metrics.update(await self._generator_metrics())
-        metrics_log.log(step, metrics)
+        reason = None if trained else _untrained_reason(groups, episodes, stale, c.controller.max_staleness)
+        metrics_log.log(step, metrics, note=reason and f"trained nothing: {reason}")
+        if reason and all(g.dropped for g in groups) and not self._told_no_signal:
+            self._told_no_signal = True
+            print(f"step {step} trained nothing: the rollouts of each group earned equal rewards, so GRPO has "
+                  f"nothing to learn from. The run goes on (later samples may differ); if no step trains, "
+                  f"{NO_SIGNAL_HINT}", flush=True)
         if c.controller.log_samples:
             metrics_log.log_samples(step, self._samples(groups))
         return metrics
@@ -323,8 +442,8 @@ class Controller:
         optim = first_value(await self.trainer.optim_step.call())
         if not math.isfinite(optim["loss"]) or optim["update_skipped"]:
             # optim_step skipped the update (a non-finite gradient, even under a finite loss): the
-            # weights are still those of the last step. Going on would also stall the loop, which
-            # waits for the next policy version. A complete checkpoint of that state is kept as is.
+            # weights are still those of the last step, and the next steps would only repeat the
+            # overflow. A complete checkpoint of that state is kept as is.
             await self._save_step_once()
             raise TrainingError(f"step {step}: the loss is {optim['loss']} (gradient norm {optim['grad_norm']}); "
                                 f"the state after step {self.step} is saved in {self.checkpoint_root}")
@@ -388,9 +507,7 @@ class Controller:
                 raise TrainingError(f"weight sync of policy version {version} failed: {e.exception}") from None
             num_bytes = float(sum(t.numel() * t.element_size() for t in weights.weights.values()))
         done = time.perf_counter()
-        async with self._version_synced:
-            self.generator_version = version
-            self._version_synced.notify_all()
+        self.generator_version = version
         return {"gather_s": gathered - start, "transfer_s": done - gathered, "bytes": num_bytes, **details}
 
     async def _broadcast(self, version: int, checksum: str, mode: str) -> tuple[Any, dict[str, Any]]:
@@ -426,9 +543,9 @@ class Controller:
             await self.save_checkpoint()
 
     async def save_checkpoint(self) -> Path:
-        state = self._next_step_state.get(self.step + 1) or ResumeState(
-            self.step, self.policy_version, self.samples.state_dict(), self.rollouter.state_dict())
-        state = ResumeState(self.step, self.policy_version, state.samples, state.rollouter)
+        samples, rollouter = self._next_step_state.get(self.step + 1) or (self.samples.state_dict(),
+                                                                          self.rollouter.state_dict())
+        state = ResumeState(self.step, self.policy_version, samples, rollouter)
         path = await self.trainer.save_checkpoint.call(str(self.checkpoint_root), self.step,
                                                        {CONTROLLER_STATE: json.dumps(state.__dict__)})
         return Path(first_value(path))
@@ -455,12 +572,42 @@ class Controller:
         return metrics
 
     def _samples(self, groups: Sequence[RolloutGroup]) -> list[dict[str, Any]]:
-        """The best and the worst rollout of each group, decoded."""
+        """The best and the worst rollout of each group and every one that ended in an error,
+        decoded: each turn's prompt (the first whole, later ones what the env added) and
+        completion, and the error's message."""
         out = []
         for group in groups:
             ranked = sorted(group.rollouts, key=lambda r: r.reward)
-            for tag, rollout in (("worst", ranked[0]), ("best", ranked[-1])):
-                turns = [self.tokenizer.decode(t.token_ids) for t in rollout.turns]
-                out.append({"group": group.group_id, "which": tag, "reward": rollout.reward,
-                            "status": rollout.status.value, "turns": turns})
+            chosen = {id(ranked[0]): "worst", id(ranked[-1]): "best"}
+            chosen.update({id(r): "error" for r in group.rollouts if r.status.is_error and id(r) not in chosen})
+            for rollout in group.rollouts:
+                if id(rollout) in chosen:
+                    out.append({"group": group.group_id, "rollout": rollout.index, "which": chosen[id(rollout)],
+                                "reward": rollout.reward, "status": rollout.status.value, "error": rollout.error,
+                                "turns": self._decoded_turns(rollout)})
         return out
+
+    def _decoded_turns(self, rollout: Rollout) -> list[dict[str, str]]:
+        turns, context = [], []
+        for turn in rollout.turns:
+            prompt = turn.prompt_token_ids
+            added = prompt[len(context):] if prompt[:len(context)] == context else prompt  # a rewrite: all of it
+            turns.append({"prompt": self.tokenizer.decode(added), "completion": self.tokenizer.decode(turn.token_ids)})
+            context = prompt + turn.token_ids
+        return turns
+
+
+def _untrained_reason(groups: Sequence[RolloutGroup], episodes: Sequence[Episode], stale: int,
+                      max_staleness: int) -> str:
+    """Why a step took no optimizer step, for its console line."""
+    if all(g.dropped for g in groups):
+        return f"equal rewards in each of its {len(groups)} groups"
+    if stale and not episodes:
+        return f"its {stale} episodes were all older than controller.max_staleness={max_staleness} versions"
+    return "its rollouts generated no token to train on"
+
+
+def _flat_config(tree: dict[str, Any]) -> dict[str, Any]:
+    """`section.key` -> value of a config's sections (env.args stays one value)."""
+    return {f"{section}.{key}": value for section, table in tree.items() if isinstance(table, dict)
+            for key, value in table.items()}

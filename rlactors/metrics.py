@@ -1,4 +1,5 @@
-"""Per-step metrics: one record per step to the console, metrics.jsonl, TensorBoard and a PNG.
+"""Per-step metrics: one record per step to the console, metrics.jsonl, TensorBoard and a PNG;
+env errors to env_errors.log (and the first of each kind to the console).
 
 Records are flat `{"group/name": float}` dicts. The reward curve is drawn from metrics.jsonl, so it can be redrawn
 for any run dir with `python -m rlactors.metrics RUN_DIR`.
@@ -10,8 +11,12 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlactors.rollout.types import Rollout
 
 REWARD_MEAN, REWARD_MIN, REWARD_MAX = "rollout/reward_mean", "rollout/reward_min", "rollout/reward_max"
 
@@ -23,6 +28,9 @@ CONSOLE_KEYS = (
     ("time/step_s", "{:.1f}s/step"),
     ("throughput/generated_tokens_per_s", "gen {:.0f} tok/s"),
 )
+# The statuses of a rollout that the env ended: it raised, hung or returned something unusable.
+ENV_ERROR_STATUSES = ("error_env", "error_timeout", "error_parse")
+ENV_ERRORS_FILE = "env_errors.log"
 
 
 class MetricsLogger:
@@ -44,7 +52,8 @@ class MetricsLogger:
         self._start = time.monotonic()
         self._first_step = resume_step + 1
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], note: str | None = None) -> None:
+        """One step's record; `note` ends its console line (e.g. why the step trained nothing)."""
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -53,9 +62,9 @@ class MetricsLogger:
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self._writer.add_scalar(key, value, step)
             self._writer.flush()
-        print(self.console_line(step, metrics), file=sys.stdout, flush=True)
+        print(self.console_line(step, metrics, note), file=sys.stdout, flush=True)
 
-    def console_line(self, step: int, metrics: dict[str, float]) -> str:
+    def console_line(self, step: int, metrics: dict[str, float], note: str | None = None) -> str:
         done = step - self._first_step + 1
         elapsed = time.monotonic() - self._start
         eta = elapsed / max(done, 1) * (self.total_steps - step)
@@ -63,6 +72,11 @@ class MetricsLogger:
         filled = round(width * step / max(self.total_steps, 1))
         parts = [f"step {step:>4}/{self.total_steps} [{'#' * filled}{'.' * (width - filled)}]"]
         parts += [fmt.format(metrics[key]) for key, fmt in CONSOLE_KEYS if key in metrics]
+        env_errors = sum(metrics.get(f"rollout/status/{status}", 0.0) for status in ENV_ERROR_STATUSES)
+        if env_errors:
+            parts.insert(2, f"env errors {env_errors:.0f}/{metrics.get('rollout/rollouts', 0.0):.0f}")
+        if note:
+            parts.append(note)
         parts.append(f"eta {eta:.0f}s")
         return "  ".join(parts)
 
@@ -75,6 +89,67 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
         return plot_reward_curve(self.run_dir)
+
+
+class EnvErrorLog:
+    """Every env error of a run, with its traceback where the env raised, in run_dir/env_errors.log
+    (appended to on a resume). The first error of each kind (its status, exception type and the
+    line that raised it) is also printed, up to `console_kinds` kinds, so a broken env shows at
+    once without flooding the console."""
+
+    def __init__(self, run_dir: str | Path, resume_step: int = 0, console_kinds: int = 3):
+        self.path = Path(run_dir) / ENV_ERRORS_FILE
+        self.console_kinds = console_kinds
+        self._kinds: set[tuple[str, ...]] = set()
+        self._told_more = False
+        if resume_step:
+            with self.path.open("a") as f:
+                f.write(f"--- resumed after step {resume_step} ---\n")
+        else:
+            self.path.write_text("")
+
+    def record(self, step: int, rollouts: Iterable[Rollout]) -> int:
+        """Logs the env errors among `rollouts` (trained in `step`); returns how many there were."""
+        errors = [r for r in rollouts if r.status.value in ENV_ERROR_STATUSES]
+        if not errors:
+            return 0
+        with self.path.open("a") as f:
+            for rollout in errors:
+                traceback = f"{rollout.error_traceback}\n" if rollout.error_traceback else ""
+                f.write(f"{self._describe(step, rollout)}\nsample: {_short(repr(rollout.sample), 500)}\n{traceback}\n")
+        for rollout in errors:
+            kind = _error_kind(rollout)
+            if kind in self._kinds:
+                continue
+            self._kinds.add(kind)
+            if len(self._kinds) <= self.console_kinds:
+                text = self._describe(step, rollout)
+                if rollout.error_traceback:
+                    text += "\n" + rollout.error_traceback
+                if len(self._kinds) == 1:
+                    text += (f"\n(the first error of each kind is printed, of {self.console_kinds} kinds at most; "
+                             f"every env error is in {self.path})")
+                print(text, file=sys.stdout, flush=True)
+            elif not self._told_more:
+                self._told_more = True
+                print(f"env errors of more kinds in step {step}: see {self.path}", file=sys.stdout, flush=True)
+        return len(errors)
+
+    @staticmethod
+    def _describe(step: int, rollout: Rollout) -> str:
+        return f"env error in step {step}, rollout {rollout.session_id} ({rollout.status.value}): {rollout.error}"
+
+
+def _error_kind(rollout: Rollout) -> tuple[str, ...]:
+    if not rollout.error_traceback:
+        return (rollout.status.value, rollout.error or "")
+    lines = rollout.error_traceback.splitlines()
+    frames = [line for line in lines if line.startswith('  File "')]
+    return (rollout.status.value, frames[-1] if frames else "", lines[-1].split(":", 1)[0])
+
+
+def _short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def _plain(value: Any) -> Any:

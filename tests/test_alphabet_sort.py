@@ -4,6 +4,7 @@ import asyncio
 import difflib
 import random
 import re
+import shutil
 
 import pytest
 
@@ -16,6 +17,7 @@ from examples.alphabet_sort.env import (
     reference_reply,
     score_turn,
 )
+from examples.alphabet_sort.evaluate import main as evaluate_main
 from rlactors.config import ConfigError, EnvConfig, RolloutConfig
 from rlactors.models.tokenizer import load_tokenizer, render_messages
 from rlactors.rollout import Rollouter, RolloutStatus, load_env
@@ -189,3 +191,15 @@ def test_warm_start_teacher_makes_its_two_mistakes_at_the_stated_rates():
     assert perfect == pytest.approx(1 - TEACHER_UNTAGGED - TEACHER_UNSORTED * 5 / 6, abs=0.03)
     first, second = random.Random(1), random.Random(1)
     assert [teacher_reply(sample, 0, first) for _ in range(50)] == [teacher_reply(sample, 0, second) for _ in range(50)]
+
+
+def test_evaluate_scores_a_training_checkpoints_step_dir_through_its_hf_export(tiny_ckpt, tmp_path, capsys):
+    step_dir = tmp_path / "checkpoints" / "step_00000001"
+    shutil.copytree(tiny_ckpt, step_dir / "hf")
+    (step_dir / "dcp").mkdir()  # the sharded trainer state, which is not an HF checkpoint
+    assert evaluate_main([str(step_dir), "--prompts", "2", "--group-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{step_dir / 'hf'}: reward ") and " over 4 rollouts, " in out
+    assert evaluate_main([str(tmp_path / "checkpoints")]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'checkpoints'} is neither an HF checkpoint dir nor a "
+                                       "training checkpoint with one in hf/ (no config.json in either)\n")

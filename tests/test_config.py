@@ -111,6 +111,24 @@ def test_file_errors(tmp_path):
         load_config(bad)
 
 
+def test_a_config_files_env_args_go_only_with_the_env_it_names(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[env]\nname = "examples.alphabet_sort.env:AlphabetSortEnv"\nargs = { max_turns = 2 }\n')
+    assert load_config(path).env.args == {"max_turns": 2}
+    same = load_config(path, ['env.name="examples.alphabet_sort.env:AlphabetSortEnv"'])
+    assert same.env.args == {"max_turns": 2}
+    other = load_config(path, ['env.name="my_envs.reverse:ReverseEnv"'])
+    assert (other.env.name, other.env.args) == ("my_envs.reverse:ReverseEnv", {})
+    # Overrides of env.args still apply, in either order, on top of the new env's defaults.
+    for overrides in (['env.name="my_envs.reverse:ReverseEnv"', "env.args.depth=3"],
+                      ["env.args.depth=3", 'env.name="my_envs.reverse:ReverseEnv"']):
+        assert load_config(path, overrides).env.args == {"depth": 3}
+    # A file without env.name wrote its args for the default env.
+    path.write_text("[env]\nargs = { max_turns = 2 }\n")
+    assert load_config(path, ['env.name="my_envs.reverse:ReverseEnv"']).env.args == {}
+    assert load_config(path).env.args == {"max_turns": 2}
+
+
 def test_dump_round_trips(tmp_path):
     config = load_config(overrides=["env.args.names=['a', 'b']", "loss.name=dr_grpo"])
     path = tmp_path / "run.toml"

@@ -9,6 +9,8 @@ import pytest
 from rlactors.config import load_config
 from rlactors.controller import Controller
 from rlactors.metrics import read_metrics
+from rlactors.models import load_tokenizer
+from rlactors.rollout.types import Rollout, RolloutGroup, RolloutStatus, Turn
 
 
 def _config(ckpt, run_dir, *extra):
@@ -49,6 +51,10 @@ def test_training_steps_update_the_policy_and_the_generators(tiny_ckpt, tmp_path
     assert (tmp_path / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert {s["which"] for s in samples} == {"best", "worst"} and len(samples) == 3 * 2 * 2
+    for sample in samples:  # the chat env's first prompt, whole, then the reply
+        first = sample["turns"][0]
+        assert first["prompt"].startswith("<|im_start|>user\n") and first["prompt"].endswith("<|im_start|>assistant\n")
+        assert first["completion"] and sample["error"] is None
     assert (tmp_path / "checkpoints" / "step_00000003" / "hf" / "model.safetensors").is_file()
 
 
@@ -91,3 +97,31 @@ def test_meshes_on_the_hosts_of_a_process_job_train_like_one_host(tiny_ckpt, tmp
         assert remote["generator/live_replicas"] == 2
         for key in ("loss/loss", "rollout/reward_mean", "loss/tokens", "train/grad_norm"):
             assert remote[key] == pytest.approx(local[key], rel=1e-5, abs=1e-7), key
+
+
+def test_samples_show_each_turns_prompt_as_the_env_extended_it(tiny_ckpt):
+    """samples.jsonl: a turn's prompt is the whole first prompt, then only what the env added after
+    the previous completion (or the whole prompt where the env rewrote the history)."""
+    controller = Controller(load_config(None, [f'model.path="{tiny_ckpt}"']))
+    controller.tokenizer = tok = load_tokenizer(tiny_ckpt)
+
+    def ids(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    first, reply, added, rewrite = ids("Sort: b a"), ids("a b"), ids(" Now: d c"), ids("Again: c d")
+    turns = [Turn(first, reply, [0.0] * len(reply), [0] * len(reply), "stop"),
+             Turn(first + reply + added, reply, [0.0] * len(reply), [0] * len(reply), "stop"),
+             Turn(rewrite, reply, [0.0] * len(reply), [0] * len(reply), "stop")]
+    ok = Rollout(group_id="g0", index=0, session_id="g0/0", seed=0, sample={}, turns=turns, reward=1.0)
+    failed = Rollout(group_id="g0", index=1, session_id="g0/1", seed=1, sample={}, reward=0.0,
+                     status=RolloutStatus.ERROR_ENV, error="env reset raised KeyError: 'x'")
+    unlucky = Rollout(group_id="g0", index=2, session_id="g0/2", seed=2, sample={}, turns=turns[:1], reward=0.5,
+                      status=RolloutStatus.ERROR_TIMEOUT, error="env step ran past step_timeout_s=1.0")
+    group = RolloutGroup("g0", {}, [ok, failed, unlucky], zero_variance=False, dropped=False, episodes=[])
+    samples = controller._samples([group])
+    assert [(s["rollout"], s["which"], s["error"]) for s in samples] == [
+        (0, "best", None), (1, "worst", "env reset raised KeyError: 'x'"),
+        (2, "error", "env step ran past step_timeout_s=1.0")]
+    assert samples[0]["turns"] == [{"prompt": tok.decode(p), "completion": tok.decode(reply)}
+                                   for p in (first, added, rewrite)]
+    assert samples[1]["turns"] == []

@@ -1,6 +1,7 @@
 import json
 
-from rlactors.metrics import REWARD_MAX, REWARD_MEAN, REWARD_MIN, MetricsLogger, read_metrics
+from rlactors.metrics import REWARD_MAX, REWARD_MEAN, REWARD_MIN, EnvErrorLog, MetricsLogger, read_metrics
+from rlactors.rollout.types import Rollout, RolloutStatus
 
 
 def _rewards(low, high):
@@ -35,3 +36,57 @@ def test_resume_drops_records_after_the_resumed_step(tmp_path):
 
 def test_a_run_without_steps_draws_no_curve(tmp_path):
     assert MetricsLogger(tmp_path, total_steps=3, tensorboard=False).close() is None
+
+
+def test_console_line_counts_env_errors_and_ends_with_the_note(tmp_path):
+    logger = MetricsLogger(tmp_path, total_steps=4, tensorboard=False)
+    metrics = {REWARD_MEAN: 0.0, "rollout/rollouts": 8.0, "rollout/status/error_env": 2.0,
+               "rollout/status/error_timeout": 1.0, "rollout/status/error_parse": 1.0,
+               "rollout/status/error_generator": 3.0}
+    line = logger.console_line(1, metrics, note="trained nothing: equal rewards in each of its 2 groups")
+    assert "reward 0.000  env errors 4/8  " in line
+    assert line.endswith("trained nothing: equal rewards in each of its 2 groups  eta " + line.rsplit("eta ", 1)[1])
+    assert "env errors" not in logger.console_line(1, {REWARD_MEAN: 0.0, "rollout/rollouts": 8.0})
+
+
+def _failed(index, error, traceback=None, status=RolloutStatus.ERROR_ENV):
+    return Rollout(group_id="g0", index=index, session_id=f"g0/{index}", seed=0, sample={"id": index},
+                   status=status, error=error, error_traceback=traceback)
+
+
+def _traceback(line, message):
+    return ("Traceback (most recent call last):\n"
+            f'  File "/envs/my_env.py", line {line}, in step\n    raise RuntimeError(...)\n{message}')
+
+
+def test_env_errors_go_to_the_log_and_the_first_of_each_kind_to_the_console(tmp_path, capsys):
+    log = EnvErrorLog(tmp_path, console_kinds=2)
+    rollouts = [
+        _failed(0, "env step raised RuntimeError: bad g0/0", _traceback(7, "RuntimeError: bad g0/0")),
+        _failed(1, "env step raised RuntimeError: bad g0/1", _traceback(7, "RuntimeError: bad g0/1")),  # same kind
+        Rollout(group_id="g0", index=2, session_id="g0/2", seed=0, sample={"id": 2}),  # completed
+        _failed(3, "env step ran past step_timeout_s=1.0", status=RolloutStatus.ERROR_TIMEOUT),
+        _failed(4, "env step raised RuntimeError: bad g0/4", _traceback(9, "RuntimeError: bad g0/4")),  # 3rd kind
+        _failed(5, "replica died", status=RolloutStatus.ERROR_GENERATOR),  # not the env's
+    ]
+    assert log.record(1, rollouts) == 4
+    assert log.record(2, rollouts[:1]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("env error ")] == [
+        "env error in step 1, rollout g0/0 (error_env): env step raised RuntimeError: bad g0/0",
+        "env error in step 1, rollout g0/3 (error_timeout): env step ran past step_timeout_s=1.0"]
+    assert out[1:5] == _traceback(7, "RuntimeError: bad g0/0").splitlines()
+    assert out[-1] == f"env errors of more kinds in step 1: see {tmp_path / 'env_errors.log'}"
+    text = (tmp_path / "env_errors.log").read_text()
+    assert [line for line in text.splitlines() if line.startswith("env error")] == [
+        "env error in step 1, rollout g0/0 (error_env): env step raised RuntimeError: bad g0/0",
+        "env error in step 1, rollout g0/1 (error_env): env step raised RuntimeError: bad g0/1",
+        "env error in step 1, rollout g0/3 (error_timeout): env step ran past step_timeout_s=1.0",
+        "env error in step 1, rollout g0/4 (error_env): env step raised RuntimeError: bad g0/4",
+        "env error in step 2, rollout g0/0 (error_env): env step raised RuntimeError: bad g0/0"]
+    assert text.count("sample: {'id': 0}\n" + _traceback(7, "RuntimeError: bad g0/0")) == 2
+    # A resume appends; a new run starts the file again.
+    EnvErrorLog(tmp_path, resume_step=2).record(3, rollouts[:1])
+    assert (tmp_path / "env_errors.log").read_text().startswith(text + "--- resumed after step 2 ---\n")
+    EnvErrorLog(tmp_path)
+    assert (tmp_path / "env_errors.log").read_text() == ""

@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import math
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -125,6 +126,13 @@ def test_env_that_raises_hangs_or_returns_garbage_is_marked_and_the_group_comple
     assert "RuntimeError: env bug" in group.rollouts[1].error
     assert "step_timeout_s" in group.rollouts[2].error
     assert "next_token_ids" in group.rollouts[3].error
+    # Where the env raised: its traceback, from the env's own frame on (not the Rollouter's).
+    raised = group.rollouts[1].error_traceback.splitlines()
+    assert raised[0] == "Traceback (most recent call last):" and raised[-1] == "RuntimeError: env bug"
+    assert raised[-3].startswith(f'  File "{__file__}", line ') and raised[-3].endswith(", in step")
+    assert raised[-2].strip() == 'raise RuntimeError("env bug")'
+    assert not any("rlactors/rollout/rollouter.py" in line or "/asyncio/" in line for line in raised)
+    assert [ro.error_traceback for ro in group.rollouts[2:]] == [None] * 4  # a timeout and bad values raise nothing
     # The failed rollouts' generated turns are still trained, carrying the error reward's advantage.
     assert {ep.rollout_index for ep in group.episodes} == {0, 1, 2, 3, 5}
     assert group.rollouts[0].advantage > 0 > group.rollouts[1].advantage
@@ -306,10 +314,31 @@ def test_load_env_builds_config_and_names_bad_keys():
         load_env(EnvConfig(name=class_path, args={"turnz": 2}))
     with pytest.raises(ConfigError, match="env.args.turns: expected an integer"):
         load_env(EnvConfig(name=class_path, args={"turns": "two"}))
-    with pytest.raises(ValueError, match="cannot import module"):
+    with pytest.raises(ConfigError, match=r"^env\.name: no module named 'no_such_module_xyz' \(looked in the "):
         load_env(EnvConfig(name="no_such_module_xyz:Env"))
-    with pytest.raises(ValueError, match="not a TokenEnv subclass"):
+    with pytest.raises(ConfigError, match=rf"^env\.name: module '{__name__}' \(.*\) has no 'NoSuchEnv'$"):
+        load_env(EnvConfig(name=f"{__name__}:NoSuchEnv"))
+    with pytest.raises(ConfigError, match="not a TokenEnv subclass"):
         load_env(EnvConfig(name=f"{__name__}:FakeGenerate"))
+
+
+def test_load_env_finds_modules_in_the_working_directory(tmp_path, monkeypatch):
+    package = tmp_path / "my_envs_in_cwd"
+    package.mkdir()
+    (package / "reverse.py").write_text(
+        "from rlactors.rollout import TokenEnv\n\nclass ReverseEnv(TokenEnv):\n    pass\n")
+    (package / "broken.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert type(load_env(EnvConfig(name="my_envs_in_cwd.reverse:ReverseEnv"))).__name__ == "ReverseEnv"
+    assert sys.path[-1] == str(tmp_path)  # after the installed packages: it never shadows one
+    with pytest.raises(ConfigError, match=r"^env\.name: no module named 'my_envs_in_cwd.nope' \(looked in the "
+                                          rf"working directory {tmp_path} and on sys.path\)$"):
+        load_env(EnvConfig(name="my_envs_in_cwd.nope:Env"))
+    # A module that is there but fails to import names its own missing dependency.
+    with pytest.raises(ConfigError, match=r"^env\.name: module 'my_envs_in_cwd.broken' cannot be imported: "
+                                          r"No module named 'no_such_dependency_xyz'$"):
+        load_env(EnvConfig(name="my_envs_in_cwd.broken:Env"))
 
 
 class CountingEnv(TokenEnv):

@@ -5,8 +5,10 @@
     python examples/alphabet_sort/run.py controller.mode=async generator.replicas=3
     python examples/alphabet_sort/run.py --resume                           # from the last checkpoint
 
-Overrides are `section.key=value` (TOML values). Metrics, samples, TensorBoard logs, checkpoints
-and reward_curve.png go to controller.run_dir.
+Overrides are `section.key=value` (TOML values). Metrics, samples, env errors (env_errors.log),
+TensorBoard logs, checkpoints and reward_curve.png go to controller.run_dir, which holds one run:
+a new run there is refused once it holds steps (continue it with --resume). Ctrl-C saves the last
+completed step.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from rlactors.supervision import use_fast_supervision
 use_fast_supervision()  # notice a dead actor proc within about a second; before Monarch starts
 
 from rlactors.config import ConfigError, load_config  # noqa: E402
-from rlactors.controller import Controller, TrainingError  # noqa: E402
+from rlactors.controller import NO_SIGNAL_HINT, Controller, TrainingError  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "alphabet_sort_cpu.toml"
 
@@ -34,19 +36,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    controller = None
     try:
         config = load_config(args.config, args.overrides)
-        history = asyncio.run(Controller(config, resume=args.resume).run())
+        controller = Controller(config, resume=args.resume)
+        history = asyncio.run(controller.run())
     except (ConfigError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        if controller is None or controller.interrupt_report is None:  # else the controller said what it kept
+            print("interrupted", file=sys.stderr)
         return 130
     rewards = [m["rollout/reward_mean"] for m in history if "rollout/reward_mean" in m]
     if rewards:
-        print(f"done: {len(history)} steps, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; "
+        untrained = sum(m["train/trained"] == 0 for m in history)
+        trained = f"; {untrained} of them trained nothing (see their step lines)" if untrained else ""
+        print(f"done: {len(history)} steps, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}{trained}; "
               f"run dir {config.controller.run_dir}")
+        if all(m["rollout/groups_dropped"] == m["rollout/groups"] for m in history):
+            print(f"no step trained: the rollouts of each group earned equal rewards, so GRPO had nothing to "
+                  f"learn from; {NO_SIGNAL_HINT}")
     return 0
 
 

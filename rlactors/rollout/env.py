@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import random
+import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,19 +162,37 @@ class MessageEnv(TokenEnv):
 
 
 def load_env(env_config: EnvConfig, tokenizer: Any = None) -> TokenEnv:
-    """Imports `module:Class` and builds it with its Config from `env_config.args`."""
+    """Imports `module:Class` (from the working directory too) and builds it with its Config
+    from `env_config.args`."""
     module_name, _, class_name = env_config.name.partition(":")
     if not module_name or not class_name:
         raise ConfigError(f"env.name must be 'module:Class', got {env_config.name!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"env.name: cannot import module {module_name!r}: {e}") from e
+    module = _import_env_module(module_name)
     cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ConfigError(f"env.name: module {module_name!r} ({module.__file__}) has no {class_name!r}")
     if not (isinstance(cls, type) and issubclass(cls, TokenEnv)):
         raise ConfigError(f"env.name: {env_config.name!r} is not a TokenEnv subclass")
     config = build_dataclass(cls.Config, dict(env_config.args), "env.args")
     return cls(config, tokenizer)
+
+
+def _import_env_module(name: str) -> Any:
+    """Imports `name`, looking in the working directory after sys.path: a user's env module next
+    to where they start the run is found without PYTHONPATH, and never shadows an installed one."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+        importlib.invalidate_caches()
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
+            raise ConfigError(f"env.name: no module named {e.name!r} (looked in the working directory {cwd} "
+                              "and on sys.path)") from None
+        raise ConfigError(f"env.name: module {name!r} cannot be imported: {e}") from e
+    except ImportError as e:
+        raise ConfigError(f"env.name: module {name!r} cannot be imported: {e}") from e
 
 
 class SampleStream:

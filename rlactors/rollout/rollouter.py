@@ -2,7 +2,8 @@
 
 Failures stay inside the rollout that had them: an env that raises, hangs past
 `step_timeout_s` or returns garbage, and a generate call that fails, each end that rollout with
-an `error_*` status and `error_reward`; its siblings and the run go on.
+an `error_*` status and `error_reward`; its siblings and the run go on. The rollout keeps what
+ended it (`error`) and, when the env raised, where (`error_traceback`).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
+import traceback
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from rlactors.config import RolloutConfig
@@ -37,10 +40,11 @@ GenerateFn = Callable[[list[int], SamplingParams, str, "str | None"], Awaitable[
 class _RolloutEnded(Exception):
     """Ends a rollout early with a status (internal control flow)."""
 
-    def __init__(self, status: RolloutStatus, error: str | None = None) -> None:
+    def __init__(self, status: RolloutStatus, error: str | None = None, raised: BaseException | None = None) -> None:
         super().__init__(status.value)
         self.status = status
         self.error = error
+        self.traceback = format_traceback(raised) if raised is not None else None
 
 
 class Rollouter:
@@ -142,9 +146,10 @@ class Rollouter:
                 raise _RolloutEnded(RolloutStatus.ERROR_PARSE, f"rubric total is {rollout.reward}, "
                                     f"not a number within +-{MAX_ABS_REWARD:.4g}")
         except _RolloutEnded as ended:
-            rollout.status, rollout.error = ended.status, ended.error
+            rollout.status, rollout.error, rollout.error_traceback = ended.status, ended.error, ended.traceback
         except Exception as e:  # noqa: BLE001 - a bug in one env must not end the run
             rollout.status, rollout.error = RolloutStatus.ERROR_ENV, f"{type(e).__name__}: {e}"
+            rollout.error_traceback = format_traceback(e)
         if rollout.status.is_error:
             rollout.reward = self.config.error_reward
             rollout.reward_components = _turn_reward_sums(rollout)  # what its turns earned, for the logs
@@ -195,7 +200,7 @@ class Rollouter:
             raise _RolloutEnded(RolloutStatus.ERROR_TIMEOUT,
                                 f"env {what} ran past step_timeout_s={self.config.step_timeout_s}") from e
         except Exception as e:  # noqa: BLE001 - user env code
-            raise _RolloutEnded(RolloutStatus.ERROR_ENV, f"env {what} raised {type(e).__name__}: {e}") from e
+            raise _RolloutEnded(RolloutStatus.ERROR_ENV, f"env {what} raised {type(e).__name__}: {e}", e) from e
 
     @staticmethod
     def _checked(check: Callable[[Any], Any], value: Any, what: str) -> Any:
@@ -206,6 +211,20 @@ class Rollouter:
 
 
 _EXHAUSTED = object()
+_ASYNCIO_DIR = Path(asyncio.__file__).parent
+
+
+def format_traceback(error: BaseException) -> str:
+    """The exception's traceback as Python prints it, from the env's side on: the leading frames
+    of this module and asyncio, which awaited the env, are left out."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None and _awaits_the_env(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(error), error, tb)).rstrip("\n")
+
+
+def _awaits_the_env(filename: str) -> bool:
+    return filename == __file__ or Path(filename).parent == _ASYNCIO_DIR
 
 
 def _turn_reward_sums(rollout: Rollout) -> dict[str, float]:

@@ -79,7 +79,8 @@ class Rollout:
     reward: float = 0.0  # weighted total that advantages are computed from
     reward_components: dict[str, float] = field(default_factory=dict)
     advantage: float = 0.0
-    error: str | None = None
+    error: str | None = None  # what ended an error_* rollout
+    error_traceback: str | None = None  # where the env raised it, when it raised
     info: dict[str, Any] = field(default_factory=dict)
 
     @property

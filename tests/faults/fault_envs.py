@@ -13,6 +13,10 @@ resume. In each group (group_size >= 4):
     rollout 2: the rubric's reward function raises  -> error_env
     rollout 3+: no fault
 
+With `signal_from_group = n`, groups before group n earn 0 in every rollout: their rewards do
+not vary, so GRPO has nothing to train on (a task the policy cannot solve yet). Later groups earn
+their rollout's index, which always varies.
+
 With `huge_reward = x`, rollout 0 of group `huge_reward_from_group` and later earns x: finite,
 so the rollout is valid, but a Dr.GRPO advantage of that size overflows fp32 in the gradient
 (x = 1e30) or in the loss itself (x = 1.7e38, once the ratio leaves the clip range).
@@ -46,6 +50,7 @@ class FaultyEnv(TokenEnv):
         stop_tokens: int = 0  # ids 3 .. 3 + stop_tokens - 1 end a turn (completions of varied length)
         huge_reward: float = 0.0  # when not 0: what rollout 0 earns from group huge_reward_from_group on
         huge_reward_from_group: int = 0
+        signal_from_group: int = 0  # when not 0: earlier groups earn 0 in every rollout, later ones their index
 
     def __init__(self, config=None, tokenizer=None):
         super().__init__(config, tokenizer)
@@ -66,6 +71,8 @@ class FaultyEnv(TokenEnv):
         # Reward: the share of low token ids, which a random policy spreads over [0, 1].
         reward = sum(t < VOCAB // 2 for t in completion.token_ids) / max(1, len(completion.token_ids))
         group, index = _ids(completion.request_id)
+        if self.config.signal_from_group:
+            reward = 0.0 if group < self.config.signal_from_group else float(index)
         if self.config.huge_reward and group >= self.config.huge_reward_from_group and index == 0:
             reward = self.config.huge_reward
         if self.config.faults:

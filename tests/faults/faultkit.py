@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -78,9 +79,12 @@ def wait_until(condition, timeout: float, interval: float = 0.02, what: str = "c
 class CliProcess:
     """run.py in a subprocess whose output lines are collected with their arrival time."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, new_session: bool = False):
+        """`new_session`: in a process group of its own, which `interrupt` signals as a terminal's
+        Ctrl-C does."""
         self.proc = subprocess.Popen([sys.executable, str(RUN_PY), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, cwd=REPO, env=cli_env())
+                                     stderr=subprocess.PIPE, text=True, cwd=REPO, env=cli_env(),
+                                     start_new_session=new_session)
         self.lines: dict[str, list[tuple[float, str]]] = {"stdout": [], "stderr": []}
         self._readers = [threading.Thread(target=self._read, args=(name,), daemon=True) for name in self.lines]
         for reader in self._readers:
@@ -93,6 +97,10 @@ class CliProcess:
     def first_line_after(self, name: str, start: float, contains: str) -> float | None:
         """Arrival time of the first line of `name` after `start` that holds `contains`."""
         return next((t for t, line in self.lines[name] if t >= start and contains in line), None)
+
+    def interrupt(self) -> None:
+        """SIGINT to the run's whole process group (its actor procs too), as Ctrl-C sends it."""
+        os.killpg(self.proc.pid, signal.SIGINT)
 
     def wait(self, timeout: float = 240.0) -> int:
         code = self.proc.wait(timeout)

@@ -1,20 +1,25 @@
 """Bad configs and inputs through the CLI (examples/alphabet_sort/run.py): every config field with
 a wrong type or an impossible value, a checkpoint dir that is missing or is not one, a tokenizer
-without a chat template, an empty dataset, a bad env name, --resume with nothing to resume. Each
-gives one line `error: <what>: ...` naming the problem and exit code 2, before anything trains."""
+without a chat template, an empty dataset, a bad env name, a new run into a run dir that holds a
+run, --resume with nothing to resume or with another env or seed than the run's. Each gives one
+line `error: <what>: ...` naming the problem and exit code 2, before anything trains; --resume of
+a run that has all its steps says so and exits 0."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import typing
 
 import pytest
 from faultkit import run_cli
 
-from examples.alphabet_sort.run import main
-from rlactors.config import Config
+import fault_envs
+from examples.alphabet_sort.run import DEFAULT_CONFIG, main
+from rlactors.config import Config, dump_toml, load_config
+from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir
 
 # Any value is well-typed here; what matters is that load_config rejects it before the run.
 BASE = ['model.path="/nonexistent/never-read"', 'controller.run_dir="/nonexistent/never-written"']
@@ -192,15 +197,18 @@ def test_bad_model_dirs_and_envs_are_named_before_any_proc_starts(capsys, tmp_pa
         ([f'model.path="{tiny_ckpt}"', 'env.name="fault_envs:FaultyEnv"', "env.args={ empty = true }"],
          "error: env fault_envs:FaultyEnv: the train split is empty"),
         ([f'model.path="{tiny_ckpt}"', 'env.name="no_such_module:Env"'],
-         "error: env.name: cannot import module 'no_such_module': No module named 'no_such_module'"),
+         f"error: env.name: no module named 'no_such_module' (looked in the working directory {os.getcwd()} "
+         "and on sys.path)"),
         ([f'model.path="{tiny_ckpt}"', 'env.name="fault_envs:NoSuchEnv"'],
-         "error: env.name: 'fault_envs:NoSuchEnv' is not a TokenEnv subclass"),
+         f"error: env.name: module 'fault_envs' ({fault_envs.__file__}) has no 'NoSuchEnv'"),
+        ([f'model.path="{tiny_ckpt}"', 'env.name="fault_envs:VOCAB"'],
+         "error: env.name: 'fault_envs:VOCAB' is not a TokenEnv subclass"),
     ]
     for overrides, expected in cases:
         assert cli_error(capsys, run_dir, *overrides) == expected
     assert not (tmp_path / "run").exists()  # nothing was started, nothing written
     fault_record("bad inputs", "model.path missing / not a checkpoint; a tokenizer without a chat template "
-                 "under a chat env; an empty train split; env.name naming no module / no TokenEnv", None,
+                 "under a chat env; an empty train split; env.name naming no module / no class / no TokenEnv", None,
                  "nothing starts: one line `error: ...` naming the input, exit code 2")
 
 
@@ -218,3 +226,66 @@ def test_cli_process_prints_one_line_and_exits_2():
     done = run_cli('model.path="/nonexistent/checkpoint"', 'controller.run_dir="/nonexistent/never-written"')
     assert done.returncode == 2
     assert done.stderr.splitlines() == ["error: model.path: checkpoint directory not found: /nonexistent/checkpoint"]
+
+
+RUN = ['model.path="/nonexistent/never-read"', 'env.name="fault_envs:FaultyEnv"', "env.args={}", "trainer.ranks=1",
+       "generator.replicas=1", "controller.steps=2"]
+
+
+def _run_dir_after(run_dir, step: int):
+    """A run dir as a run of RUN (on the CLI's default config) leaves it after `step` steps: its
+    config.toml, metrics.jsonl and a complete checkpoint of the step."""
+    config = load_config(DEFAULT_CONFIG, [*RUN, f'controller.run_dir="{run_dir}"'])
+    checkpoint = checkpoint_dir(run_dir / "checkpoints", step)
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "controller_state.json").write_text(json.dumps(
+        {"step": step, "policy_version": step, "samples": {}, "rollouter": {}}))
+    (checkpoint / COMPLETE_FILE).write_text("")
+    (run_dir / "config.toml").write_text(dump_toml(config))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, step + 1)))
+    return {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+
+
+def test_a_new_run_never_writes_over_a_run_dir_that_holds_a_run(capsys, tmp_path, fault_record):
+    for held in ("metrics.jsonl, checkpoints/step_00000002", "metrics.jsonl", "checkpoints/step_00000002"):
+        run_dir = tmp_path / str(len(held))
+        _run_dir_after(run_dir, 2)
+        if "checkpoints" not in held:
+            shutil.rmtree(run_dir / "checkpoints")
+        if "metrics" not in held:
+            (run_dir / "metrics.jsonl").unlink()
+        files = {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+        assert cli_error(capsys, *RUN, f'controller.run_dir="{run_dir}"') == (
+            f"error: controller.run_dir: {run_dir} already holds a run ({held}); continue it with --resume, or give "
+            f"this run another controller.run_dir (or delete {run_dir})")
+        assert {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()} == files
+    fault_record("bad inputs", "a new run (no --resume) into a run dir that holds metrics or a checkpoint", None,
+                 "nothing is written: one line `error: controller.run_dir: ... already holds a run ...`, exit code 2")
+
+
+def test_resume_keeps_the_runs_env_and_seed(capsys, tmp_path, fault_record):
+    files = _run_dir_after(tmp_path, 1)
+    checkpoint = checkpoint_dir(tmp_path / "checkpoints", 1)
+    for override, key, now, was in (('env.name="examples.alphabet_sort.env:AlphabetSortEnv"', "env.name",
+                                     "'examples.alphabet_sort.env:AlphabetSortEnv'", "'fault_envs:FaultyEnv'"),
+                                    ("env.args={ num_samples = 8 }", "env.args", "{'num_samples': 8}", "{}"),
+                                    ("controller.seed=1", "controller.seed", "1", "0")):
+        assert cli_error(capsys, "--resume", *RUN, f'controller.run_dir="{tmp_path}"', override) == (
+            f"error: --resume: {key} is {now} here but the run in {tmp_path} has {was} ({tmp_path / 'config.toml'}); "
+            "resume it as it was, or start a new run in another controller.run_dir "
+            f'(model.path="{checkpoint / "hf"}" starts from this run\'s policy)')
+    assert all(path.read_bytes() == data for path, data in files.items())
+    fault_record("bad inputs", "--resume with another env.name, env.args or controller.seed than the run's", None,
+                 "nothing trains: one line `error: --resume: <key> is ... here but the run ... has ...`, exit code 2")
+
+
+def test_resume_of_a_run_that_has_all_its_steps_says_so_and_starts_nothing(capsys, tmp_path):
+    files = _run_dir_after(tmp_path, 2)
+    assert main(["--resume", *RUN, f'controller.run_dir="{tmp_path}"', "trainer.lr=2e-5"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert captured.out.splitlines() == [
+        "resuming with changed settings: trainer.lr 0.0004 -> 2e-05",
+        f"nothing to train: the run in {tmp_path} is at step 2 and controller.steps is 2; "
+        "raise controller.steps to train further"]
+    assert all(path.read_bytes() == data for path, data in files.items())

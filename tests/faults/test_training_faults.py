@@ -1,5 +1,6 @@
 """Training-side faults through the real controller (run.py in a subprocess, or the Controller in
-this process), with real Monarch procs on CPU: env failures counted in the step metrics, the
+this process), with real Monarch procs on CPU: env failures counted in the step metrics and
+reported with their tracebacks, Ctrl-C saving the last completed step, the
 trainer proc SIGKILLed mid-run then `--resume` matching an uninterrupted run, a half-written
 checkpoint never picked, non-finite generator logprobs excluded, a non-finite loss that stops
 the run with its state saved, corrupted weights on their way to the replicas, and with weights by
@@ -27,17 +28,23 @@ from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir, partial_d
 # FaultyEnv's schedule (see fault_envs.py): per step, 2 groups of 4 rollouts, of which 3 end in
 # error_env, 1 in error_timeout, 2 in error_parse, and 2 have no fault.
 FAULTS = ["env.args={ faults = true, hang_s = 60.0, stop_tokens = 96 }", "rollout.group_size=4",
-          "rollout.step_timeout_s=1.0", "rollout.error_reward=-1.0"]
+          "rollout.step_timeout_s=1.0", "rollout.error_reward=-1.0", "controller.log_samples=true"]
 COMPARED = ("loss/loss", "loss/tokens", "train/grad_norm", "loss/entropy/mean", "rollout/reward_mean")
 
 
 @pytest.fixture(scope="module")
-def reference_run(tiny_ckpt, tmp_path_factory):
-    """The step metrics of an uninterrupted 3-step run with env faults."""
+def reference_cli(tiny_ckpt, tmp_path_factory):
+    """An uninterrupted 3-step run with env faults: its run dir and the finished CLI process."""
     run_dir = tmp_path_factory.mktemp("reference")
     done = run_cli(*small_run_overrides(tiny_ckpt, run_dir, *FAULTS))
     assert done.returncode == 0, done.stderr[-3000:]
-    return read_metrics(run_dir)
+    return run_dir, done
+
+
+@pytest.fixture(scope="module")
+def reference_run(reference_cli):
+    """The step metrics of the uninterrupted 3-step run with env faults."""
+    return read_metrics(reference_cli[0])
 
 
 def test_env_failures_are_counted_in_step_metrics_and_lose_no_group(reference_run, fault_record):
@@ -57,6 +64,100 @@ def test_env_failures_are_counted_in_step_metrics_and_lose_no_group(reference_ru
         fault_record("env failure", f"{what}, in {count} of 8 rollouts of every step", None,
                      "nothing: the rollout is marked (error_* status, error_reward) and trained on; every "
                      "group of every step trained; counts in rollout/status/* of each step")
+
+
+def test_env_errors_are_reported_with_their_tracebacks(reference_cli, fault_record):
+    run_dir, done = reference_cli
+    log_file = run_dir / "env_errors.log"
+    log = log_file.read_text()
+    # Every env error of the 3 steps, each with its message (and where the env raised, its traceback).
+    headers = [line for line in log.splitlines() if line.startswith("env error in step ")]
+    assert len(headers) == 3 * 6
+    assert sum("(error_env): env step raised RuntimeError: injected env failure in g" in h for h in headers) == 3
+    assert sum("(error_env): env rubric.score raised ValueError: injected reward-function" in h for h in headers) == 6
+    assert sum("(error_timeout): env step ran past step_timeout_s=1.0" in h for h in headers) == 3
+    assert sum("(error_parse): env step: step must return a StepResult, got str" in h for h in headers) == 3
+    assert sum("(error_parse): env step: reward components must be" in h for h in headers) == 3
+    raised = log.split("env error in step 1, rollout g0/0 (error_env)")[1]
+    assert 'fault_envs.py", line' in raised and 'raise RuntimeError(f"injected env failure in ' in raised
+
+    # The console: the first error of each of the first 3 kinds with its traceback, then one line
+    # for the other kinds; each step line counts its env errors.
+    out = done.stdout
+    printed = [line for line in out.splitlines() if line.startswith("env error in step ")]
+    assert printed == [
+        "env error in step 1, rollout g0/0 (error_env): env step raised RuntimeError: injected env failure in g0/0/t0",
+        "env error in step 1, rollout g0/1 (error_parse): env step: step must return a StepResult, got str",
+        "env error in step 1, rollout g0/2 (error_env): env rubric.score raised ValueError: injected reward-function "
+        "failure in g0/2"], out
+    assert "RuntimeError: injected env failure in g0/0/t0" in out.split(printed[0])[1].split(printed[1])[0]
+    assert 'fault_envs.py", line' in out.split(printed[0])[1].split(printed[1])[0]
+    assert f"env errors of more kinds in step 1: see {log_file}" in out
+    step_lines = [line for line in out.splitlines() if line.startswith("step ") and "/3 [" in line]
+    assert len(step_lines) == 3 and all("env errors 6/8" in line for line in step_lines), out
+
+    # samples.jsonl: every rollout that ended in an error, with its message, and each turn's prompt.
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    errors = [s for s in samples if s["status"].startswith("error_")]
+    assert len(errors) == 3 * 6 and all(s["error"] for s in errors)
+    assert {s["error"] for s in errors if s["step"] == 1 and s["group"] == "g0" and s["rollout"] == 0} == \
+        {"env step raised RuntimeError: injected env failure in g0/0/t0"}
+    assert all(s["error"] is None for s in samples if not s["status"].startswith("error_"))
+    assert all(s["turns"][0]["prompt"] and "completion" in s["turns"][0] for s in samples)
+    fault_record("env failure, reported", "an env whose step raises, hangs or returns garbage and whose reward "
+                 "function raises, in 6 of 8 rollouts of every step", None,
+                 "nothing; every error with its message and traceback in env_errors.log, the first of 3 kinds on "
+                 "the console, the message in samples.jsonl, the count on each step line")
+
+
+def test_ctrl_c_saves_the_last_completed_step_and_resume_matches_an_uninterrupted_run(
+        tiny_ckpt, tmp_path, reference_run, fault_record):
+    run_dir = tmp_path / "run"
+    overrides = small_run_overrides(tiny_ckpt, run_dir, *FAULTS, "controller.checkpoint_every=0")
+    cli = CliProcess(*overrides, "controller.steps=50", new_session=True)
+    metrics_file = run_dir / "metrics.jsonl"
+    wait_until(lambda: (metrics_file.is_file() and metrics_file.read_text().endswith("\n"))
+               or cli.proc.poll() is not None, 120, what="step 1's metrics")
+    # Step 1 is logged, not checkpointed (checkpoint_every=0); step 2 takes >= 1 s (a rollout hangs
+    # until step_timeout_s). Ctrl-C as a terminal sends it: to the process group.
+    interrupted_at = time.monotonic()
+    cli.interrupt()
+    code = cli.wait()
+    stopped_s = time.monotonic() - interrupted_at
+    stderr = cli.text("stderr")
+    assert code == 130 and "Traceback" not in stderr, stderr[-3000:]
+    steps = [m["step"] for m in read_metrics(run_dir)]
+    last = steps[-1]  # 2 if step 2's update had begun: it completes first
+    assert steps == list(range(1, last + 1)) and last in (1, 2), steps
+    saved = checkpoint_dir(run_dir / "checkpoints", last)
+    assert f"interrupted: saving step {last}" in stderr
+    assert stderr.strip().splitlines()[-1] == \
+        f"interrupted after step {last}: the run is saved in {saved}; continue with --resume"
+    assert (saved / COMPLETE_FILE).is_file()
+
+    resumed = run_cli("--resume", *overrides)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {saved} at step {last}" in resumed.stdout
+    after = read_metrics(run_dir)
+    assert [m["step"] for m in after] == [1, 2, 3]
+    for ours, theirs in zip(after, reference_run):
+        for key in COMPARED:
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (ours["step"], key)
+    fault_record("Ctrl-C", f"SIGINT to the run's process group after step {last} was logged, before any "
+                 "checkpoint (controller.checkpoint_every=0)", None,
+                 f"the rollouts of step {last + 1} only: step {last} was saved on the way out "
+                 f"({stopped_s:.1f} s to exit); --resume matched the uninterrupted run (rel 1e-5)")
+
+
+def test_ctrl_c_before_the_first_step_says_nothing_is_saved_and_the_dir_takes_a_new_run(tiny_ckpt, tmp_path):
+    # What a run stopped before its first step leaves: its config.toml and an empty metrics.jsonl.
+    (tmp_path / "config.toml").write_text("[controller]\n")
+    (tmp_path / "metrics.jsonl").write_text("")
+    controller = Controller(load_config(None, small_run_overrides(tiny_ckpt, tmp_path)))
+    asyncio.run(controller._keep_last_step())  # what run() does when cancelled; no proc is needed at step 0
+    assert controller.interrupt_report == ("interrupted before step 1 completed: nothing is saved; start the run "
+                                           "again (without --resume)")
+    assert controller._check_run_dir() is None  # nothing to lose: a new run may start there
 
 
 def _trainer_pid(cli: CliProcess) -> int:

@@ -4,6 +4,7 @@
     python benchmarks/trainer_throughput.py --device cuda --sizes 0.6b 1.7b \
         --out benchmarks/results/trainer_throughput_h200.md                # one GPU
     torchrun --nproc-per-node 8 benchmarks/trainer_throughput.py --device cuda --sizes 1.7b ...
+    python benchmarks/trainer_throughput.py --device cuda --family llama --sizes 1b  # another family
 
 It drives PolicyTrainerCore directly (the code inside each PolicyTrainer actor), on a random-init
 checkpoint of each size (rlactors.models.tiny). Rows of `--row-tokens` are filled end to end with
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig  # noqa: E402
 from rlactors.losses import LossNorm  # noqa: E402
-from rlactors.models.args import ModelArgs  # noqa: E402
+from rlactors.models.args import FAMILIES, ModelArgs  # noqa: E402
 from rlactors.models.checkpoint import load_args  # noqa: E402
 from rlactors.models.tiny import make_tiny_checkpoint  # noqa: E402
 from rlactors.rollout.types import MicroBatch  # noqa: E402
@@ -185,7 +186,7 @@ def write_markdown(results: list[dict], opts: argparse.Namespace, path: Path) ->
     for r in results:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
-        lines.append(f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['tokens_per_step']} | {r['step_s']:.3f} | "
+        lines.append(f"| {opts.family} {r['size']} | {r['params'] / 1e6:.1f}M | {r['tokens_per_step']} | {r['step_s']:.3f} | "
                      f"{r['tokens_per_s']:.0f} | {r['tflops_per_rank']:.3g} | {mfu} | {mem} |")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -194,7 +195,10 @@ def write_markdown(results: list[dict], opts: argparse.Namespace, path: Path) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--sizes", nargs="+", default=None, help="tiny small 0.6b 1.7b")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3",
+                        help="model family of the random checkpoints (rlactors.models.tiny)")
+    parser.add_argument("--sizes", nargs="+", default=None,
+                        help="tiny small, or a real shape of the family: 0.6b 1.7b (qwen3), 0.5b (qwen2), 1b (llama)")
     parser.add_argument("--row-tokens", type=int, default=None)
     parser.add_argument("--rows", type=int, default=1, help="rows per microbatch")
     parser.add_argument("--microbatches", type=int, default=None, help="forward_backward calls per step")
@@ -222,9 +226,9 @@ def main() -> None:
     root = opts.ckpt_root or Path(tempfile.gettempdir()) / "rlactors_bench_ckpts"
     results = []
     for size in opts.sizes:
-        ckpt = root / size
+        ckpt = root / (size if opts.family == "qwen3" else f"{opts.family}_{size}")
         if rank == 0 and not (ckpt / "config.json").is_file():
-            make_tiny_checkpoint(ckpt, size=size, seed=0)
+            make_tiny_checkpoint(ckpt, size=size, seed=0, family=opts.family)
         dist.barrier()
         load_args(ckpt)
         results.append(measure(size, ckpt, opts, device))

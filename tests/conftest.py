@@ -1,4 +1,4 @@
-"""Shared fixtures: random-init tiny Qwen3 checkpoints, built once per test session."""
+"""Shared fixtures: random-init tiny checkpoints of each model family, built once per test session."""
 
 import os
 from pathlib import Path
@@ -17,13 +17,28 @@ from rlactors.models.tiny import make_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory) -> Path:
-    """Tiny Qwen3 (tied embeddings, GQA 4q/2kv, fp32) with its tokenizer and chat template."""
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"), size="tiny", seed=0)
+def family_ckpt(tmp_path_factory):
+    """``family_ckpt(family, tie=True)``: a tiny checkpoint of ``family`` (``size="tiny"``: GQA
+    4q/2kv, fp32, the ChatML tokenizer; seed 0 tied, 1 untied), built once per session."""
+    built: dict[tuple[str, bool], Path] = {}
+
+    def get(family: str, tie: bool = True) -> Path:
+        if (family, tie) not in built:
+            out = tmp_path_factory.mktemp(f"tiny_{family}_{'tied' if tie else 'untied'}")
+            built[family, tie] = make_tiny_checkpoint(out, size="tiny", seed=0 if tie else 1,
+                                                      tie_word_embeddings=tie, family=family)
+        return built[family, tie]
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt_untied(tmp_path_factory) -> Path:
+def tiny_ckpt(family_ckpt) -> Path:
+    """Tiny Qwen3 (tied embeddings, GQA 4q/2kv, fp32) with its tokenizer and chat template."""
+    return family_ckpt("qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_untied(family_ckpt) -> Path:
     """Like ``tiny_ckpt`` but with a separate ``lm_head.weight``."""
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt_untied"), size="tiny", seed=1,
-                                tie_word_embeddings=False)
+    return family_ckpt("qwen3", tie=False)

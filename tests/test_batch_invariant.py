@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from rlactors.models import batch_invariant as bi
 from rlactors.models.attention import VarlenAttention
-from rlactors.models.qwen3 import RMSNorm, apply_rope, rope_inverse_frequencies
+from rlactors.models.decoder import RMSNorm, apply_rope, rope_inverse_frequencies
 
 BATCHES = [(0, 1), (5, 1), (0, 3), (2, 7), (0, 16), (3, 37), (0, 100), (1, 199)]  # (offset, rows)
 
@@ -125,6 +125,42 @@ def test_linear_gradients_are_the_default_ones():
     F.linear(x, w).backward(grad)
     torch.testing.assert_close(gx, x.grad)
     torch.testing.assert_close(gw, w.grad)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_bias_is_added_after_the_batch_invariant_matmul(dtype, device):
+    """Qwen2's q/k/v biases: an elementwise add, so rows stay batch-invariant; gradients are the
+    default ones, and the module adds its bias on every path."""
+    gen = torch.Generator().manual_seed(0)
+    w, b, x = (torch.randn(*shape, generator=gen).to(device, dtype) for shape in ((96, 256), (96,), (200, 256)))
+    full = bi.linear(x, w, b)
+    assert torch.equal(full, bi.linear(x, w) + b)
+    assert all(torch.equal(bi.linear(x[o:o + n], w, b), full[o:o + n]) for o, n in BATCHES)
+    # CPU: exact_matmul rounds its inputs (22 bits for K = 256); bf16 also rounds the sum before the bias.
+    tolerance = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-1}
+    torch.testing.assert_close(full, F.linear(x, w, b), **tolerance)
+
+    w, b, x = (t.float().requires_grad_() for t in (w, b, x[:21]))
+    grad = torch.randn(21, 96, generator=gen).to(device)
+    bi.linear(x, w, b).backward(grad)
+    ours = [t.grad.clone() for t in (x, w, b)]
+    x.grad = w.grad = b.grad = None
+    F.linear(x, w, b).backward(grad)
+    for got, expected in zip(ours, (x.grad, w.grad, b.grad)):
+        torch.testing.assert_close(got, expected)
+
+    layer = bi.Linear(256, 96, bias=True).to(device)
+    x = torch.randn(5, 256, generator=gen).to(device)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        layer.batch_invariant = True
+        assert torch.equal(layer(x), bi.linear(x, layer.weight, layer.bias))
+        layer.weights_frozen = True
+        assert torch.equal(layer(x), bi.linear(x, layer.weight, layer.bias))
+    with pytest.raises(ValueError, match="bias"):
+        bi.linear(x, layer.weight, layer.bias[:-1])
 
 
 def test_linear_rejects_mismatched_inputs():

@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from rlactors.models import ModelArgs, copy_tokenizer_files, from_pretrained, load_args, save_pretrained
+from rlactors.models.args import FAMILIES, Llama3RopeScaling
 from rlactors.models.checkpoint import load_state_dict, open_tensors
 from rlactors.models.tiny import main as tiny_main
 from rlactors.models.tiny import make_tiny_checkpoint, random_state_dict, size_args
@@ -56,19 +57,26 @@ def test_sharded_checkpoint_loads_bitwise_equal(tiny_ckpt_untied, tmp_path):
         assert torch.equal(tensor, model.state_dict()[name]), name
 
 
-def test_transformers_loads_our_bf16_save_and_we_load_theirs(tiny_ckpt, tmp_path):
+@pytest.mark.parametrize("family, tie", [("qwen3", True), ("qwen2", True), ("qwen2", False), ("llama", False)])
+def test_transformers_loads_our_bf16_save_and_we_load_theirs(family, tie, family_ckpt, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = from_pretrained(tiny_ckpt, dtype=torch.bfloat16)
+    model = from_pretrained(family_ckpt(family, tie), dtype=torch.bfloat16)
     save_pretrained(model, model.args, tmp_path / "ours")
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert config["torch_dtype"] == config["dtype"] == "bfloat16"
-    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
+    assert config["architectures"] == [FAMILIES[family].architecture] and config["model_type"] == family
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"))
-    assert hf.dtype == torch.bfloat16 and hf.config.tie_word_embeddings
-    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    assert type(hf).__name__ == FAMILIES[family].architecture
+    assert hf.dtype == torch.bfloat16 and hf.config.tie_word_embeddings == tie
+    assert (hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()) == tie
+    assert hf.state_dict().keys() == model.state_dict().keys()
     for name, tensor in hf.state_dict().items():
         assert torch.equal(tensor, model.state_dict()[name]), name
+    input_ids = torch.randint(0, model.args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # and computes what we compute (bf16: within its rounding)
+        logits = model.logits(model.forward_packed(input_ids[0], torch.arange(24)))
+        assert (hf(input_ids).logits[0].float() - logits.float()).abs().max().item() < 3e-2
 
     hf.save_pretrained(str(tmp_path / "theirs"))
     theirs = from_pretrained(tmp_path / "theirs")
@@ -159,6 +167,7 @@ def test_model_args_read_transformers_4_and_5_configs():
         "use_sliding_window": False, "vocab_size": 151936,
     }
     args = ModelArgs.from_hf_config(qwen3_06b)
+    assert args.model_type == "qwen3" and args.rope_scaling is None
     assert args == size_args("0.6b", 1024, eos_token_id=151645, bos_token_id=151643)
     v5 = {k: v for k, v in qwen3_06b.items() if k not in ("rope_theta", "torch_dtype", "rope_scaling")}
     v5.update(rope_parameters={"rope_type": "default", "rope_theta": 5e5}, dtype="float32")
@@ -167,20 +176,86 @@ def test_model_args_read_transformers_4_and_5_configs():
     assert ModelArgs.from_hf_config(args5.to_hf_config()) == args5
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"model_type": "llama"}, "model_type 'qwen3'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "RoPE scaling"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"use_sliding_window": True}, "use_sliding_window"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"hidden_size": None}, "missing"),
+# Real config.json files (transformers 4.x spelling), trimmed of keys rlactors does not read.
+QWEN25_7B_INSTRUCT = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+    "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28,
+    "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
+}
+LLAMA31_8B_INSTRUCT = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256,
+}
+
+
+def test_model_args_read_qwen2_and_llama3_configs():
+    qwen = ModelArgs.from_hf_config(QWEN25_7B_INSTRUCT)  # sliding-window keys present but off
+    assert (qwen.model_type, qwen.head_dim, qwen.num_key_value_heads, qwen.rope_theta, qwen.rope_scaling,
+            qwen.tie_word_embeddings) == ("qwen2", 128, 4, 1e6, None, False)
+    llama = ModelArgs.from_hf_config(LLAMA31_8B_INSTRUCT)
+    assert (llama.model_type, llama.head_dim, llama.rms_norm_eps, llama.rope_theta, llama.eos_token_id) == (
+        "llama", 128, 1e-5, 5e5, [128001, 128008, 128009])
+    assert llama.rope_scaling == Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                   original_max_position_embeddings=8192)
+    # transformers 5.x spelling: rope_parameters holds the type, theta and scaling.
+    v5 = {k: v for k, v in LLAMA31_8B_INSTRUCT.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {**LLAMA31_8B_INSTRUCT["rope_scaling"], "rope_theta": 500000.0}
+    assert ModelArgs.from_hf_config(v5) == llama
+    for args in (qwen, llama):
+        assert ModelArgs.from_hf_config(args.to_hf_config()) == args
+    # Absent keys take transformers' defaults: untied head, theta 1e4, original context = max positions.
+    bare = {k: v for k, v in LLAMA31_8B_INSTRUCT.items() if k not in ("tie_word_embeddings", "rope_theta")}
+    bare["rope_scaling"] = {k: v for k, v in bare["rope_scaling"].items() if k != "original_max_position_embeddings"}
+    defaults = ModelArgs.from_hf_config(bare)
+    assert not defaults.tie_word_embeddings and defaults.rope_theta == 1e4
+    assert defaults.rope_scaling.original_max_position_embeddings == 131072
+
+
+@pytest.mark.parametrize("family, change, message", [
+    ("qwen3", {"model_type": "mistral"}, "model_type 'mistral'"),
+    ("qwen3", {"model_type": None}, "model_type None"),
+    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope_type 'yarn'"),
+    ("qwen2", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}},
+     r"missing \['high_freq_factor'\]"),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                                "original_max_position_embeddings": 8192}}, "high_freq_factor must exceed"),
+    ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("qwen3", {"attention_bias": True}, "attention_bias"),
+    ("qwen3", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
+    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"] * 2}, "layer_types"),
+    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("llama", {"mlp_bias": True}, "mlp_bias"),
+    ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
+    ("qwen3", {"hidden_size": None}, "missing"),
 ])
-def test_model_args_reject_unsupported_configs(change, message):
-    config = {**size_args("tiny", 1024).to_hf_config(), **change}
-    config = {k: v for k, v in config.items() if v is not None or k not in change}
-    with pytest.raises(ValueError, match=message):
+def test_model_args_reject_unsupported_configs(family, change, message):
+    config = {**size_args("tiny", 1024, family=family).to_hf_config(), **change}
+    config = {k: v for k, v in config.items() if v is not None or k not in change or k == "model_type"}
+    with pytest.raises(ValueError, match=message) as error:
         ModelArgs.from_hf_config(config)
+    assert "\n" not in str(error.value)  # one line
+
+
+def test_a_checkpoint_of_another_family_fails_at_load_naming_its_model_type(tiny_ckpt, tmp_path):
+    for name in ("model.safetensors", "tokenizer.json"):
+        (tmp_path / name).write_bytes((tiny_ckpt / name).read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps({**load_args(tiny_ckpt).to_hf_config(), "model_type": "gemma2"}))
+    with pytest.raises(ValueError, match=r"^config.json has model_type 'gemma2'; rlactors supports \['llama', "
+                                         r"'qwen2', 'qwen3'\]$"):
+        from_pretrained(tmp_path)
 
 
 def test_copy_tokenizer_files(tiny_ckpt, tmp_path):
@@ -222,7 +297,7 @@ def test_tiny_checkpoint_shape_and_files(tiny_ckpt):
 
 def test_tiny_cli_writes_untied_small_checkpoint(tmp_path, capsys):
     tiny_main([str(tmp_path / "small"), "--size", "small", "--seed", "3", "--no-tie", "--dtype", "bfloat16"])
-    assert "wrote small checkpoint" in capsys.readouterr().out
+    assert "wrote small qwen3 checkpoint" in capsys.readouterr().out
     args = load_args(tmp_path / "small")
     assert (args.hidden_size, args.num_hidden_layers, args.tie_word_embeddings, args.torch_dtype) == (
         256, 6, False, "bfloat16")
@@ -230,3 +305,19 @@ def test_tiny_cli_writes_untied_small_checkpoint(tmp_path, capsys):
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     with pytest.raises(ValueError, match="size must be one of"):
         make_tiny_checkpoint(tmp_path / "bad", size="huge")
+
+
+def test_tiny_cli_writes_each_family(tmp_path, capsys):
+    tiny_main([str(tmp_path / "llama"), "--family", "llama", "--no-tie"])
+    assert "wrote tiny llama checkpoint" in capsys.readouterr().out
+    llama = load_args(tmp_path / "llama")
+    assert (llama.model_type, llama.tie_word_embeddings, llama.rope_theta) == ("llama", False, 5e5)
+    assert llama.rope_scaling.original_max_position_embeddings == 8192 < llama.max_position_embeddings
+    tiny_main([str(tmp_path / "qwen2"), "--family", "qwen2"])
+    qwen2 = from_pretrained(tmp_path / "qwen2")
+    assert qwen2.args.model_type == "qwen2" and qwen2.args.rope_scaling is None
+    bias = qwen2.model.layers[0].self_attn.k_proj.bias
+    assert bias.shape == (qwen2.args.num_key_value_heads * qwen2.args.head_dim,) and bias.abs().max() > 0
+    with pytest.raises(SystemExit):  # the Qwen3 shapes are not Llama's
+        tiny_main([str(tmp_path / "bad"), "--family", "llama", "--size", "0.6b"])
+    assert "size must be one of ['tiny', 'small', '1b'] for family 'llama'" in capsys.readouterr().err

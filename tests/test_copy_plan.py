@@ -1,5 +1,7 @@
-"""CopyPlan against a model whose load_weights fuses HF tensors the way vLLM's Qwen3 does."""
+"""CopyPlan against a model whose load_weights fuses HF tensors the way vLLM's Qwen3, Qwen2 and
+Llama do (q/k/v into qkv_proj, biases too; gate/up into gate_up_proj)."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -11,7 +13,7 @@ STACKED = {"q_proj": ("qkv_proj", 0, HEAD), "k_proj": ("qkv_proj", HEAD, KV), "v
            "gate_proj": ("gate_up_proj", 0, FFN), "up_proj": ("gate_up_proj", FFN, FFN)}
 
 
-def hf_weights(seed: int) -> dict[str, torch.Tensor]:
+def hf_weights(seed: int, qkv_bias: bool = False) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
     for i in range(2):
@@ -20,6 +22,9 @@ def hf_weights(seed: int) -> dict[str, torch.Tensor]:
                    p + "self_attn.v_proj.weight": (KV, HIDDEN), p + "self_attn.o_proj.weight": (HIDDEN, HEAD),
                    p + "mlp.gate_proj.weight": (FFN, HIDDEN), p + "mlp.up_proj.weight": (FFN, HIDDEN),
                    p + "mlp.down_proj.weight": (HIDDEN, FFN), p + "input_layernorm.weight": (HIDDEN,)}
+        if qkv_bias:  # Qwen2
+            shapes |= {p + "self_attn.q_proj.bias": (HEAD,), p + "self_attn.k_proj.bias": (KV,),
+                       p + "self_attn.v_proj.bias": (KV,)}
     return {name: torch.randn(shape, generator=g).to(torch.bfloat16) for name, shape in shapes.items()}
 
 
@@ -28,15 +33,15 @@ class FusedModel(nn.Module):
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
-    def __init__(self, shard: int = 1, scale_k: float = 1.0):
+    def __init__(self, shard: int = 1, scale_k: float = 1.0, qkv_bias: bool = False):
         super().__init__()
         self.shard, self.scale_k = shard, scale_k
         self.params = nn.ParameterDict()
-        for name, tensor in hf_weights(0).items():
-            *module, leaf, _ = name.split(".")
+        for name, tensor in hf_weights(0, qkv_bias).items():
+            *module, leaf, kind = name.split(".")
             fused, _, _ = STACKED.get(leaf, (leaf, 0, 0))
             rows = {"qkv_proj": HEAD + 2 * KV, "gate_up_proj": 2 * FFN}.get(fused, tensor.shape[0])
-            key = ".".join([*module, fused, "weight"])
+            key = ".".join([*module, fused, kind])
             self.params[key.replace(".", "__")] = nn.Parameter(torch.zeros(rows // shard, *tensor.shape[1:],
                                                                            dtype=torch.bfloat16), requires_grad=False)
 
@@ -47,33 +52,35 @@ class FusedModel(nn.Module):
     def load_weights(self, weights):
         params = dict(self.named_parameters())
         for name, tensor in weights:
-            *module, leaf, _ = name.split(".")
+            *module, leaf, kind = name.split(".")
             fused, first, rows = STACKED.get(leaf, (leaf, 0, tensor.shape[0]))
             if leaf == "k_proj":
                 tensor = tensor * self.scale_k
-            params[".".join([*module, fused, "weight"])].data[first // self.shard:(first + rows) // self.shard].copy_(
+            params[".".join([*module, fused, kind])].data[first // self.shard:(first + rows) // self.shard].copy_(
                 tensor[:rows // self.shard])
 
 
-def received(seed: int, layout: PackedLayout, buffer: torch.Tensor) -> torch.Tensor:
-    return layout.pack(hf_weights(seed), buffer)
+def received(seed: int, layout: PackedLayout, buffer: torch.Tensor, qkv_bias: bool = False) -> torch.Tensor:
+    return layout.pack(hf_weights(seed, qkv_bias), buffer)
 
 
-def test_a_verified_plan_loads_new_weights_exactly_as_load_weights_does():
-    layout = PackedLayout.of(hf_weights(0))
-    buffer = received(0, layout, layout.empty("cpu").zero_())
-    model = FusedModel()
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["qwen3_llama", "qwen2"])
+def test_a_verified_plan_loads_new_weights_exactly_as_load_weights_does(qkv_bias):
+    layout = PackedLayout.of(hf_weights(0, qkv_bias))
+    buffer = received(0, layout, layout.empty("cpu").zero_(), qkv_bias)
+    model = FusedModel(qkv_bias=qkv_bias)
+    assert ("model.layers.0.self_attn.qkv_proj.bias" in dict(model.named_parameters())) == qkv_bias
     model.load_weights(layout.views(buffer))
     plan = CopyPlan.derive(model, layout, buffer)
     assert plan is not None and len(plan.targets) == len(layout.specs)
 
-    received(1, layout, buffer)  # the next version arrives in the same buffer
+    received(1, layout, buffer, qkv_bias)  # the next version arrives in the same buffer
     plan.apply()
-    reference = FusedModel()
+    reference = FusedModel(qkv_bias=qkv_bias)
     reference.load_weights(layout.views(buffer))
     for (name, actual), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.equal(actual, expected), name
-    before = dict(FusedModel().named_parameters())  # and the load did change every parameter
+    before = dict(FusedModel(qkv_bias=qkv_bias).named_parameters())  # and the load did change every parameter
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 

@@ -1,4 +1,5 @@
-"""Native engine: continuous batching, paged KV cache, sampling, logprobs, weights, bad input."""
+"""Native engine: continuous batching, paged KV cache, sampling, logprobs (every model family),
+weights, bad input."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from rlactors.engines.kv_cache import BlockPool
 from rlactors.engines.native import NativeEngine
 from rlactors.engines.sampling import filter_top_k_top_p, sample
+from rlactors.models.args import FAMILIES
 from rlactors.models.checkpoint import from_pretrained
 from rlactors.types import SamplingParams
 
@@ -60,7 +62,9 @@ def reference_logprobs(model, prompt: list[int], completion: list[int]) -> torch
         return model.token_logprobs(hidden[:-1], ids[1:])[len(prompt) - 1:]
 
 
-def test_logprobs_match_full_forward_under_preemption_and_chunked_prefill(model):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logprobs_match_full_forward_under_preemption_and_chunked_prefill(family, family_ckpt):
+    model = from_pretrained(family_ckpt(family), dtype="float32")
     # A cache of 40 blocks for 24 requests of up to 60 + 24 tokens forces preemptions; a 96-token
     # budget forces chunked prefills; greedy and sampled rows with top-k/top-p share steps, and
     # up to 24 decodes split into groups by context length.
@@ -82,11 +86,13 @@ def test_logprobs_match_full_forward_under_preemption_and_chunked_prefill(model)
         assert (ref - torch.tensor(c.logprobs)).abs().max().item() < 1e-4, rid
 
 
-def test_greedy_tokens_equal_hf_transformers_generate(model, tiny_ckpt):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_tokens_equal_hf_transformers_generate(family, family_ckpt):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
-    engine = make_engine(model)
+    ckpt = family_ckpt(family, tie=False)
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    engine = make_engine(from_pretrained(ckpt, dtype="float32"))
     batch = prompts(2, low=5, high=30, seed=2)
     done = run(engine, {f"r{i}": (p, SamplingParams(max_tokens=10, temperature=0.0)) for i, p in enumerate(batch)})
     for i, p in enumerate(batch):

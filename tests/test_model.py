@@ -1,12 +1,14 @@
-"""Qwen3 model and packed attention, checked against HF transformers and explicit references."""
+"""The decoder of every family and packed attention, checked against HF transformers and explicit references."""
 
 import math
 
 import pytest
 import torch
 
-from rlactors.models import ModelArgs, Qwen3ForCausalLM, VarlenAttention, from_pretrained
+from rlactors.models import DecoderForCausalLM, ModelArgs, VarlenAttention, from_pretrained
+from rlactors.models.args import FAMILIES
 from rlactors.models.attention import cu_seqlens_from_positions
+from rlactors.models.decoder import rope_inverse_frequencies
 from rlactors.models.tiny import size_args
 
 
@@ -22,29 +24,88 @@ def random_docs(lengths, vocab_size, seed=0):
     return docs, torch.cat(docs), torch.cat([torch.arange(n) for n in lengths])
 
 
-@pytest.mark.parametrize("fixture", ["tiny_ckpt", "tiny_ckpt_untied"])
-def test_logits_match_hf_transformers(fixture, request):
-    ckpt = request.getfixturevalue(fixture)
+def relative_error(actual, expected):
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_logits_and_gradients_match_hf_transformers_per_document(family, tie, family_ckpt):
+    ckpt = family_ckpt(family, tie)
     ours = from_pretrained(ckpt, dtype=torch.float32)
-    assert ours.args.num_key_value_heads < ours.args.num_attention_heads  # GQA is exercised
-    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == ours.args.tie_word_embeddings
     ref = hf_model(ckpt)
-    input_ids = torch.randint(0, ours.args.vocab_size, (2, 37), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        expected = ref(input_ids).logits  # [2, 37, vocab]
-        # Two rows flattened into one packed sequence of two documents.
-        hidden = ours.forward_packed(input_ids.flatten(), torch.arange(37).repeat(2))
-        logits = ours.logits(hidden).view(2, 37, -1)
+    assert type(ref).__name__ == FAMILIES[family].architecture
+    attention = ours.model.layers[0].self_attn
+    assert (attention.q_proj.bias is not None) == (family == "qwen2")  # the family's switches
+    assert (attention.q_norm is not None) == (family == "qwen3")
+    assert (ours.args.rope_scaling is not None) == (family == "llama")
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tie
+    assert ours.args.num_key_value_heads < ours.args.num_attention_heads  # GQA is exercised
+    lengths = [37, 5, 20]
+    docs, input_ids, positions = random_docs(lengths, ours.args.vocab_size, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    targets = torch.randint(0, ours.args.vocab_size, input_ids.shape, generator=gen)
+    upstream = torch.randn(input_ids.shape, generator=gen)  # d loss / d logprobs
+
+    # Ours: the documents packed into one sequence. HF: one forward per document.
+    hidden = ours.forward_packed(input_ids, positions)
+    logits = ours.logits(hidden)
+    (ours.token_logprobs(hidden, targets, chunk_size=16) * upstream).sum().backward()
+    expected = []
+    for doc, doc_targets, doc_upstream in zip(docs, targets.split(lengths), upstream.split(lengths)):
+        doc_logits = ref(doc[None]).logits[0]
+        logprobs = doc_logits.log_softmax(-1).gather(-1, doc_targets[:, None]).squeeze(-1)
+        (logprobs * doc_upstream).sum().backward()
+        expected.append(doc_logits.detach())
     assert logits.abs().max() > 0.1  # a non-degenerate comparison
-    assert (logits - expected).abs().max().item() < 1e-4
+    assert (logits.detach() - torch.cat(expected)).abs().max().item() < 1e-5
+    grads = {name: p.grad for name, p in ours.named_parameters()}
+    expected_grads = {name: p.grad for name, p in ref.named_parameters()}
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        assert grad.abs().max() > 0, name
+        assert relative_error(grads[name], grad) < 1e-5, name
 
 
-def test_parameter_names_match_hf(tiny_ckpt_untied):
-    ours = from_pretrained(tiny_ckpt_untied)
-    ref = hf_model(tiny_ckpt_untied)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_parameter_names_match_hf(family, family_ckpt):
+    ckpt = family_ckpt(family, tie=False)
+    ours = from_pretrained(ckpt)
+    ref = hf_model(ckpt)
     assert list(ours.state_dict()) == list(ref.state_dict())
     for name, tensor in ref.state_dict().items():
         assert torch.equal(ours.state_dict()[name], tensor), name
+
+
+def test_llama3_rope_scaling_matches_hf_beyond_the_original_context(family_ckpt):
+    ckpt = family_ckpt("llama", tie=False)
+    ours, ref = from_pretrained(ckpt, dtype=torch.float32), hf_model(ckpt)
+    args = ours.args
+    assert args.rope_scaling.original_max_position_embeddings == 8192
+    assert torch.equal(ours.model.inv_freq, ref.model.rotary_emb.inv_freq)  # HF's, bit for bit
+    # All three bands of the scaling are exercised: kept, divided by the factor, interpolated.
+    unscaled = rope_inverse_frequencies(args.head_dim, args.rope_theta)
+    ratio = unscaled / ours.model.inv_freq
+    assert (ratio == 1).any() and (ratio == args.rope_scaling.factor).any()
+    assert ((ratio > 1) & (ratio < args.rope_scaling.factor)).any()
+
+    # Sharper attention than random init's near-uniform one, in both models, so that positions matter.
+    with torch.no_grad():
+        for model in (ours, ref):
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(16)
+                layer.self_attn.k_proj.weight.mul_(16)
+    # One document at positions 9000 .. 9047, past the original context.
+    input_ids = torch.randint(0, args.vocab_size, (48,), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(9000, 9048)
+    one_document = VarlenAttention(torch.tensor([0, 48], dtype=torch.int32), 48)
+    with torch.no_grad():
+        expected = ref(input_ids[None], position_ids=positions[None]).logits[0]
+        logits = ours.logits(ours(input_ids, positions, one_document))
+        ours.model.inv_freq = unscaled
+        without_scaling = ours.logits(ours(input_ids, positions, one_document))
+    assert (logits - expected).abs().max().item() < 1e-5
+    assert (without_scaling - expected).abs().max().item() > 0.05  # the scaling matters there
 
 
 def test_packed_documents_equal_separate_forwards(tiny_ckpt):
@@ -219,7 +280,7 @@ def test_token_logprobs_gradients_equal_autograd_through_the_full_log_softmax(fi
 def test_token_logprobs_gradcheck_in_float64():
     args = ModelArgs(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=4, tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(args).double()
+    model = DecoderForCausalLM(args).double()
     model.log_softmax = lambda logits: logits.log_softmax(-1)  # the model's runs in fp32
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -250,6 +311,14 @@ def test_token_logprobs_rejects_bad_shapes(tiny_ckpt):
         model.token_logprobs(hidden, torch.zeros(4, dtype=torch.long), chunk_size=0)
 
 
+def meta_parameter_count(args):
+    with torch.device("meta"):
+        model = DecoderForCausalLM(args)
+    counted = sum(p.numel() for p in model.parameters())  # the tied lm_head counted once
+    assert counted == args.num_params()
+    return counted
+
+
 @pytest.mark.parametrize("size, billions, non_embedding_billions", [
     ("0.6b", 0.6, 0.44),  # Qwen3-0.6B model card: 0.6B parameters, 0.44B non-embedding
     ("1.7b", 1.7, 1.4),   # Qwen3-1.7B model card: 1.7B parameters, 1.4B non-embedding
@@ -257,13 +326,20 @@ def test_token_logprobs_rejects_bad_shapes(tiny_ckpt):
 def test_real_qwen3_shapes_without_allocating(size, billions, non_embedding_billions):
     args = size_args(size, vocab_size=1024)
     assert args.vocab_size == 151936 and args.tie_word_embeddings and args.torch_dtype == "bfloat16"
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(args)
-    counted = sum(p.numel() for p in model.parameters())  # the tied lm_head counted once
-    assert counted == args.num_params()
+    counted = meta_parameter_count(args)
     assert round(counted / 1e9, 1) == billions
     non_embedding = counted - args.vocab_size * args.hidden_size
     assert round(non_embedding / 1e9, len(str(non_embedding_billions)) - 2) == non_embedding_billions
+
+
+def test_real_qwen2_and_llama_shapes_without_allocating():
+    qwen25 = size_args("0.5b", vocab_size=1024, family="qwen2")
+    counted = meta_parameter_count(qwen25)  # q/k/v biases counted
+    assert round(counted / 1e6) == 494  # Qwen2.5-0.5B on the HF hub: 494M parameters
+    assert round((counted - qwen25.vocab_size * qwen25.hidden_size) / 1e9, 2) == 0.36  # model card: 0.36B non-embedding
+    llama = size_args("1b", vocab_size=1024, family="llama")
+    assert llama.rope_scaling is not None and llama.vocab_size == 128256
+    assert round(meta_parameter_count(llama) / 1e9, 2) == 1.24  # Llama-3.2-1B on the HF hub: 1.24B parameters
 
 
 def test_model_args_validation():
@@ -302,11 +378,13 @@ def test_cuda_backends_match_sdpa(backend):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_bf16_model_matches_hf(tiny_ckpt):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_cuda_bf16_model_matches_hf(family, family_ckpt):
     from transformers import AutoModelForCausalLM
 
-    ours = from_pretrained(tiny_ckpt, dtype=torch.bfloat16, device="cuda")
-    ref = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.bfloat16).cuda().eval()
+    ckpt = family_ckpt(family)
+    ours = from_pretrained(ckpt, dtype=torch.bfloat16, device="cuda")
+    ref = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16).cuda().eval()
     input_ids = torch.randint(0, ours.args.vocab_size, (3, 64), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():
         expected = ref(input_ids).logits.float()

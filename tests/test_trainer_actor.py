@@ -1,5 +1,6 @@
 """PolicyTrainer actors on real Monarch procs (CPU, gloo, FSDP2): a 2-rank step equals a 1-rank
-step however the batch is split, and resuming from a checkpoint on a new mesh is bitwise exact."""
+step however the batch is split and for every model family, and resuming from a checkpoint on a
+new mesh is bitwise exact."""
 
 import asyncio
 
@@ -86,6 +87,27 @@ def test_two_ranks_match_one_rank_however_the_batch_is_split(loop, two_ranks, ti
         assert metrics["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
         assert metrics["tokens"] == one["tokens"] == norm.num_tokens
         assert metrics["logprob_diff/max"] == pytest.approx(one["logprob_diff/max"], rel=1e-5)
+
+
+@pytest.mark.parametrize("family, tie", [("qwen2", False), ("llama", True)])
+def test_two_ranks_match_one_rank_for_each_family(loop, family_ckpt, family, tie):
+    ckpt, batch = family_ckpt(family, tie), rows(5)
+    norm = LossNorm.for_step(batch, LOSS.name)
+
+    async def trained(ranks, split):
+        procs, trainer = await spawn(ckpt, ranks)
+        try:
+            start = await policy(trainer)
+            return start, await train_step(trainer, split, norm), await policy(trainer)
+        finally:
+            await procs.stop()
+
+    start, one, one_weights = loop.run_until_complete(trained(1, [[cat(batch)]]))
+    _, two, two_weights = loop.run_until_complete(trained(2, [[cat(batch[:3])], [cat(batch[3:])]]))
+    assert max((one_weights.weights[n] - w).abs().max().item() for n, w in start.weights.items()) > 1e-3
+    assert_close(two_weights.weights, one_weights.weights, atol=1e-5)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
 
 
 def test_resume_on_a_new_mesh_is_bitwise_identical_and_bad_input_changes_nothing(loop, two_ranks, tiny_ckpt, tmp_path):

@@ -1,5 +1,6 @@
-"""PolicyTrainerCore on one gloo rank in this process (no Monarch): steps against a plain-PyTorch
-reference, bad input, weights for sync, checkpoint save/load and their failure paths."""
+"""PolicyTrainerCore on one gloo rank in this process (no Monarch): steps of every model family
+against a plain-PyTorch reference, bad input, weights for sync, checkpoint save/load and their
+failure paths."""
 
 import json
 import math
@@ -9,6 +10,7 @@ import torch
 
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm, compute_loss
+from rlactors.models.args import FAMILIES
 from rlactors.models.checkpoint import TIED_KEY, from_pretrained, load_state_dict
 from rlactors.rollout.types import MicroBatch
 from rlactors.trainer.checkpoint import COMPLETE_FILE, latest_checkpoint, partial_dir
@@ -70,11 +72,13 @@ def grads(core):
     return {n: None if p.grad is None else p.grad.full_tensor().clone() for n, p in core.model.named_parameters()}
 
 
-def test_two_steps_match_plain_pytorch_however_microbatched(tiny_ckpt, device):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_two_steps_match_plain_pytorch_however_microbatched(family, family_ckpt, device):
+    ckpt = family_ckpt(family)
     batch1, batch2 = rows(0), rows(1)
-    expected, norms = reference_steps(tiny_ckpt, [cat(batch1), cat(batch2)])
-    initial = load_state_dict(tiny_ckpt)
-    core = make_core(tiny_ckpt, device)
+    expected, norms = reference_steps(ckpt, [cat(batch1), cat(batch2)])
+    initial = load_state_dict(ckpt)
+    core = make_core(ckpt, device)
     m1 = step(core, [cat(batch1[:1]), cat(batch1[1:])])
     m2 = step(core, [cat(batch2[:2]), cat(batch2[2:3]), cat(batch2[3:])])
     assert (m1["lr"], m2["lr"]) == (5e-3, 1e-2) and m2["policy_version"] == 2
@@ -96,12 +100,14 @@ def test_activation_checkpointing_gives_the_same_step(tiny_ckpt, device):
     assert_weights_close(checkpointed.full_weights(torch.float32), plain.full_weights(torch.float32), atol=0)
 
 
-def test_compute_logprobs_match_hf_transformers_per_document(tiny_ckpt, device):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_compute_logprobs_match_hf_transformers_per_document(family, family_ckpt, device):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32)
+    ckpt = family_ckpt(family, tie=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
     mb = cat(rows(3)[:2])
-    logprobs = make_core(tiny_ckpt, device).compute_logprobs([mb])
+    logprobs = make_core(ckpt, device).compute_logprobs([mb])
     assert logprobs.shape == mb.input_ids.shape and logprobs.dtype == torch.float32
     for r in range(mb.input_ids.shape[0]):
         starts = (mb.positions[r] == 0).nonzero().flatten().tolist() + [mb.input_ids.shape[1]]
@@ -276,10 +282,12 @@ def test_load_from_an_hf_dir_restarts_at_version_0(tiny_ckpt, tiny_ckpt_untied, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_bf16_compiled_step_tracks_the_fp32_cpu_step(tiny_ckpt, device):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_cuda_bf16_compiled_step_tracks_the_fp32_cpu_step(family, family_ckpt, device):
+    ckpt = family_ckpt(family)
     batch = cat(rows(17))
-    cpu = make_core(tiny_ckpt, device)
-    cuda = make_core(tiny_ckpt, torch.device("cuda", 0))  # bf16 mixed precision, compiled layers
+    cpu = make_core(ckpt, device)
+    cuda = make_core(ckpt, torch.device("cuda", 0))  # bf16 mixed precision, compiled layers
     torch.testing.assert_close(cuda.compute_logprobs([batch]), cpu.compute_logprobs([batch]), rtol=0, atol=0.05)
     expected, actual = step(cpu, [batch]), step(cuda, [batch])
     assert actual["grad_norm"] == pytest.approx(expected["grad_norm"], rel=0.03)

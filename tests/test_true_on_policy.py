@@ -121,3 +121,19 @@ def test_default_mode_difference_is_measured(tiny_ckpt, device, generations, rec
     record_property("default_logprob_diff_mean", float(diff.mean()))
     print(f"default mode |trainer - generator|: max {float(diff.max()):.3g}, mean {float(diff.mean()):.3g}")
     assert float(diff.max()) < 1e-4  # close, but not promised equal
+
+
+@pytest.mark.parametrize("family, tie", [("qwen2", False), ("llama", True)])
+def test_trainer_equals_generator_bit_for_bit_for_each_family(family, tie, family_ckpt, device):
+    """The promise above for the other families (q/k/v biases; Llama 3's RoPE scaling), smaller."""
+    ckpt = family_ckpt(family, tie)
+    mine = (prompts(1, seed=7)[0], SamplingParams(max_tokens=16, temperature=1.0, seed=3))
+    alone = generate(ckpt, True, {"mine": mine})["mine"]
+    batched = generate(ckpt, True, requests_with(mine, 6, seed=8), max_num_tokens=64)
+    assert (alone.token_ids, alone.logprobs) == (batched["mine"].token_ids, batched["mine"].logprobs)
+    core = make_core(ckpt, device, true_on_policy=True)
+    episodes = [episode(c) for c in batched.values()]
+    for row_tokens in (80, 1024):
+        trainer, generator = trainer_and_generator_logprobs(core, episodes, row_tokens)
+        assert trainer.numel() == sum(len(c.token_ids) for c in batched.values())
+        assert torch.equal(trainer, generator), (row_tokens, (trainer - generator).abs().max())

@@ -1,4 +1,5 @@
-"""The native engine: continuous batching over rlactors' own Qwen3 model, in plain PyTorch.
+"""The native engine: continuous batching over rlactors' own decoder (any supported family), in
+plain PyTorch.
 
 One `step()` = schedule (scheduler.py) -> one packed forward over every scheduled chunk, decodes
 and prefills mixed, through the paged KV-cache attention (kv_cache.py) -> sample the sequences
@@ -17,14 +18,14 @@ from rlactors.engines.base import Engine, check_request
 from rlactors.engines.kv_cache import BlockPool, PagedKVCache, blocks_for
 from rlactors.engines.sampling import request_generator, sample
 from rlactors.engines.scheduler import ScheduledChunk, Scheduler, SeqState
-from rlactors.models.qwen3 import Qwen3ForCausalLM
+from rlactors.models.decoder import DecoderForCausalLM
 from rlactors.types import Completion, SamplingParams
 from rlactors.weight_sync.broadcast import BufferReceiver
 from rlactors.weight_sync.packed import PackedLayout
 
 
 class NativeEngine(Engine):
-    def __init__(self, model: Qwen3ForCausalLM, *, max_num_seqs: int = 64, max_num_tokens: int = 2048,
+    def __init__(self, model: DecoderForCausalLM, *, max_num_seqs: int = 64, max_num_tokens: int = 2048,
                  kv_cache_tokens: int = 16384, block_size: int = 16, max_model_len: int = 2048,
                  true_on_policy: bool = False):
         if kv_cache_tokens < max_model_len:

@@ -1,4 +1,4 @@
-"""Qwen3 model, packed attention, HF checkpoints, tokenizer helpers.
+"""The decoder (Qwen3, Qwen2/2.5, Llama 3.x), packed attention, HF checkpoints, tokenizer helpers.
 
 Random-init test checkpoints: ``rlactors.models.tiny`` (kept out of this namespace so that
 ``python -m rlactors.models.tiny`` runs cleanly)."""
@@ -6,13 +6,13 @@ Random-init test checkpoints: ``rlactors.models.tiny`` (kept out of this namespa
 from rlactors.models.args import ModelArgs
 from rlactors.models.attention import VarlenAttention
 from rlactors.models.checkpoint import copy_tokenizer_files, from_pretrained, load_args, save_pretrained
-from rlactors.models.qwen3 import Attention, Qwen3ForCausalLM
+from rlactors.models.decoder import Attention, DecoderForCausalLM
 from rlactors.models.tokenizer import extend_with_messages, load_tokenizer, render_messages
 
 __all__ = [
     "Attention",
+    "DecoderForCausalLM",
     "ModelArgs",
-    "Qwen3ForCausalLM",
     "VarlenAttention",
     "copy_tokenizer_files",
     "extend_with_messages",

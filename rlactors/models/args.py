@@ -1,4 +1,14 @@
-"""ModelArgs: the Qwen3 shape, read from and written to a Hugging Face ``config.json``."""
+"""ModelArgs: a decoder's shape and family, read from and written to a Hugging Face ``config.json``.
+
+Three families share one decoder (``rlactors.models.decoder``); ``config.json``'s ``model_type``
+picks the family, and a family is the few switches in which they differ (``FAMILIES``):
+
+- ``qwen3``: per-head RMSNorm of q and k before RoPE;
+- ``qwen2`` (Qwen2, Qwen2.5 and their R1 distills): biases on the q, k and v projections;
+- ``llama`` (Llama 3, 3.1, 3.2): neither; usually with Llama 3's RoPE scaling.
+
+Any of them may tie the LM head to the embedding and may use ``rope_type: llama3`` scaling.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +25,54 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 @dataclass(frozen=True)
+class Family:
+    """What sets a model family apart: the decoder's switches and its ``config.json`` spelling."""
+
+    architecture: str  # config.json's "architectures" entry
+    qkv_bias: bool  # the q, k and v projections carry biases
+    qk_norm: bool  # q and k get a per-head RMSNorm before RoPE
+    # Boolean config.json keys this family's HF model reads and rlactors does not implement: they
+    # must be false (or absent), and are written false.
+    unsupported_flags: tuple[str, ...]
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen3": Family("Qwen3ForCausalLM", qkv_bias=False, qk_norm=True,
+                    unsupported_flags=("attention_bias", "use_sliding_window")),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, unsupported_flags=("use_sliding_window",)),
+    "llama": Family("LlamaForCausalLM", qkv_bias=False, qk_norm=False,
+                    unsupported_flags=("attention_bias", "mlp_bias")),
+}
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """RoPE scaling ``rope_type: llama3`` (Llama 3.1 and later): inverse frequencies whose
+    wavelength exceeds ``original_max_position_embeddings / low_freq_factor`` are divided by
+    ``factor``, those below ``original_max_position_embeddings / high_freq_factor`` are kept, and
+    those between are interpolated (``decoder.rope_inverse_frequencies``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0 or not self.low_freq_factor > 0:
+            raise ValueError(f"rope_scaling factor and low_freq_factor must be positive, got {self}")
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(f"rope_scaling high_freq_factor must exceed low_freq_factor, got {self}")
+        if not isinstance(self.original_max_position_embeddings, int) or self.original_max_position_embeddings <= 0:
+            raise ValueError(f"rope_scaling original_max_position_embeddings must be a positive int, got {self}")
+
+    def to_hf(self) -> dict[str, Any]:
+        return {"rope_type": "llama3", "factor": self.factor, "low_freq_factor": self.low_freq_factor,
+                "high_freq_factor": self.high_freq_factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings}
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     vocab_size: int
     hidden_size: int
@@ -23,15 +81,19 @@ class ModelArgs:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+    model_type: str = "qwen3"
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    tie_word_embeddings: bool = True
+    rope_theta: float = 10_000.0  # transformers' default when config.json names none
+    rope_scaling: Llama3RopeScaling | None = None
+    tie_word_embeddings: bool = False  # transformers' default for all three families
     max_position_embeddings: int = 40960
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type must be one of {sorted(FAMILIES)}, got {self.model_type!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "max_position_embeddings"):
@@ -51,26 +113,31 @@ class ModelArgs:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.torch_dtype]
 
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelArgs:
-        """Reads a Qwen3 ``config.json`` dict; rejects features this model does not implement."""
-        if config.get("model_type") != "qwen3":
-            raise ValueError(f"expected model_type 'qwen3', got {config.get('model_type')!r}")
-        for key in ("attention_bias", "use_sliding_window"):
+        """Reads a ``config.json`` dict of a supported family; rejects, naming the key, what the
+        decoder does not implement. Absent keys take transformers' defaults."""
+        model_type = config.get("model_type")
+        if model_type not in FAMILIES:
+            raise ValueError(f"config.json has model_type {model_type!r}; rlactors supports {sorted(FAMILIES)}")
+        for key in FAMILIES[model_type].unsupported_flags:
             if config.get(key):
-                raise ValueError(f"config.json sets {key}=true, which rlactors' Qwen3 does not support")
+                raise ValueError(f"config.json sets {key}=true, which rlactors' {model_type} does not support")
+        layer_types = config.get("layer_types") or []
+        if any(kind != "full_attention" for kind in layer_types):
+            raise ValueError(f"config.json's layer_types {sorted(set(layer_types))} ask for attention other than "
+                             "full_attention, which rlactors does not support")
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {config['hidden_act']!r}")
-        # transformers>=5 writes rope_parameters; older configs have rope_theta / rope_scaling.
-        rope = config.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", "default")
-        if config.get("rope_scaling") or rope_type != "default":
-            raise ValueError("config.json asks for RoPE scaling, which rlactors' Qwen3 does not support")
-        rope_theta = config.get("rope_theta", rope.get("rope_theta", cls.rope_theta))
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in config]
         if missing:
             raise ValueError(f"config.json is missing {missing}")
+        rope_theta, rope_scaling = _read_rope(config)
         heads = config["num_attention_heads"]
         return cls(
             vocab_size=config["vocab_size"],
@@ -80,10 +147,11 @@ class ModelArgs:
             num_attention_heads=heads,
             num_key_value_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            model_type=model_type,
             rms_norm_eps=float(config.get("rms_norm_eps", cls.rms_norm_eps)),
-            rope_theta=float(rope_theta),
-            # HF's PretrainedConfig defaults tie_word_embeddings to True when the key is absent.
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", cls.tie_word_embeddings)),
             max_position_embeddings=config.get("max_position_embeddings", cls.max_position_embeddings),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
@@ -91,10 +159,14 @@ class ModelArgs:
         )
 
     def to_hf_config(self) -> dict[str, Any]:
-        """A Qwen3 ``config.json`` dict that transformers (4.51+ and 5.x) and vLLM load."""
-        return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
+        """A ``config.json`` dict of this family that transformers (4.x and 5.x) and vLLM load."""
+        family = self.family
+        rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope_parameters.update(self.rope_scaling.to_hf())
+        config = {
+            "architectures": [family.architecture],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -104,17 +176,15 @@ class ModelArgs:
             "head_dim": self.head_dim,
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
-            # Both spellings: rope_theta for transformers 4.x readers, rope_parameters for 5.x.
+            # Both spellings: rope_theta / rope_scaling for transformers 4.x readers,
+            # rope_parameters for 5.x.
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_hf(),
+            "rope_parameters": rope_parameters,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
-            "attention_bias": False,
             "attention_dropout": 0.0,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": self.num_hidden_layers,
+            **dict.fromkeys(family.unsupported_flags, False),
             "initializer_range": 0.02,
             "use_cache": True,
             "bos_token_id": self.bos_token_id,
@@ -123,13 +193,42 @@ class ModelArgs:
             "torch_dtype": self.torch_dtype,
             "dtype": self.torch_dtype,
         }
+        if "use_sliding_window" in family.unsupported_flags:
+            config.update(sliding_window=None, max_window_layers=self.num_hidden_layers)
+        return config
 
     def num_params(self) -> int:
         """Parameter count (tied embeddings counted once), computed without allocating."""
         d, h = self.head_dim, self.hidden_size
-        attn = h * d * (self.num_attention_heads * 2 + self.num_key_value_heads * 2) + 2 * d
+        projected = d * (self.num_attention_heads + 2 * self.num_key_value_heads)  # q, k and v outputs
+        attn = h * projected + self.num_attention_heads * d * h
+        attn += 2 * d if self.family.qk_norm else 0
+        attn += projected if self.family.qkv_bias else 0
         mlp = 3 * h * self.intermediate_size
         layer = attn + mlp + 2 * h
         embed = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else embed
         return embed + self.num_hidden_layers * layer + h + lm_head
+
+
+def _read_rope(config: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    """``(rope_theta, scaling)`` as transformers reads them: ``rope_scaling`` (4.x) over
+    ``rope_parameters`` (5.x); ``rope_theta`` inside that dict over the top-level key."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope_theta = float(rope.get("rope_theta", config.get("rope_theta", ModelArgs.rope_theta)))
+    partial = rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
+    if partial != 1.0:
+        raise ValueError(f"config.json sets partial_rotary_factor={partial}, which rlactors does not support")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"config.json asks for rope_type {rope_type!r}; rlactors supports {list(ROPE_TYPES)}")
+    if rope_type == "default":
+        return rope_theta, None
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in rope]
+    if missing:
+        raise ValueError(f"config.json's rope_type 'llama3' is missing {missing}")
+    # transformers falls back to max_position_embeddings, as here.
+    original = rope.get("original_max_position_embeddings") or config.get("max_position_embeddings")
+    return rope_theta, Llama3RopeScaling(
+        factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]), original_max_position_embeddings=original)

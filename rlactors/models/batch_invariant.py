@@ -157,30 +157,37 @@ def _linear_values(x: torch.Tensor, weight: torch.Tensor, rounded_weight: torch.
     return torch.matmul(rounded_rows(x), rounded_weight.mT).to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, rounded_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias) with each row of ``x[..., K]`` computed independently of
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           rounded_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with each row of ``x[..., K]`` computed independently of
     the others: a row's result does not depend on the leading shape of ``x``.
 
     CPU: ``exact_matmul``'s exact integer sums (the same bits on any BLAS, CPU and thread count),
     rounded once to ``x``'s dtype; ``rounded_weight`` is ``rounded_rows(weight)`` when the caller
     keeps it. CUDA: a Triton matmul with one fixed tile shape and the whole K reduction inside each
-    tile, in order. Backward uses the default matmuls.
+    tile, in order. ``bias`` is added to that result, elementwise (so invariant too). Backward
+    uses the default matmuls.
     """
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"linear: x is {x.dtype} but weight is {weight.dtype}")
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype):
+        raise ValueError(f"linear: bias {tuple(bias.shape)} {bias.dtype} does not match weight "
+                         f"{tuple(weight.shape)} {weight.dtype}")
     rows = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         out = _Linear.apply(rows, weight)
     else:
         out = _linear_values(rows, weight, rounded_weight)
+    if bias is not None:
+        out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` without bias that runs ``linear`` while ``batch_invariant`` is set (the
-    model's ``set_batch_invariant`` sets it); parameter names and init are nn.Linear's.
+    """``nn.Linear`` (no bias unless asked) that runs ``linear`` while ``batch_invariant`` is set
+    (the model's ``set_batch_invariant`` sets it); parameter names and init are nn.Linear's.
 
     With ``weights_frozen`` (an inference engine, whose weights change only by in-place loads) the
     CPU path keeps ``rounded_rows(weight)`` until the weight's version counter moves, instead of
@@ -190,19 +197,19 @@ class Linear(nn.Linear):
     batch_invariant = False
     weights_frozen = False
 
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
         self._rounded: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (weight, version, rounded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:
-            return F.linear(x, self.weight)
+            return F.linear(x, self.weight, self.bias)
         if not self.weights_frozen or x.is_cuda:
-            return linear(x, self.weight)
+            return linear(x, self.weight, self.bias)
         weight = self.weight
         if self._rounded is None or self._rounded[0] is not weight or self._rounded[1] != weight._version:
             self._rounded = (weight, weight._version, rounded_rows(weight))
-        return linear(x, weight, rounded_weight=self._rounded[2])
+        return linear(x, weight, self.bias, rounded_weight=self._rounded[2])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from rlactors.models.args import DTYPES, ModelArgs
-from rlactors.models.qwen3 import Qwen3ForCausalLM
+from rlactors.models.decoder import DecoderForCausalLM
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -48,7 +48,7 @@ def checkpoint_shapes(args: ModelArgs) -> dict[str, torch.Size]:
     Built on the meta device, so it allocates nothing even for the largest shapes.
     """
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(args)
+        model = DecoderForCausalLM(args)
     return {k: v.shape for k, v in model.state_dict().items()
             if not (args.tie_word_embeddings and k == TIED_KEY)}
 
@@ -95,8 +95,9 @@ def open_tensors(ckpt_dir: str | Path) -> Iterator[dict[str, Any]]:
 
 
 def from_pretrained(ckpt_dir: str | Path, dtype: torch.dtype | str | None = None,
-                    device: str | torch.device = "cpu") -> Qwen3ForCausalLM:
-    """Loads a HF Qwen3 checkpoint dir. ``dtype=None`` keeps the config's ``torch_dtype``.
+                    device: str | torch.device = "cpu") -> DecoderForCausalLM:
+    """Loads a HF checkpoint dir of any supported family (``ModelArgs``); ``dtype=None`` keeps
+    the config's ``torch_dtype``.
 
     Tensors are read straight onto ``device`` and the module is built on the meta device, so
     nothing is allocated twice.
@@ -114,7 +115,7 @@ def from_pretrained(ckpt_dir: str | Path, dtype: torch.dtype | str | None = None
     if args.tie_word_embeddings:
         state_dict[TIED_KEY] = state_dict["model.embed_tokens.weight"]
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(args)
+        model = DecoderForCausalLM(args)
     model.load_state_dict(state_dict, assign=True)
     model.tie_weights()
     return model

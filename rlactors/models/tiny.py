@@ -1,7 +1,10 @@
-"""Random-init Qwen3 checkpoints with a small byte-level BPE tokenizer, for tests and CPU demos.
+"""Random-init checkpoints of each family with a small byte-level BPE tokenizer, for tests and CPU demos.
 
-    python -m rlactors.models.tiny OUT_DIR [--size tiny|small|0.6b|1.7b] [--seed N] [--no-tie]
+    python -m rlactors.models.tiny OUT_DIR [--family qwen3|qwen2|llama] [--size SIZE] [--seed N] [--no-tie]
 
+Sizes: ``tiny`` and ``small`` for every family, and the shapes of real models: ``0.6b``, ``1.7b``
+(Qwen3), ``0.5b`` (Qwen2.5), ``1b`` (Llama 3.2). Each family gets its real models' RoPE: Qwen's
+theta 1e6, Llama 3.2's theta 5e5 with its ``llama3`` scaling (factor 32 beyond 8192 positions).
 The directory holds HF-standard files (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with a ChatML chat template, generation_config.json), so it loads here,
 in HF transformers and in vLLM. The same seed gives bitwise the same weights and tokenizer.
@@ -10,6 +13,7 @@ in HF transformers and in vLLM. The same seed gives bitwise the same weights and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import string
 from pathlib import Path
@@ -17,7 +21,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from rlactors.models.args import DTYPES, ModelArgs
+from rlactors.models.args import DTYPES, FAMILIES, Llama3RopeScaling, ModelArgs
 from rlactors.models.checkpoint import checkpoint_shapes, save_pretrained
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -32,13 +36,27 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# name: (hidden, intermediate, layers, q heads, kv heads, head_dim, vocab or None, max positions, dtype)
-SIZES: dict[str, tuple] = {
-    "tiny": (128, 384, 4, 4, 2, 32, None, 4096, "float32"),
-    "small": (256, 768, 6, 8, 4, 32, None, 4096, "float32"),
-    "0.6b": (1024, 3072, 28, 16, 8, 128, 151936, 40960, "bfloat16"),  # Qwen3-0.6B's shape
-    "1.7b": (2048, 6144, 28, 16, 8, 128, 151936, 40960, "bfloat16"),  # Qwen3-1.7B's shape
+# name: (hidden, intermediate, layers, q heads, kv heads, head_dim, vocab or None,
+#        max positions or None (the family's), dtype)
+SIZES: dict[str, tuple] = {  # any family
+    "tiny": (128, 384, 4, 4, 2, 32, None, None, "float32"),
+    "small": (256, 768, 6, 8, 4, 32, None, None, "float32"),
 }
+REAL_SIZES: dict[str, dict[str, tuple]] = {  # family: the shapes of its real models
+    "qwen3": {"0.6b": (1024, 3072, 28, 16, 8, 128, 151936, 40960, "bfloat16"),  # Qwen3-0.6B
+              "1.7b": (2048, 6144, 28, 16, 8, 128, 151936, 40960, "bfloat16")},  # Qwen3-1.7B
+    "qwen2": {"0.5b": (896, 4864, 24, 14, 2, 64, 151936, 32768, "bfloat16")},  # Qwen2.5-0.5B
+    "llama": {"1b": (2048, 8192, 16, 32, 8, 64, 128256, 131072, "bfloat16")},  # Llama-3.2-1B
+}
+# family: (rope_theta, rope_scaling) of its real models (Qwen2.5 and Qwen3; Llama 3.2), and the
+# max positions of tiny/small (Llama's must exceed the scaling's original 8192).
+FAMILY_ROPE: dict[str, tuple[float, Llama3RopeScaling | None, int]] = {
+    "qwen3": (1_000_000.0, None, 4096),
+    "qwen2": (1_000_000.0, None, 4096),
+    "llama": (500_000.0, Llama3RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192), 131072),
+}
+
 
 _WORDS = """
 the of and to a in is you that it he was for on are as with his they at be this have from or
@@ -124,27 +142,39 @@ def train_tokenizer() -> Tokenizer:
     return tokenizer
 
 
+@functools.cache
+def _trained_tokenizer_json() -> str:
+    """``train_tokenizer()`` serialized, trained once per process (it takes about a second)."""
+    return train_tokenizer().to_str()
+
+
 def size_args(size: str, vocab_size: int, tie_word_embeddings: bool = True,
               dtype: str | None = None, eos_token_id: int | None = None,
-              bos_token_id: int | None = None) -> ModelArgs:
-    """The ModelArgs of a named size; tiny/small take the vocab rounded up to a multiple of 64."""
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
-    hidden, inter, layers, heads, kv_heads, head_dim, fixed_vocab, max_pos, default_dtype = SIZES[size]
+              bos_token_id: int | None = None, family: str = "qwen3") -> ModelArgs:
+    """The ModelArgs of a named size of ``family``; tiny/small take the vocab rounded up to a
+    multiple of 64."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
+    shapes = {**SIZES, **REAL_SIZES[family]}
+    if size not in shapes:
+        raise ValueError(f"size must be one of {list(shapes)} for family {family!r}, got {size!r}")
+    hidden, inter, layers, heads, kv_heads, head_dim, fixed_vocab, max_pos, default_dtype = shapes[size]
     if fixed_vocab is not None and vocab_size > fixed_vocab:
         raise ValueError(f"tokenizer has {vocab_size} tokens, more than size {size!r}'s vocab {fixed_vocab}")
+    rope_theta, rope_scaling, family_max_pos = FAMILY_ROPE[family]
     return ModelArgs(
         vocab_size=fixed_vocab or -(-vocab_size // 64) * 64,
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=tie_word_embeddings,
-        max_position_embeddings=max_pos, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-        torch_dtype=dtype or default_dtype)
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, model_type=family,
+        rms_norm_eps=1e-6, rope_theta=rope_theta, rope_scaling=rope_scaling,
+        tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_pos or family_max_pos,
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id, torch_dtype=dtype or default_dtype)
 
 
 def random_state_dict(args: ModelArgs, seed: int, std: float = 0.02) -> dict[str, torch.Tensor]:
-    """HF's Qwen3 init (normal(0, std) matrices, ones for norms), drawn in fp32 on CPU one tensor
-    at a time from one generator, then cast: the same seed gives the same weights bitwise."""
+    """HF's init (normal(0, std) matrices, ones for norms), drawn in fp32 on CPU one tensor at a
+    time from one generator, then cast: the same seed gives the same weights bitwise. Biases are
+    drawn like the matrices (HF's init zeroes them), so that tests exercise them."""
     generator = torch.Generator().manual_seed(seed)
     state_dict = {}
     for name, shape in checkpoint_shapes(args).items():
@@ -157,16 +187,17 @@ def random_state_dict(args: ModelArgs, seed: int, std: float = 0.02) -> dict[str
 
 
 def make_tiny_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0,
-                         tie_word_embeddings: bool = True, dtype: str | None = None) -> Path:
-    """Writes a random-init checkpoint dir with tokenizer; ``dtype=None`` is fp32 for tiny/small
-    and bf16 for the real Qwen3 shapes."""
+                         tie_word_embeddings: bool = True, dtype: str | None = None,
+                         family: str = "qwen3") -> Path:
+    """Writes a random-init checkpoint dir of ``family`` with tokenizer; ``dtype=None`` is fp32
+    for tiny/small and bf16 for the real models' shapes."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out_dir = Path(out_dir)
-    tokenizer = train_tokenizer()
+    tokenizer = Tokenizer.from_str(_trained_tokenizer_json())
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
     args = size_args(size, tokenizer.get_vocab_size(), tie_word_embeddings, dtype,
-                     eos_token_id=ids[IM_END], bos_token_id=ids[ENDOFTEXT])
+                     eos_token_id=ids[IM_END], bos_token_id=ids[ENDOFTEXT], family=family)
     save_pretrained(random_state_dict(args, seed), args, out_dir)
     _write_tokenizer(tokenizer, out_dir)
     generation_config = {"bos_token_id": ids[ENDOFTEXT], "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]],
@@ -199,14 +230,19 @@ def _write_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--size", choices=list(SIZES), default="tiny")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3")
+    parser.add_argument("--size", default="tiny", help="tiny, small, or a real model's shape: "
+                        + "; ".join(f"{family}: {', '.join(shapes)}" for family, shapes in REAL_SIZES.items()))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tie", action=argparse.BooleanOptionalAction, default=True,
                         help="tie lm_head to the input embedding (default: tied)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     args = parser.parse_args(argv)
-    out = make_tiny_checkpoint(args.out_dir, args.size, args.seed, args.tie, args.dtype)
-    print(f"wrote {args.size} checkpoint to {out}")
+    try:
+        out = make_tiny_checkpoint(args.out_dir, args.size, args.seed, args.tie, args.dtype, args.family)
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"wrote {args.size} {args.family} checkpoint to {out}")
 
 
 if __name__ == "__main__":

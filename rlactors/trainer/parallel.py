@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 from rlactors.models.args import ModelArgs
-from rlactors.models.qwen3 import Qwen3ForCausalLM
+from rlactors.models.decoder import DecoderForCausalLM
 
 
 def init_distributed(device_type: str) -> torch.device:
@@ -73,7 +73,7 @@ def build_sharded_model(
     mixed_precision: bool,
     activation_checkpointing: bool,
     compile_layers: bool,
-) -> Qwen3ForCausalLM:
+) -> DecoderForCausalLM:
     """An FSDP2-sharded model with uninitialised fp32 shards on `device` (load weights next).
 
     Built on the meta device, so no rank ever holds the full model. Each decoder layer is one
@@ -84,7 +84,7 @@ def build_sharded_model(
     each decoder layer (CUDA: the eager layer is bound by its elementwise kernels).
     """
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(args)
+        model = DecoderForCausalLM(args)
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if mixed_precision else None,
         reduce_dtype=torch.float32 if mixed_precision else None,

@@ -1,4 +1,9 @@
-"""Qwen3 decoder with Hugging Face parameter names and injected attention.
+"""The decoder of every supported family (Qwen3, Qwen2/2.5, Llama 3.x), with Hugging Face
+parameter names and injected attention.
+
+The families differ only in switches read from ``ModelArgs`` (``args.family``): q/k/v biases
+(Qwen2), a per-head q/k RMSNorm (Qwen3), RoPE scaling (Llama 3.1+), a tied or untied LM head.
+Parameter names are each family's HF names, so checkpoints load and export without renaming.
 
 Everything is packed 1-D: ``input_ids[T]`` holds several documents end to end and
 ``positions[T]`` restarts at 0 at each document start. The model never decides how tokens
@@ -12,6 +17,7 @@ token's logprob does not depend on what else is in the batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -19,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlactors.models import batch_invariant as bi
-from rlactors.models.args import ModelArgs
+from rlactors.models.args import Llama3RopeScaling, ModelArgs
 from rlactors.models.attention import VarlenAttention
 
 # attention(layer_idx, q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D]) -> out[T, Hq, D]
@@ -37,16 +43,31 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             return bi.rms_norm(x, self.weight, self.eps)
-        # Normalize in fp32, scale in the weight's dtype: the same rounding as HF Qwen3RMSNorm.
+        # Normalize in fp32, scale in the weight's dtype: the same rounding as HF's RMSNorm of
+        # every supported family.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
-    """``[head_dim // 2]`` fp32 inverse frequencies, computed on CPU as HF does."""
+def rope_inverse_frequencies(head_dim: int, theta: float,
+                             scaling: Llama3RopeScaling | None = None) -> torch.Tensor:
+    """``[head_dim // 2]`` fp32 inverse frequencies, computed on CPU with HF's ops in HF's order
+    (for ``scaling``, transformers' ``_compute_llama3_parameters``), so they are HF's bit for bit."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
-    return 1.0 / (theta ** exponents)
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    original = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are divided by factor, short ones kept ...
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    # ... and those between interpolated, linearly in original / wavelength.
+    smooth = (original / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelength < original / high) * ~(wavelength > original / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -56,32 +77,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-class Qwen3Attention(nn.Module):
+class SelfAttention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = args.num_attention_heads
         self.num_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
-        self.q_proj = bi.Linear(args.hidden_size, self.num_heads * self.head_dim)
-        self.k_proj = bi.Linear(args.hidden_size, self.num_kv_heads * self.head_dim)
-        self.v_proj = bi.Linear(args.hidden_size, self.num_kv_heads * self.head_dim)
+        bias = args.family.qkv_bias
+        self.q_proj = bi.Linear(args.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = bi.Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = bi.Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = bi.Linear(self.num_heads * self.head_dim, args.hidden_size)
-        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)  # per head, before RoPE
-        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.q_norm = self.k_norm = None
+        if args.family.qk_norm:  # per head, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: Attention) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
-class Qwen3MLP(nn.Module):
+class MLP(nn.Module):
     batch_invariant = False
 
     def __init__(self, args: ModelArgs):
@@ -96,11 +122,11 @@ class Qwen3MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Qwen3DecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
-        self.self_attn = Qwen3Attention(args, layer_idx)
-        self.mlp = Qwen3MLP(args)
+        self.self_attn = SelfAttention(args, layer_idx)
+        self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -110,7 +136,7 @@ class Qwen3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3Model(nn.Module):
+class DecoderModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -118,11 +144,11 @@ class Qwen3Model(nn.Module):
         # and that init on the meta device costs seconds of lazy torch imports per process.
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
                                          _weight=torch.empty(args.vocab_size, args.hidden_size))
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         # A plain attribute, not a buffer: it stays out of state_dict and survives meta-device
         # construction; rope() copies it to the device it needs.
-        self.inv_freq = rope_inverse_frequencies(args.head_dim, args.rope_theta)
+        self.inv_freq = rope_inverse_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin [T, head_dim]`` for each token's own position, cast to ``dtype`` like HF."""
@@ -143,8 +169,9 @@ class Qwen3Model(nn.Module):
         return self.norm(h)
 
 
-class Qwen3ForCausalLM(nn.Module):
-    """Qwen3 causal LM; module tree and parameter names match HF ``Qwen3ForCausalLM``.
+class DecoderForCausalLM(nn.Module):
+    """A causal LM of ``args.model_type``'s family; module tree and parameter names match that
+    family's HF model (``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``, ``LlamaForCausalLM``).
 
     A freshly constructed model holds placeholder values (the embedding is left uninitialized):
     load weights with ``rlactors.models.checkpoint.from_pretrained`` (``rlactors.models.tiny``
@@ -159,7 +186,7 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.model = Qwen3Model(args)
+        self.model = DecoderModel(args)
         self.lm_head = bi.Linear(args.hidden_size, args.vocab_size)
         self.tie_weights()
 

@@ -1,0 +1,95 @@
+"""vLLM serves every model family from rlactors' checkpoints, and weight sync loads into it by the
+copy plan. Per family (Qwen3; Qwen2 with q/k/v biases and an untied head; Llama 3 with its RoPE
+scaling): vLLM's raw logprobs of its own completions match our fp32 model's; the broadcast path's
+load (`rlactors.weight_sync.broadcast.worker_load_staged`) of a received buffer first goes through
+vLLM's `load_weights` and proves a copy plan, and the next weights, copied by that plan, serve the
+logprobs of our model with those weights. Skipped without CUDA and vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlactors.config import GeneratorConfig, ModelConfig
+from rlactors.models.checkpoint import from_pretrained, load_state_dict
+from rlactors.models.tiny import make_tiny_checkpoint
+from rlactors.types import SamplingParams
+from rlactors.weight_sync.packed import PackedLayout
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
+]
+
+# bf16 generator against an fp32 reference of the same weights: logprobs agree to bf16 rounding.
+LOGPROB_ATOL = 0.1
+CONFIG = GeneratorConfig(engine="vllm", replicas=1, max_num_seqs=32, max_num_tokens=2048, max_model_len=512,
+                         gpu_memory_utilization=0.3)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 1024, (int(k),), generator=g).tolist() for k in torch.randint(4, 100, (n,), generator=g)]
+
+
+def generate(engine, batch: list[list[int]]) -> list:
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=i))
+    done = {}
+    while engine.has_unfinished():
+        done.update({c.request_id: c for c in engine.step()})
+    return [done[f"r{i}"] for i in range(len(batch))]
+
+
+def max_logprob_error(ckpt, completions) -> float:
+    model = from_pretrained(ckpt, dtype="float32", device="cuda")
+    worst = 0.0
+    for c in completions:
+        ids = torch.tensor(c.prompt_token_ids + c.token_ids, device="cuda")
+        with torch.no_grad():
+            hidden = model.forward_packed(ids, torch.arange(len(ids), device="cuda"), backend="sdpa")
+            ref = model.token_logprobs(hidden[:-1], ids[1:])[len(c.prompt_token_ids) - 1:].cpu()
+        worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
+    return worst
+
+
+def _receive_into(worker, layout: PackedLayout, buffer: torch.Tensor) -> None:
+    """What joining the weight group leaves on a vLLM worker, without the NCCL group: the layout
+    and the receive buffer that `worker_load_staged` loads from."""
+    worker.rlactors_receiver = SimpleNamespace(layout=layout, buffer=buffer)
+
+
+@pytest.mark.parametrize("family, tie", [("qwen3", True), ("qwen2", False), ("llama", True)])
+def test_vllm_serves_each_family_and_loads_weights_by_the_copy_plan(family, tie, tmp_path):
+    from rlactors.engines.vllm_engine import VLLMEngine
+
+    ckpts = [make_tiny_checkpoint(tmp_path / f"seed{seed}", size="small", seed=seed, dtype="bfloat16",
+                                  tie_word_embeddings=tie, family=family) for seed in range(3)]
+    engine = VLLMEngine.from_config(CONFIG, ModelConfig(path=str(ckpts[0]), dtype="bfloat16"))
+    try:
+        batch = prompts(16)
+        assert max_logprob_error(ckpts[0], generate(engine, batch)) < LOGPROB_ATOL
+
+        # What the trainer sends: the checkpoint's tensors (a tied head only as the embedding).
+        weights = [load_state_dict(ckpt) for ckpt in ckpts[1:]]
+        assert ("lm_head.weight" in weights[0]) == (not tie)
+        layout = PackedLayout.of(weights[0])
+        buffer = layout.pack(weights[0], layout.empty("cuda").zero_())
+        engine.engine.collective_rpc(_receive_into, args=(layout, buffer))
+        assert engine.load_staged(1)["copy_plan"] == 0.0  # vLLM's load_weights, which proves the plan
+        after_first = generate(engine, batch)
+        assert all(set(c.versions) == {1} for c in after_first)
+        assert max_logprob_error(ckpts[1], after_first) < LOGPROB_ATOL
+
+        layout.pack(weights[1], buffer)  # the next version arrives in the same buffer
+        assert engine.load_staged(2)["copy_plan"] == 1.0  # copied by the plan
+        after_second = generate(engine, batch)
+        assert all(set(c.versions) == {2} for c in after_second)
+        assert max_logprob_error(ckpts[2], after_second) < LOGPROB_ATOL
+        assert any(a.token_ids != b.token_ids for a, b in zip(after_first, after_second))
+    finally:
+        engine.close()

@@ -30,7 +30,7 @@ from torch import nn
 from rlactors.models.args import ModelArgs
 from rlactors.models.attention import VarlenAttention
 from rlactors.models.batch_invariant import OnPolicyAttentionFunction
-from rlactors.models.qwen3 import Qwen3ForCausalLM
+from rlactors.models.decoder import DecoderForCausalLM
 
 ARCHITECTURE = "RLActorsForCausalLM"
 PAGE_SIZE = 16  # vLLM's KV-cache block size in true on-policy mode; the trainer pages its keys alike
@@ -65,7 +65,7 @@ def true_on_policy_engine_args() -> dict[str, Any]:
     }
 
 
-class VLLMCausalLM(Qwen3ForCausalLM):
+class VLLMCausalLM(DecoderForCausalLM):
     """Our decoder as a vLLM model: parameter names are the checkpoint's (HF) names, the ops are
     the batch-invariant ones, and attention goes through one vLLM ``Attention`` layer per decoder
     layer (the paged KV cache)."""

@@ -3,12 +3,14 @@
 import asyncio
 import json
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from rlactors.config import ConfigError, EnvConfig, RolloutConfig
 from rlactors.data import DataError
-from rlactors.envs import DatasetEnv
 from rlactors.models.tokenizer import load_tokenizer, render_messages
+from rlactors.rewards import math_verify_installed
 from rlactors.rollout import Rollouter, RolloutStatus, SampleStream, load_env
 from rlactors.types import Completion
 
@@ -193,3 +195,39 @@ def test_the_dataset_order_resumes_exactly(tok, train_file):
     resumed.load_state_dict(state)
     assert taken + [resumed.next(7) for _ in range(2)] == expected
     assert len({s["id"] for batch in expected[:2] for s in batch}) == 14  # no repeat within an epoch
+
+
+@pytest.mark.skipif(not math_verify_installed(), reason="math-verify is not installed")
+def test_math_verify_scores_inside_the_rollouter(tok, tmp_path):
+    record = {"problem": "Simplify 2/sqrt(2).", "solution": r"It is $\boxed{\sqrt{2}}$."}
+    path = write_jsonl(tmp_path / "t.jsonl", [record])
+    replies = [r"\boxed{\frac{2}{\sqrt{2}}}", r"\boxed{\sqrt{3}}"]
+    config = RolloutConfig(group_size=2, max_turns=1, max_tokens_per_turn=64, max_total_tokens=512)
+    scores = {}
+    for verifier in ("builtin", "math_verify"):
+        env = make_env(tok, train_path=path, prompt_field="problem", answer_field="solution", verifier=verifier)
+        batch = asyncio.run(Rollouter(env, ScriptedReplies(tok, replies), config).collect(env.dataset("train")))
+        scores[verifier] = [r.reward_components["correct"] for r in batch.groups[0].rollouts]
+    assert scores == {"builtin": [0.0, 0.0], "math_verify": [1.0, 0.0]}
+
+
+def test_gsm8k_and_math_shaped_parquet_with_the_readme_args(tok, tmp_path):
+    gsm8k = [{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
+                          "in May. How many clips did Natalia sell altogether in April and May?",
+              "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 "
+                        "clips altogether in April and May.\n#### 72"}] * 3
+    pq.write_table(pa.Table.from_pylist(gsm8k), tmp_path / "train-00000-of-00001.parquet")
+    pq.write_table(pa.Table.from_pylist(gsm8k[:1]), tmp_path / "test-00000-of-00001.parquet")
+    env = make_env(tok, train_path=str(tmp_path / "train-00000-of-00001.parquet"),
+                   eval_path=str(tmp_path / "test-00000-of-00001.parquet"), prompt_field="question",
+                   answer_field="answer")
+    assert [s["answer"] for s in env.dataset("train")] == ["72"] * 3 and len(env.dataset("eval")) == 1
+
+    math = [{"problem": f"What is {i}/4 in lowest terms?", "level": "Level 1", "type": "Algebra",
+             "solution": f"Reduce: $\\boxed{{\\frac{{{i}}}{{4}}}}$."} for i in range(1, 21)]
+    pq.write_table(pa.Table.from_pylist(math), tmp_path / "math.parquet")
+    env = make_env(tok, train_path=str(tmp_path / "math.parquet"), eval_fraction=0.05, prompt_field="problem",
+                   answer_field="solution")
+    train, eval_ = env.dataset("train"), env.dataset("eval")
+    assert len(train) == 19 and len(eval_) == 1
+    assert train[0] == {"id": "math.parquet:1", "prompt": "What is 1/4 in lowest terms?", "answer": r"\frac{1}{4}"}

@@ -1,5 +1,6 @@
 """rlactors.rewards: answer extraction, the built-in and math-verify equivalence, the over-long penalty."""
 
+import threading
 from fractions import Fraction
 
 import pytest
@@ -139,3 +140,13 @@ def test_overlong_penalty_is_zero_then_linear_to_the_limit():
     assert overlong_penalty([64], 64, 64, 1.0) == -1.0
     with pytest.raises(ValueError, match="buffer_tokens"):
         overlong_penalty([10], 64, 0, 1.0)
+
+
+@needs_math_verify
+def test_math_verify_runs_off_the_main_thread_without_its_signal_timeout():
+    results = []
+    worker = threading.Thread(target=lambda: results.append(answers_match(r"\frac{2}{\sqrt{2}}", r"\sqrt{2}",
+                                                                          "math_verify")))
+    worker.start()
+    worker.join()
+    assert results == [True]

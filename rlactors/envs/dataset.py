@@ -121,13 +121,14 @@ class DatasetEnv(MessageEnv):
     def _samples(self, path: str) -> list[dict[str, Any]]:
         c = self.config
         samples: list[dict[str, Any]] = []
-        first_row_of: dict[str, int] = {}
+        first_with: dict[str, Row] = {}  # id -> the row that has it
         for row in read_rows(path):
             sample_id = _text(row, c.id_field) if c.id_field else f"{Path(row.file).name}:{row.row}"
-            if sample_id in first_row_of:
-                raise DataError(f"{row.where}: field {c.id_field!r} repeats the id {sample_id!r} "
-                                f"of row {first_row_of[sample_id]}")
-            first_row_of[sample_id] = row.row
+            if c.id_field and sample_id in first_with:
+                first = first_with[sample_id]
+                raise DataError(f"{row.where}: field {c.id_field!r} repeats the id {sample_id!r} of "
+                                f"{'row ' + str(first.row) if first.file == row.file else first.where}")
+            first_with[sample_id] = row
             prompt = field_value(row, c.prompt_field)
             prompt = _messages(row, c.prompt_field, prompt) if isinstance(prompt, list) else _text(row, c.prompt_field)
             answer = reference_answer(_text(row, c.answer_field))

@@ -103,7 +103,7 @@ def _read_jsonl(path: Path) -> list[Row]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.rstrip("\r\n"))  # so the error's column is on this line
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(record, dict):

@@ -105,11 +105,22 @@ class RolloutConfig:
     advantage: Literal["grpo", "dr_grpo"] = "grpo"
     keep_zero_variance_groups: bool = False
     error_reward: float = 0.0
+    # Over-long responses, as in DAPO. mask_truncated: rollouts cut by a token limit
+    # (truncated_length) are not trained, but keep their reward in their group's advantages.
+    # overlong_buffer_tokens > 0: a completion longer than max_tokens_per_turn minus that many
+    # tokens loses reward linearly, up to overlong_penalty at the limit (component "overlong").
+    mask_truncated: bool = False
+    overlong_buffer_tokens: int = 0
+    overlong_penalty: float = 1.0
 
     def validate(self, key: str) -> None:
         for name in ("group_size", "prompts_per_step", "max_turns", "max_total_tokens", "max_tokens_per_turn"):
             value = getattr(self, name)
             _check(value >= 1, f"{key}.{name}", f"must be >= 1, got {value}")
+        _check(0 <= self.overlong_buffer_tokens <= self.max_tokens_per_turn, f"{key}.overlong_buffer_tokens",
+               f"must be in [0, max_tokens_per_turn={self.max_tokens_per_turn}], got {self.overlong_buffer_tokens}")
+        _check(0 <= self.overlong_penalty < math.inf, f"{key}.overlong_penalty",
+               f"must be >= 0 and finite, got {self.overlong_penalty}")
         _check(self.step_timeout_s > 0, f"{key}.step_timeout_s", "must be > 0")
         _check(0 < self.temperature < math.inf, f"{key}.temperature", "must be > 0 and finite")
         _check(0 < self.top_p <= 1, f"{key}.top_p", "must be in (0, 1]")
@@ -322,6 +333,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError as e:
                 last_error = e
         raise last_error or ConfigError(f"{key}: unexpected value {value!r}")
+    if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
+        _check(isinstance(value, (list, tuple)), key, f"expected a list, got {value!r}")
+        return tuple(_coerce(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value))
     if origin is tuple:
         args = typing.get_args(tp)
         ok = isinstance(value, (list, tuple)) and len(value) == len(args)

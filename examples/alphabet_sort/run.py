@@ -4,6 +4,7 @@
     python examples/alphabet_sort/run.py --config configs/alphabet_sort_8gpu.toml
     python examples/alphabet_sort/run.py controller.mode=async generator.replicas=3
     python examples/alphabet_sort/run.py --resume                           # from the last checkpoint
+    python examples/alphabet_sort/run.py --config configs/math_cpu.toml    # any config: its [env] picks the env
 
 Overrides are `section.key=value` (TOML values). Metrics, samples, env errors (env_errors.log),
 TensorBoard logs, checkpoints and reward_curve.png go to controller.run_dir, which holds one run:

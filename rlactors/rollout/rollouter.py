@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rlactors.config import RolloutConfig
+from rlactors.rewards import OVERLONG, overlong_penalty
 from rlactors.rollout.advantages import group_advantages, is_zero_variance
 from rlactors.rollout.env import (
     TokenEnv,
@@ -129,12 +130,16 @@ class Rollouter:
             rollout.advantage = advantage
         zero_variance = is_zero_variance(rewards)
         dropped = zero_variance and not self.config.keep_zero_variance_groups
-        episodes = [] if dropped else [ep for r in rollouts for ep in rollout_to_episodes(r)]
+        # rollout.mask_truncated: a cut rollout counts in its group's advantages but is not trained.
+        trained = [r for r in rollouts
+                   if not (self.config.mask_truncated and r.status is RolloutStatus.TRUNCATED_LENGTH)]
+        episodes = [] if dropped else [ep for r in trained for ep in rollout_to_episodes(r)]
         return RolloutGroup(group_id=group_id, sample=sample, rollouts=rollouts,
                             zero_variance=zero_variance, dropped=dropped, episodes=episodes)
 
     async def _run_rollout(self, rollout: Rollout) -> None:
         """Plays one rollout and sets its turns, status, reward components and reward."""
+        cfg = self.config
         try:
             env = self.env.clone()
             rollout.status = await self._play(env, rollout)
@@ -142,6 +147,11 @@ class Rollouter:
             scores = await self._env_call(env.rubric.score(rollout), "rubric.score")
             rollout.reward_components.update(self._checked(check_reward_scores, scores, "rubric.score"))
             rollout.reward = env.rubric.total(rollout.reward_components)
+            if cfg.overlong_buffer_tokens:
+                penalty = overlong_penalty([len(t.token_ids) for t in rollout.turns], cfg.max_tokens_per_turn,
+                                           cfg.overlong_buffer_tokens, cfg.overlong_penalty)
+                rollout.reward_components[OVERLONG] = penalty
+                rollout.reward += penalty
             if not abs(rollout.reward) <= MAX_ABS_REWARD:  # NaN and inf too
                 raise _RolloutEnded(RolloutStatus.ERROR_PARSE, f"rubric total is {rollout.reward}, "
                                     f"not a number within +-{MAX_ABS_REWARD:.4g}")

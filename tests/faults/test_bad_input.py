@@ -92,6 +92,10 @@ IMPOSSIBLE = [
     (['rollout.advantage="ppo"'], "rollout.advantage"),
     (["rollout.error_reward=nan"], "rollout.error_reward"),
     (["rollout.error_reward=-inf"], "rollout.error_reward"),
+    (["rollout.overlong_buffer_tokens=4096"], "rollout.overlong_buffer_tokens"),  # > max_tokens_per_turn
+    (["rollout.overlong_buffer_tokens=-1"], "rollout.overlong_buffer_tokens"),
+    (["rollout.overlong_penalty=-1"], "rollout.overlong_penalty"),
+    (["rollout.overlong_penalty=inf"], "rollout.overlong_penalty"),
     (["batcher.row_tokens=1"], "batcher.row_tokens"),
     (["batcher.rows_per_microbatch=0"], "batcher.rows_per_microbatch"),
     (['batcher.overlong="wrap"'], "batcher.overlong"),
@@ -210,6 +214,28 @@ def test_bad_model_dirs_and_envs_are_named_before_any_proc_starts(capsys, tmp_pa
     fault_record("bad inputs", "model.path missing / not a checkpoint; a tokenizer without a chat template "
                  "under a chat env; an empty train split; env.name naming no module / no class / no TokenEnv", None,
                  "nothing starts: one line `error: ...` naming the input, exit code 2")
+
+
+def test_bad_data_is_named_before_any_proc_starts(capsys, tmp_path, tiny_ckpt, fault_record):
+    """DatasetEnv's data: a missing file or field, an empty file, a row that is not JSON."""
+    files = {"missing_field.jsonl": '{"question": "1 + 1?", "answer": "2"}\n{"problem": "2 + 2?", "answer": "4"}\n',
+             "empty.jsonl": "", "not_json.jsonl": '{"question": "1 + 1?", "answer": "2"}\n{"question": \n'}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    cases = {
+        "missing_field.jsonl": "row 2: field 'question' is missing (fields: problem, answer)",
+        "empty.jsonl": "no records (empty file)",
+        "not_json.jsonl": "row 2: not valid JSON (Expecting value at column 14)",
+        "absent.jsonl": "file not found",
+    }
+    for name, message in cases.items():
+        line = cli_error(capsys, f'model.path="{tiny_ckpt}"', f'controller.run_dir="{tmp_path / "run"}"',
+                         'env.name="rlactors.envs:DatasetEnv"', f'env.args={{ train_path = "{tmp_path / name}" }}')
+        assert line == f"error: {tmp_path / name}: {message}"
+    assert not (tmp_path / "run").exists()
+    fault_record("bad inputs", "DatasetEnv data: a missing file, an empty file, a row that is not JSON, a record "
+                 "without the prompt field", None, "nothing starts: one line `error: FILE: row N: field ...`, "
+                 "exit code 2")
 
 
 def test_resume_without_a_checkpoint_is_named(capsys, tmp_path, tiny_ckpt, fault_record):

@@ -93,6 +93,23 @@ def test_linear_rows_are_batch_invariant(dtype, k, n):
         assert all(torch.equal(bi.linear(x[o:o + n], w), full[o:o + n]) for o, n in BATCHES)
 
 
+def test_project_stacks_frozen_linears_with_the_bits_of_each_alone():
+    """An engine's q/k/v (and gate/up) projections in one product of stacked weights: the same
+    bits as each linear alone, with or without biases, and after a weight load."""
+    layers = [bi.Linear(64, n, bias=bias) for n, bias in ((48, True), (16, True), (32, False))]
+    for layer in layers:
+        layer.batch_invariant = layer.weights_frozen = True
+    x = torch.randn(7, 3, 64)
+    with torch.inference_mode():
+        alone = [bi.linear(x, m.weight, m.bias) for m in layers]
+        fused = bi.project(x, layers)
+        assert all(torch.equal(a, f) and f.is_contiguous() for a, f in zip(alone, fused))
+    with torch.no_grad():
+        layers[1].weight.copy_(torch.randn(16, 64))  # a weight load
+    with torch.inference_mode():
+        assert torch.equal(bi.project(x, layers)[1], bi.linear(x, layers[1].weight, layers[1].bias))
+
+
 def test_frozen_weights_are_rounded_once_per_version():
     """An engine's linears keep the rounded weight until an in-place load changes the weight."""
     layer = bi.Linear(64, 32)

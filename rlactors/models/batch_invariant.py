@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -200,6 +201,7 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
         self._rounded: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (weight, version, rounded)
+        self._stacked: tuple[tuple, torch.Tensor] | None = None  # project()'s: ((weight, version)s, rounded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:
@@ -210,6 +212,29 @@ class Linear(nn.Linear):
         if self._rounded is None or self._rounded[0] is not weight or self._rounded[1] != weight._version:
             self._rounded = (weight, weight._version, rounded_rows(weight))
         return linear(x, weight, self.bias, rounded_weight=self._rounded[2])
+
+
+def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
+    """``[m(x) for m in linears]``, bit for bit: several projections of one input (q/k/v,
+    gate/up).
+
+    For an inference engine's frozen CPU linears in batch-invariant mode, ``x`` is rounded once
+    and multiplied once by their rounded weights stacked (kept until a weight's version moves):
+    ``exact_matmul``'s sums give each output element the bits it has when computed alone.
+    """
+    first = linears[0]
+    if x.is_cuda or torch.is_grad_enabled() or not all(m.batch_invariant and m.weights_frozen for m in linears):
+        return [m(x) for m in linears]
+    key = tuple((m.weight, m.weight._version) for m in linears)
+    if first._stacked is None or any(a is not b or u != v for (a, u), (b, v) in zip(first._stacked[0], key)):
+        first._stacked = (key, torch.cat([rounded_rows(m.weight) for m in linears]))
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.matmul(rounded_rows(rows), first._stacked[1].mT).to(x.dtype)
+    outputs = []
+    for m, part in zip(linears, out.split([m.weight.shape[0] for m in linears], dim=-1)):
+        part = part.contiguous().view(*x.shape[:-1], -1)
+        outputs.append(part if m.bias is None else part + m.bias)
+    return outputs
 
 
 # ------------------------------------------------------------------------------------------------

@@ -97,9 +97,10 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: Attention) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = bi.project(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -118,7 +119,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
-            return self.down_proj(bi.silu_mul(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj(bi.silu_mul(*bi.project(x, (self.gate_proj, self.up_proj))))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

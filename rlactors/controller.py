@@ -171,7 +171,7 @@ class Controller:
     async def _print_placement(self, ranks: list[dict[str, Any]]) -> None:
         """One line: the host of each trainer rank and of each generator replica, in order."""
         stats = await self.router.stats.call_one()
-        replica_hosts = [r["engine"]["host"] if r["engine"] else "dead" for r in stats["replicas"]]
+        replica_hosts = [r["engine"]["host"] if r["engine"] else r["state"] for r in stats["replicas"]]
         print(f"trainer ranks on {', '.join(r['host'] for r in ranks)}; "
               f"generator replicas on {', '.join(replica_hosts)}", flush=True)
 
@@ -552,7 +552,8 @@ class Controller:
 
     async def _generator_metrics(self) -> dict[str, float]:
         stats = await self.router.stats.call_one()
-        metrics = {"generator/live_replicas": float(stats["live"]), "generator/dead_replicas": float(stats["dead"]),
+        serving = stats["states"]["serving"]
+        metrics = {"generator/serving_replicas": float(serving), "generator/dead_replicas": float(stats["states"]["dead"]),
                    "generator/retries": float(stats["retries"]), "generator/restarts": float(stats["restarts"]),
                    "generator/weight_groups": float(stats["weight_groups"])}
         # Idle = the share of replica time since the last step spent outside engine steps (not
@@ -563,10 +564,10 @@ class Controller:
         metrics["generator/superseded_updates"] = float(sum(e["superseded"] for e in engines))
         now = time.perf_counter()
         busy = sum(e["busy_s"] for e in engines)
-        if self._generator_busy is not None and stats["live"]:
+        if self._generator_busy is not None and serving:
             then, busy_then = self._generator_busy
             if busy >= busy_then:
-                idle = 1.0 - (busy - busy_then) / ((now - then) * stats["live"])
+                idle = 1.0 - (busy - busy_then) / ((now - then) * serving)
                 metrics["time/generator_idle_fraction"] = min(max(idle, 0.0), 1.0)
         self._generator_busy = (now, busy)
         return metrics

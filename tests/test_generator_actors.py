@@ -467,7 +467,7 @@ def test_router_serves_concurrent_requests_sticky_sessions_and_weight_updates(ti
             assert (ref - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
 
         stats = await router.stats.call_one()
-        assert stats["live"] == 2 and stats["dead"] == 0 and stats["retries"] == 0
+        assert stats["states"]["serving"] == 2 and stats["states"]["dead"] == 0 and stats["retries"] == 0
         assert sum(r["completed"] for r in stats["replicas"]) == 64 + 18 + 2 + 1 + 3
         assert all(r["engine"]["version"] == 1 and r["engine"]["healthy"] for r in stats["replicas"])
         assert sum(r["engine"]["prefix_hit_tokens"] for r in stats["replicas"]) > 0  # sticky turns reuse KV

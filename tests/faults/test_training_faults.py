@@ -341,7 +341,7 @@ def test_corrupted_weight_sync_stops_the_run_and_the_replicas_keep_the_old_polic
     assert message.startswith("weight sync of policy version 1 failed: ") and "ChecksumMismatch" in message
     assert "rejected by replica 0" in message and "still serving version 0" in message
     replicas = controller.router.update_weights.after["replicas"]
-    assert [(r["alive"], r["version"]) for r in replicas] == [(True, 0)]
+    assert [(r["state"] == "serving", r["version"]) for r in replicas] == [(True, 0)]
     assert [m["step"] for m in read_metrics(tmp_path)] == []  # step 1 stopped at its weight push
     assert (checkpoint_dir(tmp_path / "checkpoints", 1) / COMPLETE_FILE).is_file()  # saved before the push
     fault_record("weight-sync corruption (controller)", "one bit flipped in one tensor of the step-1 push, "
@@ -380,7 +380,7 @@ def test_a_broadcast_that_fails_its_checksum_stops_the_run_and_the_replicas_keep
     assert message.startswith("weight sync of policy version 1 failed: ") and "ChecksumMismatch" in message
     assert "rejected by replica 0" in message and "replica 1" in message
     replicas = controller.router.receive_weights.after["replicas"]
-    assert [(r["alive"], r["version"], r["engine"]["version"]) for r in replicas] == [(True, 0, 0)] * 2
+    assert [(r["state"] == "serving", r["version"], r["engine"]["version"]) for r in replicas] == [(True, 0, 0)] * 2
     assert (checkpoint_dir(tmp_path / "checkpoints", 1) / COMPLETE_FILE).is_file()
     fault_record("weight-sync corruption (broadcast)", "the replicas told a checksum that does not match "
                  "the step-1 broadcast", None, f"no served token: both replicas kept version 0; the run stopped "
@@ -437,9 +437,9 @@ def test_a_dead_replica_in_a_broadcast_run_is_restarted_into_a_new_group_and_the
     stats = controller.router_stats
     assert stats["weight_groups"] == len(controller.groups) and stats["restarts"] == 1 and stats["deaths"] == 1
     # Both replicas, the restarted one too, accepted the last broadcast and serve it.
-    assert [(r["alive"], r["version"]) for r in stats["replicas"]] == [(True, 4), (True, 4)]
-    assert stats["replicas"][1]["routed"] > 0 and stats["awaiting_weights"] == []
-    assert metrics[-1]["generator/live_replicas"] == 2 and metrics[-1]["generator/restarts"] == 1
+    assert [(r["state"] == "serving", r["version"]) for r in stats["replicas"]] == [(True, 4), (True, 4)]
+    assert stats["replicas"][1]["routed"] > 0 and stats["states"]["awaiting_weights"] == 0
+    assert metrics[-1]["generator/serving_replicas"] == 2 and metrics[-1]["generator/restarts"] == 1
     fault_record("generator replica SIGKILLed (broadcast weight sync)", "replica 1's proc, after step 1 trained, "
                  "before its weight sync", controller.detection_s,
                  f"nothing: the run went on; weight groups formed {controller.groups} (the restarted replica "

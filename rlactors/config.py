@@ -77,7 +77,8 @@ class GeneratorConfig:
     # How weights reach the replicas: "messages" (full tensors over Monarch; a dead replica is
     # restarted at the current version) or "broadcast" (one packed buffer from trainer rank 0:
     # NCCL on GPUs, gloo on CPU; faster, but the group is fixed, so a dead replica stops the run).
-    # "auto": broadcast for vLLM replicas on GPUs of their own, messages otherwise.
+    # "auto": broadcast for vLLM replicas on GPUs of their own (NCCL cannot join two ranks on one
+    # GPU), messages otherwise; resolved when the Config is made, so only those two go further.
     weight_sync: Literal["auto", "messages", "broadcast"] = "auto"
 
     def validate(self, key: str) -> None:
@@ -223,6 +224,12 @@ class Config:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     job: JobConfig = field(default_factory=JobConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+
+    def __post_init__(self) -> None:
+        g = self.generator
+        if g.weight_sync == "auto":
+            variant = "broadcast" if g.engine == "vllm" and not self.controller.colocate else "messages"
+            self.generator = dataclasses.replace(g, weight_sync=variant)
 
     def validate(self, available_gpus: int | None = None) -> None:
         """Checks every section, then the combinations; `available_gpus` defaults to this host's."""

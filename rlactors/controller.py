@@ -6,7 +6,7 @@ of step `s` comes from the policy of step `s - 1`) and `controller.max_staleness
 (generation runs up to that many steps ahead of the trainer and never waits for a step to
 finish). The trainer takes `rollout.prompts_per_step` finished groups per step, drops episodes
 older than `max_staleness` versions (counted), trains, and pushes the new weights to every
-replica, verified by checksum. A step with nothing to train on (every group's rewards equal)
+replica, verified by checksum (`rlactors.weight_sync.sync`). A step with nothing to train on (every group's rewards equal)
 is a whole step all the same: logged, counted, checkpointed when due; its policy is the previous
 step's, which the generators hold already.
 
@@ -24,13 +24,12 @@ import math
 import sys
 import time
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-from monarch.actor import ActorError
 
 from rlactors.config import Config, dump_toml, gpu_layout
 from rlactors.hosts import Hosts, allocate_hosts, first_value
@@ -42,13 +41,11 @@ from rlactors.rollout.rollouter import Rollouter, group_number, summarize as sum
 from rlactors.rollout.types import Episode, Rollout, RolloutGroup
 from rlactors.trainer.checkpoint import checkpoint_dir, is_complete, latest_checkpoint
 from rlactors.types import Completion, SamplingParams
+from rlactors.weight_sync.sync import BroadcastStuck, NoReplicaUp, WeightSync, WeightSyncError, create_weight_sync
 
 logger = logging.getLogger(__name__)
 
 CONTROLLER_STATE = "controller_state.json"
-# A weight broadcast still running this long after one of its members died is stuck: NCCL waits
-# for every member for ever (gloo fails by itself at once).
-BROADCAST_DEATH_GRACE_S = 2.0
 # Settings a resumed run must keep: another env or seed would make it a different run.
 FIXED_ON_RESUME = ("env.name", "env.args", "controller.seed")
 # What to try when steps train nothing because every group's rewards are equal.
@@ -90,7 +87,6 @@ class Controller:
         self.checkpoint_root = self.run_dir / "checkpoints"
         self.step = 0
         self.policy_version = 0  # the trainer's
-        self.generator_version = 0  # the newest version every live replica holds
         self.generator_step = 0  # the newest step whose policy every live replica holds
         self._generator_step_reached = asyncio.Condition()
         # Step -> (samples, rollouter) states when its groups were started: where a resume after
@@ -105,16 +101,7 @@ class Controller:
         self._generator_busy: tuple[float, float] | None = None  # (time, busy seconds of all replicas)
         self.trainer = None
         self.router = None
-
-    @property
-    def broadcast_weight_sync(self) -> bool:
-        """Weights by broadcast from trainer rank 0 (`generator.weight_sync`; by default for vLLM
-        replicas on GPUs of their own: NCCL cannot join two ranks on one GPU), else in Monarch
-        messages."""
-        c = self.config
-        if c.generator.weight_sync == "auto":
-            return c.generator.engine == "vllm" and not c.controller.colocate
-        return c.generator.weight_sync == "broadcast"
+        self.weight_sync: WeightSync | None = None
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -161,8 +148,8 @@ class Controller:
                                          self._hosts.generators)
         await self._print_placement(ranks)
 
-        if self.broadcast_weight_sync:
-            await self._form_weight_group(await self.router.plan_weight_group.call_one())
+        self.weight_sync = create_weight_sync(c, self.trainer, self.router)
+        await self._sync_call(self.weight_sync.start())
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(dump_toml(c))
         if resume_from is not None:
@@ -391,7 +378,7 @@ class Controller:
             checkpoint_s = time.perf_counter() - checkpoint_start
 
         sync_start = time.perf_counter()
-        sync = await self._push_weights() if self.generator_version != self.policy_version else {}
+        sync = await self._push_weights() if self.weight_sync.version != self.policy_version else {}
         sync_s = time.perf_counter() - sync_start
         await self._reach_generator_step(step)
         step_s = time.perf_counter() - step_start
@@ -453,83 +440,24 @@ class Controller:
         metrics.update(packed.metrics)
         return metrics
 
-    async def _form_weight_group(self, plan: dict[str, Any]) -> None:
-        """Replicas get weights by broadcast from trainer rank 0: form that group with the
-        replicas `plan` (the router's `plan_weight_group`) names, on a new port. A group's members
-        are fixed, so one is formed at start and again whenever a member died or a restarted
-        replica is up; every member keeps its buffers."""
-        if not plan["members"]:
+    async def _push_weights(self) -> dict[str, float]:
+        """The trainer's current policy to every replica (`WeightSync.push`); its timings."""
+        return await self._sync_call(self.weight_sync.push())
+
+    async def _sync_call(self, call: Awaitable[Any]) -> Any:
+        """`call` (a WeightSync step), its failure as the TrainingError that stops the run."""
+        try:
+            return await call
+        except NoReplicaUp as e:
             saved = "no step was trained yet"
             if self.step:
                 await self._save_step_once()
                 saved = f"the state after step {self.step} is saved in {self.checkpoint_root}"
-            raise TrainingError(f"no generator replica is up to receive the weights; {saved}")
-        dtype = self.config.model.dtype
-        host, port = first_value(await self.trainer.weight_sync_address.call())
-        layout = first_value(await self.trainer.weight_layout.call(dtype))
-        await asyncio.gather(self.trainer.init_weight_sender.call(host, port, plan["world_size"], dtype),
-                             self.router.join_weight_group.call_one(host, port, layout))
-
-    async def _push_weights(self) -> dict[str, float]:
-        """The trainer's current policy to every replica, verified by checksum on arrival.
-
-        Returns once every replica has verified the weights; each loads them at its next step
-        boundary (after a drain, or at once for a hot swap) and admits no request before that.
-        Returns seconds spent gathering the weights (and packing, checksumming) and moving them
-        (transfer and verification), and the bytes moved to each replica."""
-        mode = self.config.generator.update_mode
-        start, details = time.perf_counter(), {}
-        if self.broadcast_weight_sync:
-            packed, plan = await asyncio.gather(self.trainer.pack_weights.call(),
-                                                self.router.plan_weight_group.call_one())
-            if plan["stale"]:  # a member died, or a restarted replica waits for weights
-                await self._form_weight_group(plan)
-            packed = first_value(packed)
-            version, gathered = packed["version"], time.perf_counter()
-            try:
-                sent, received = await self._broadcast(version, packed["checksum"], mode)
-            except ActorError as e:  # a replica rejected the weights (checksum), or a side failed
-                raise TrainingError(f"weight sync of policy version {version} failed: {e.exception}") from None
-            sender, replicas = first_value(sent), received["replicas"]
-            num_bytes = sender["bytes"]
-            # Where the time went: the trainer's gather and checksum, its broadcast (which waits
-            # for every receiver to join), and the slowest replica's receive + checksum check.
-            # The replicas load after this returns, between engine steps.
-            details = {"pack_s": packed["pack_s"], "checksum_s": packed["checksum_s"],
-                       "broadcast_s": sender["broadcast_s"],
-                       "replica_receive_verify_s": max((r["receive_verify_s"] for r in replicas), default=0.0)}
-        else:
-            weights = first_value(await self.trainer.state_dict_for_sync.call(self.config.model.dtype))
-            version, gathered = weights.version, time.perf_counter()
-            try:
-                await self.router.update_weights.call_one(version, weights.weights, weights.checksum, mode)
-            except ActorError as e:  # a replica rejected the weights (checksum, names, shapes)
-                raise TrainingError(f"weight sync of policy version {version} failed: {e.exception}") from None
-            num_bytes = float(sum(t.numel() * t.element_size() for t in weights.weights.values()))
-        done = time.perf_counter()
-        self.generator_version = version
-        return {"gather_s": gathered - start, "transfer_s": done - gathered, "bytes": num_bytes, **details}
-
-    async def _broadcast(self, version: int, checksum: str, mode: str) -> tuple[Any, dict[str, Any]]:
-        """The trainer's broadcast together with every member's receive. While they run the router
-        is asked every 0.5 s which members have died: a broadcast that outlives a member's death by
-        BROADCAST_DEATH_GRACE_S stops the run. The trainer is then stuck in the collective, so
-        nothing more is saved."""
-        transfer = asyncio.ensure_future(asyncio.gather(
-            self.trainer.broadcast_weights.call(), self.router.receive_weights.call_one(version, checksum, mode)))
-        dead_since = None
-        while not (await asyncio.wait([transfer], timeout=0.5))[0]:
-            dead = await self.router.dead_weight_group_members.call_one()
-            if not dead:
-                continue
-            dead_since = dead_since or time.monotonic()
-            if time.monotonic() - dead_since >= BROADCAST_DEATH_GRACE_S:
-                transfer.cancel()
-                transfer.add_done_callback(lambda f: f.cancelled() or f.exception())  # abandoned, not an error
-                raise TrainingError(f"weight sync of policy version {version}: generator replica(s) {dead} died "
-                                    f"during the broadcast, which waits for every member; {self._last_checkpoint()}; "
-                                    "continue with --resume")
-        return transfer.result()
+            raise TrainingError(f"{e}; {saved}") from None
+        except BroadcastStuck as e:  # the trainer is stuck in the collective: nothing more is saved
+            raise TrainingError(f"{e}; {self._last_checkpoint()}; continue with --resume") from None
+        except WeightSyncError as e:
+            raise TrainingError(str(e)) from None
 
     def _last_checkpoint(self) -> str:
         """Where a stopped run resumes from, for its error line."""

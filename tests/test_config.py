@@ -76,9 +76,22 @@ def test_gpu_layout_separate_and_colocated():
 
 def test_broadcast_weight_sync_needs_generators_on_gpus_of_their_own():
     colocated = ["controller.device=cuda", "controller.colocate=true", "trainer.ranks=1", "generator.replicas=1"]
-    assert load_config(overrides=colocated, available_gpus=1).generator.weight_sync == "auto"
+    assert load_config(overrides=colocated, available_gpus=1).generator.weight_sync == "messages"
     with pytest.raises(ConfigError, match=r"^generator\.weight_sync: 'broadcast' needs generators on GPUs of"):
         load_config(overrides=[*colocated, "generator.weight_sync=broadcast"], available_gpus=1)
+
+
+def test_weight_sync_auto_is_resolved_when_the_config_loads():
+    vllm = ["controller.device=cuda", "generator.engine=vllm", "trainer.ranks=1", "generator.replicas=1"]
+    own_gpus = load_config(overrides=vllm, available_gpus=2)
+    assert own_gpus.generator.weight_sync == "broadcast"
+    assert load_config(overrides=[*vllm, "controller.colocate=true"], available_gpus=1).generator.weight_sync == \
+        "messages"
+    assert load_config().generator.weight_sync == "messages"  # native replicas
+    assert load_config(overrides=["generator.weight_sync=broadcast"]).generator.weight_sync == "broadcast"
+    # A run's config.toml holds the resolved value, so a resume with the same settings sees no change.
+    assert 'weight_sync = "broadcast"' in dump_toml(own_gpus)
+    assert build_dataclass(Config, tomllib.loads(dump_toml(own_gpus))) == own_gpus
 
 
 def test_gpu_layout_on_the_hosts_of_a_job():

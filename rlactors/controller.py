@@ -1,10 +1,10 @@
 """Controller: from one Config, spawn the trainer mesh and the generator router, and train.
 
-Sync and async training are one loop. A producer starts the rollout groups of step `s` once the
-generators hold the policy of step `s - 1 - ahead`, where `ahead` is 0 in sync mode (every token
-of step `s` comes from the policy of step `s - 1`) and `controller.max_staleness` in async mode
-(generation runs up to that many steps ahead of the trainer and never waits for a step to
-finish). The trainer takes `rollout.prompts_per_step` finished groups per step, drops episodes
+Sync and async training are one loop. A RolloutProducer starts the rollout groups of step `s`
+once the generators hold the policy of step `s - 1 - ahead`, where `ahead` is 0 in sync mode
+(every token of step `s` comes from the policy of step `s - 1`) and `controller.max_staleness` in
+async mode (generation runs up to that many steps ahead of the trainer and never waits for a step
+to finish); its tasks end with the loop. The trainer takes `rollout.prompts_per_step` finished groups per step, drops episodes
 older than `max_staleness` versions (counted), trains, and pushes the new weights to every
 replica, verified by checksum (`rlactors.weight_sync.sync`). A step with nothing to train on (every group's rewards equal)
 is a whole step all the same: logged, counted, checkpointed when due; its policy is the previous
@@ -37,6 +37,7 @@ from rlactors.losses import LossNorm
 from rlactors.metrics import EnvErrorLog, MetricsLogger
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.env import SampleStream, load_env
+from rlactors.rollout.producer import RolloutProducer
 from rlactors.rollout.rollouter import Rollouter, group_number, summarize as summarize_groups
 from rlactors.rollout.types import Episode, Rollout, RolloutGroup
 from rlactors.trainer.checkpoint import checkpoint_dir, is_complete, latest_checkpoint
@@ -87,11 +88,7 @@ class Controller:
         self.checkpoint_root = self.run_dir / "checkpoints"
         self.step = 0
         self.policy_version = 0  # the trainer's
-        self.generator_step = 0  # the newest step whose policy every live replica holds
-        self._generator_step_reached = asyncio.Condition()
-        # Step -> (samples, rollouter) states when its groups were started: where a resume after
-        # the step before it continues.
-        self._next_step_state: dict[int, tuple[dict[str, int], dict[str, int]]] = {}
+        self.producer: RolloutProducer | None = None  # while train() runs
         self._env_errors: EnvErrorLog | None = None
         self._told_no_signal = False
         self.interrupt_report: str | None = None  # the line that says what Ctrl-C kept
@@ -242,24 +239,6 @@ class Controller:
                         session_id: str | None = None) -> Completion:
         return await self.router.generate.call_one(prompt_token_ids, sampling, request_id, session_id)
 
-    async def _reach_generator_step(self, step: int) -> None:
-        """The generators hold the policy of `step` (pushed, or unchanged by it)."""
-        async with self._generator_step_reached:
-            self.generator_step = step
-            self._generator_step_reached.notify_all()
-
-    async def _produce(self, queue: asyncio.Queue, ahead: int) -> None:
-        """Starts each step's groups once the generators hold the policy of step `s - 1 - ahead`;
-        finished groups (or the exception that ended one) go to `queue` in completion order."""
-        c = self.config
-        for step in range(self.step + 1, c.controller.steps + 1):
-            async with self._generator_step_reached:
-                await self._generator_step_reached.wait_for(lambda: self.generator_step >= step - 1 - ahead)
-            self._next_step_state[step] = (self.samples.state_dict(), self.rollouter.state_dict())
-            for sample in self.samples.next(c.rollout.prompts_per_step):
-                task = asyncio.ensure_future(self.rollouter.run_group(sample))
-                task.add_done_callback(lambda t: queue.put_nowait(t.exception() or t.result()))
-
     # -- training -----------------------------------------------------------------------------
 
     async def run(self) -> list[dict[str, float]]:
@@ -300,40 +279,39 @@ class Controller:
 
     async def train(self) -> list[dict[str, float]]:
         c = self.config
-        ahead = 0 if c.controller.mode == "sync" else c.controller.max_staleness
         metrics_log = MetricsLogger(self.run_dir, c.controller.steps, resume_step=self.step)
         self._env_errors = EnvErrorLog(self.run_dir, resume_step=self.step)
-        await self._reach_generator_step(self.step)  # start() pushed the resumed policy, if any
         await self._generator_metrics()  # the first reading of generator busy time, for step 1's idle fraction
-        queue: asyncio.Queue = asyncio.Queue()
-        producer = asyncio.ensure_future(self._produce(queue, ahead))
+        # The generators hold the policy of self.step: start() pushed the resumed one, if any.
+        self.producer = RolloutProducer(self.rollouter, self.samples, c.rollout.prompts_per_step,
+                                        ahead=0 if c.controller.mode == "sync" else c.controller.max_staleness,
+                                        first_step=self.step + 1, last_step=c.controller.steps)
+        self.producer.start()
         history = []
         try:
             while self.step < c.controller.steps:
-                history.append(await self._train_step(queue, metrics_log))
-                if producer.done() and producer.exception() is not None:
-                    raise producer.exception()
+                history.append(await self._train_step(metrics_log))
         except SupervisionError as e:
             # A proc died (trainer or router): stop with what died and where to resume from.
             raise TrainingError(f"step {self.step + 1}: {' '.join(str(e).split())}; {self._last_checkpoint()}; "
                                 "continue with --resume") from None
         finally:
-            producer.cancel()
+            await self.producer.stop()
             png = metrics_log.close()
         if png is not None:
             print(f"reward curve: {png}", flush=True)
         return history
 
-    async def _train_step(self, queue: asyncio.Queue, metrics_log: MetricsLogger) -> dict[str, float]:
+    async def _train_step(self, metrics_log: MetricsLogger) -> dict[str, float]:
         c = self.config
         step = self.step + 1
         step_start = time.perf_counter()
         groups: list[RolloutGroup] = []
         while len(groups) < c.rollout.prompts_per_step:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise TrainingError(f"step {step}: a rollout group failed: {item!r}") from item
-            groups.append(item)
+            try:
+                groups.append(await self.producer.next_group())
+            except Exception as e:  # noqa: BLE001 - whatever ended the group ends the run
+                raise TrainingError(f"step {step}: a rollout group failed: {e!r}") from e
         rollout_wait = time.perf_counter() - step_start
         groups.sort(key=group_number)  # the same batch whatever order the groups finished in
         # From here the step completes even when interrupted: a run stopped in the middle of an
@@ -380,7 +358,7 @@ class Controller:
         sync_start = time.perf_counter()
         sync = await self._push_weights() if self.weight_sync.version != self.policy_version else {}
         sync_s = time.perf_counter() - sync_start
-        await self._reach_generator_step(step)
+        await self.producer.reached(step)
         step_s = time.perf_counter() - step_start
 
         generated = sum(r.num_generated_tokens for g in groups for r in g.rollouts)
@@ -471,9 +449,9 @@ class Controller:
             await self.save_checkpoint()
 
     async def save_checkpoint(self) -> Path:
-        samples, rollouter = self._next_step_state.get(self.step + 1) or (self.samples.state_dict(),
-                                                                          self.rollouter.state_dict())
-        state = ResumeState(self.step, self.policy_version, samples, rollouter)
+        resume = (self.producer.resume_state(self.step + 1) if self.producer is not None else
+                  {"samples": self.samples.state_dict(), "rollouter": self.rollouter.state_dict()})
+        state = ResumeState(self.step, self.policy_version, **resume)
         path = await self.trainer.save_checkpoint.call(str(self.checkpoint_root), self.step,
                                                        {CONTROLLER_STATE: json.dumps(state.__dict__)})
         return Path(first_value(path))

@@ -3,9 +3,45 @@ from pathlib import Path
 
 import pytest
 
-from rlactors.config import Config, ConfigError, build_dataclass, cuda_visible_devices, dump_toml, gpu_layout, load_config
+from rlactors import config as config_module
+from rlactors.config import (
+    Config,
+    ConfigError,
+    GeneratorConfig,
+    LossConfig,
+    ModelConfig,
+    build_dataclass,
+    cuda_visible_devices,
+    dump_toml,
+    gpu_layout,
+)
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+
+
+def load_config(path=None, overrides=(), available_gpus=None):
+    """rlactors.config.load_config with a model.path (it has no default) before the overrides."""
+    return config_module.load_config(path, ['model.path="ckpt"', *overrides], available_gpus)
+
+
+def test_model_path_has_no_default():
+    for overrides in ([], ["model.dtype=bfloat16"]):
+        with pytest.raises(ConfigError, match=r"^model\.path: missing; it has no default \(set it in the config "
+                                              r"file, or as model\.path=\.\.\.\)$"):
+            config_module.load_config(None, overrides)
+    with pytest.raises(ConfigError, match=r"^model\.path: must name a checkpoint directory"):
+        config_module.load_config(None, ['model.path=""'])
+    with pytest.raises(TypeError, match="path"):
+        ModelConfig()
+
+
+def test_a_section_checks_its_values_when_it_is_made():
+    """Whoever holds a section holds a valid one: the Batcher, trainer and engines check nothing again."""
+    with pytest.raises(ConfigError, match=r"^generator\.kv_cache_tokens: must hold at least one full sequence"):
+        GeneratorConfig(kv_cache_tokens=100, max_model_len=512)
+    with pytest.raises(ConfigError, match=r"^loss\.clip_low: must be in \[0, 1\)"):
+        LossConfig(clip_low=1.5)
+    assert ModelConfig(path="ckpt").path == "ckpt"
 
 
 def test_defaults_validate():

@@ -53,8 +53,8 @@ def reference_logprobs(model, prompt: list[int], completion: list[int]) -> torch
 
 def async_engine(ckpt, mode: str = "drain") -> AsyncEngine:
     model = from_pretrained(ckpt, dtype="float32")
-    return AsyncEngine(NativeEngine(model, max_num_seqs=8, max_num_tokens=256, kv_cache_tokens=2048,
-                                    max_model_len=512), default_update_mode=mode)
+    return AsyncEngine(NativeEngine(model, GeneratorConfig(max_num_seqs=8, max_num_tokens=256, kv_cache_tokens=2048,
+                                                           max_model_len=512)), default_update_mode=mode)
 
 
 async def until(condition, timeout: float = 30.0) -> None:
@@ -216,8 +216,8 @@ class StagingEngine(NativeEngine):
 
 def staging_engine(ckpt) -> AsyncEngine:
     model = from_pretrained(ckpt, dtype="float32")
-    return AsyncEngine(StagingEngine(model, max_num_seqs=8, max_num_tokens=256, kv_cache_tokens=2048,
-                                     max_model_len=512))
+    return AsyncEngine(StagingEngine(model, GeneratorConfig(max_num_seqs=8, max_num_tokens=256, kv_cache_tokens=2048,
+                                                            max_model_len=512)))
 
 
 def test_broadcast_weights_are_verified_at_once_and_the_newest_is_loaded_after_the_drain(tiny_ckpt):

@@ -113,10 +113,7 @@ class GeneratorRouter(Actor):
                  gpu_ids: Sequence[Sequence[int]] | None = None, hosts: Any = None):
         g = generator_config
         self.hosts = hosts if hosts is not None else this_host()
-        host_count = num_hosts(self.hosts)
-        if g.replicas % host_count:
-            raise ValueError(f"generator.replicas={g.replicas} do not split evenly over {host_count} hosts")
-        self.replicas_per_host = g.replicas // host_count
+        self.replicas_per_host = g.replicas // num_hosts(self.hosts)  # they split evenly (Config.validate)
         if gpu_ids is not None:
             if len(gpu_ids) != g.replicas or any(len(ids) != g.tp for ids in gpu_ids):
                 raise ValueError(f"gpu_ids must list generator.tp={g.tp} GPU ids for each of the "

@@ -57,7 +57,6 @@ class Rollouter:
     """
 
     def __init__(self, env: TokenEnv, generate: GenerateFn, config: RolloutConfig, seed: int = 0) -> None:
-        config.validate("rollout")
         self.env = env
         self.generate = generate
         self.config = config

@@ -28,10 +28,10 @@ BASE = ['model.path="/nonexistent/never-read"', 'controller.run_dir="/nonexisten
 def config_fields() -> dict[str, typing.Any]:
     """Every leaf key of Config (`section.field`) and its annotation."""
     fields = {}
-    for section in dataclasses.fields(Config):
-        hints = typing.get_type_hints(section.default_factory)
-        for f in dataclasses.fields(section.default_factory):
-            fields[f"{section.name}.{f.name}"] = hints[f.name]
+    for section, cls in typing.get_type_hints(Config).items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            fields[f"{section}.{f.name}"] = hints[f.name]
     return fields
 
 

@@ -222,7 +222,7 @@ class JobConfig(_Section):
 
 @dataclass
 class EnvConfig(_Section):
-    name: str = "examples.alphabet_sort.env:AlphabetSortEnv"  # "module:Class"
+    name: str = "rlactors_examples.alphabet_sort.env:AlphabetSortEnv"  # "module:Class"
     # Checked by the env's own Config. A config file's args go with the env it names: overriding
     # env.name drops them (load_config).
     args: dict[str, Any] = field(default_factory=dict)

@@ -162,9 +162,9 @@ def test_file_errors(tmp_path):
 
 def test_a_config_files_env_args_go_only_with_the_env_it_names(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('[env]\nname = "examples.alphabet_sort.env:AlphabetSortEnv"\nargs = { max_turns = 2 }\n')
+    path.write_text('[env]\nname = "rlactors_examples.alphabet_sort.env:AlphabetSortEnv"\nargs = { max_turns = 2 }\n')
     assert load_config(path).env.args == {"max_turns": 2}
-    same = load_config(path, ['env.name="examples.alphabet_sort.env:AlphabetSortEnv"'])
+    same = load_config(path, ['env.name="rlactors_examples.alphabet_sort.env:AlphabetSortEnv"'])
     assert same.env.args == {"max_turns": 2}
     other = load_config(path, ['env.name="my_envs.reverse:ReverseEnv"'])
     assert (other.env.name, other.env.args) == ("my_envs.reverse:ReverseEnv", {})

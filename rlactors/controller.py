@@ -296,8 +296,10 @@ class Controller:
             raise TrainingError(f"step {self.step + 1}: {' '.join(str(e).split())}; {self._last_checkpoint()}; "
                                 "continue with --resume") from None
         finally:
-            await self.producer.stop()
-            png = metrics_log.close()
+            try:
+                await self.producer.stop()
+            finally:
+                png = metrics_log.close()
         if png is not None:
             print(f"reward curve: {png}", flush=True)
         return history

@@ -17,19 +17,16 @@ import argparse
 import asyncio
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `examples`
-
-from examples.alphabet_sort.env import AlphabetSortConfig, AlphabetSortEnv, reference_reply  # noqa: E402
-from rlactors.config import BatcherConfig, RolloutConfig  # noqa: E402
-from rlactors.models.tiny import make_tiny_checkpoint  # noqa: E402
-from rlactors.models.tokenizer import load_tokenizer  # noqa: E402
-from rlactors.rollout import Batcher, Rollouter, SampleStream  # noqa: E402
-from rlactors.types import Completion  # noqa: E402
+from rlactors.config import BatcherConfig, RolloutConfig
+from rlactors.models.tiny import make_tiny_checkpoint
+from rlactors.models.tokenizer import load_tokenizer
+from rlactors.rollout import Batcher, Rollouter, SampleStream
+from rlactors.types import Completion
+from rlactors_examples.alphabet_sort.env import AlphabetSortConfig, AlphabetSortEnv, reference_reply
 
 LAYOUTS = [  # (row_tokens, rows_per_microbatch, dp ranks)
     (1024, 4, 1),

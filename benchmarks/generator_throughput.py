@@ -49,11 +49,12 @@ def timed(fn) -> tuple[float, float, int]:
 
 
 def native_run(model, prompts, max_tokens: int, max_num_seqs: int) -> int:
+    from rlactors.config import GeneratorConfig
     from rlactors.engines.native import NativeEngine
     from rlactors.types import SamplingParams
 
-    engine = NativeEngine(model, max_num_seqs=max_num_seqs, max_num_tokens=2048, kv_cache_tokens=65536,
-                          block_size=16, max_model_len=2048)
+    engine = NativeEngine(model, GeneratorConfig(max_num_seqs=max_num_seqs, max_num_tokens=2048, kv_cache_tokens=65536,
+                                                 block_size=16, max_model_len=2048))
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     tokens = 0

@@ -21,11 +21,12 @@ import torch
 
 def generate(model, prompts: list[list[int]], max_tokens: int, true_on_policy: bool) -> float:
     """Seconds to generate every completion in one engine."""
+    from rlactors.config import GeneratorConfig
     from rlactors.engines.native import NativeEngine
     from rlactors.types import SamplingParams
 
-    engine = NativeEngine(model, max_num_seqs=len(prompts), max_num_tokens=2048, kv_cache_tokens=65536,
-                          block_size=16, max_model_len=2048, true_on_policy=true_on_policy)
+    engine = NativeEngine(model, GeneratorConfig(max_num_seqs=len(prompts), max_num_tokens=2048, kv_cache_tokens=65536,
+                                                 block_size=16, max_model_len=2048), true_on_policy=true_on_policy)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))

@@ -1,12 +1,15 @@
 """Typed run configuration: dataclasses, TOML files, `a.b=value` overrides.
 
-Every value is checked when the config is loaded, so a wrong key, type or value fails before any
-process is spawned, with a message that names the key (`trainer.lr: expected a number, got 'x'`).
+Every value is checked once, when the config is built (each section checks its own values as it
+is made, `Config.validate` the combinations when a file is loaded), so a wrong key, type or value
+fails before any process is spawned, with a message that names the key (`trainer.lr: expected a
+number, got 'x'`). Whoever holds a section holds a valid one and checks nothing again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -18,6 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+# The choices of the Literal fields that code outside this module also names.
+UpdateMode = Literal["drain", "hot_swap"]
+AdvantageMethod = Literal["grpo", "dr_grpo"]
+LossName = Literal["grpo", "dapo", "dr_grpo", "sft"]
+
 
 class ConfigError(ValueError):
     """A config value is missing, unknown, of the wrong type or impossible."""
@@ -28,9 +36,19 @@ def _check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+class _Section:
+    """A section of the Config (`[model]`, `[trainer]`, ...): its values are checked when it is made."""
+
+    def __post_init__(self) -> None:
+        self.validate(_section_keys()[type(self)])
+
+    def validate(self, key: str) -> None:
+        """Raises ConfigError naming `key.field` for a value that is impossible on its own."""
+
+
 @dataclass
-class ModelConfig:
-    path: str = "runs/checkpoints/alphabet_sort_warm"  # an HF checkpoint dir
+class ModelConfig(_Section):
+    path: str  # an HF checkpoint dir
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # generator/compute dtype
     true_on_policy: bool = False  # batch-invariant kernels: trainer logprobs == generator's
 
@@ -39,7 +57,7 @@ class ModelConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(_Section):
     ranks: int = 2  # trainer procs; one GPU each on CUDA
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)
@@ -62,7 +80,7 @@ class TrainerConfig:
 
 
 @dataclass
-class GeneratorConfig:
+class GeneratorConfig(_Section):
     engine: Literal["native", "vllm"] = "native"
     replicas: int = 2
     tp: int = 1  # GPUs per replica (vllm)
@@ -72,12 +90,13 @@ class GeneratorConfig:
     block_size: int = 16  # native KV cache block, in tokens
     max_model_len: int = 2048
     gpu_memory_utilization: float = 0.5  # vllm
-    update_mode: Literal["drain", "hot_swap"] = "drain"
+    update_mode: UpdateMode = "drain"
     restart_dead: bool = True
     # How weights reach the replicas: "messages" (full tensors over Monarch; a dead replica is
     # restarted at the current version) or "broadcast" (one packed buffer from trainer rank 0:
     # NCCL on GPUs, gloo on CPU; faster, but the group is fixed, so a dead replica stops the run).
-    # "auto": broadcast for vLLM replicas on GPUs of their own, messages otherwise.
+    # "auto": broadcast for vLLM replicas on GPUs of their own (NCCL cannot join two ranks on one
+    # GPU), messages otherwise; resolved when the Config is made, so only those two go further.
     weight_sync: Literal["auto", "messages", "broadcast"] = "auto"
 
     def validate(self, key: str) -> None:
@@ -92,7 +111,7 @@ class GeneratorConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(_Section):
     group_size: int = 8  # rollouts per prompt (G)
     prompts_per_step: int = 8
     max_turns: int = 3
@@ -102,7 +121,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    advantage: Literal["grpo", "dr_grpo"] = "grpo"
+    advantage: AdvantageMethod = "grpo"
     keep_zero_variance_groups: bool = False
     error_reward: float = 0.0
     # Over-long responses, as in DAPO. mask_truncated: rollouts cut by a token limit
@@ -131,7 +150,7 @@ class RolloutConfig:
 
 
 @dataclass
-class BatcherConfig:
+class BatcherConfig(_Section):
     row_tokens: int = 1024  # token budget of one packed row
     rows_per_microbatch: int = 4
     overlong: Literal["truncate", "drop"] = "truncate"
@@ -142,8 +161,8 @@ class BatcherConfig:
 
 
 @dataclass
-class LossConfig:
-    name: Literal["grpo", "dapo", "dr_grpo", "sft"] = "grpo"
+class LossConfig(_Section):
+    name: LossName = "grpo"
     clip_low: float = 0.2
     clip_high: float = 0.2  # DAPO uses a higher upper clip, e.g. 0.28
     tis_cap: float = 0.0  # truncated importance sampling cap on trainer/generator ratio; 0 = off
@@ -155,7 +174,7 @@ class LossConfig:
 
 
 @dataclass
-class ControllerConfig:
+class ControllerConfig(_Section):
     device: Literal["cpu", "cuda"] = "cpu"
     colocate: bool = False  # CUDA: generators share the trainer's GPUs (single-GPU machines)
     steps: int = 20
@@ -175,7 +194,7 @@ class ControllerConfig:
 
 
 @dataclass
-class JobConfig:
+class JobConfig(_Section):
     """Where the meshes run. 'local': every proc on this host. 'process': each host is a worker
     process of a Monarch ProcessJob on this machine (CPU: tries a multi-host layout, and the tests
     run one). 'slurm': the hosts of a Monarch SlurmJob, one sbatch allocation for the run."""
@@ -202,8 +221,8 @@ class JobConfig:
 
 
 @dataclass
-class EnvConfig:
-    name: str = "examples.alphabet_sort.env:AlphabetSortEnv"  # "module:Class"
+class EnvConfig(_Section):
+    name: str = "rlactors_examples.alphabet_sort.env:AlphabetSortEnv"  # "module:Class"
     # Checked by the env's own Config. A config file's args go with the env it names: overriding
     # env.name drops them (load_config).
     args: dict[str, Any] = field(default_factory=dict)
@@ -214,7 +233,7 @@ class EnvConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig  # model.path has no default: a run names its checkpoint
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -224,10 +243,15 @@ class Config:
     job: JobConfig = field(default_factory=JobConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
 
+    def __post_init__(self) -> None:
+        g = self.generator
+        if g.weight_sync == "auto":
+            variant = "broadcast" if g.engine == "vllm" and not self.controller.colocate else "messages"
+            self.generator = dataclasses.replace(g, weight_sync=variant)
+
     def validate(self, available_gpus: int | None = None) -> None:
-        """Checks every section, then the combinations; `available_gpus` defaults to this host's."""
-        for f in dataclasses.fields(self):
-            getattr(self, f.name).validate(f.name)
+        """Checks the combinations of the sections' values (each section checked its own when it
+        was made); `available_gpus` defaults to this host's."""
         c = self
         _check(c.rollout.max_total_tokens <= c.generator.max_model_len, "rollout.max_total_tokens",
                f"exceeds generator.max_model_len ({c.generator.max_model_len})")
@@ -271,6 +295,12 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@functools.cache
+def _section_keys() -> dict[type, str]:
+    """Each section's class -> its key in the Config (ModelConfig -> "model")."""
+    return {hint: name for name, hint in typing.get_type_hints(Config).items()}
 
 
 def gpu_layout(config: Config) -> tuple[list[int], list[list[int]]]:
@@ -372,6 +402,14 @@ def build_dataclass(cls: type, values: dict[str, Any], key: str = "") -> Any:
         if name not in known:
             raise ConfigError(f"{where}{name}: unknown key (known: {', '.join(sorted(known))})")
     kwargs = {name: _coerce(v, hints[name], f"{where}{name}") for name, v in values.items()}
+    for f in dataclasses.fields(cls):
+        if f.name in kwargs or f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):  # a section with a required key
+            kwargs[f.name] = build_dataclass(hints[f.name], {}, f"{where}{f.name}")
+        else:
+            raise ConfigError(f"{where}{f.name}: missing; it has no default (set it in the config file, "
+                              f"or as {where}{f.name}=...)")
     return cls(**kwargs)
 
 

@@ -1,12 +1,12 @@
 """Controller: from one Config, spawn the trainer mesh and the generator router, and train.
 
-Sync and async training are one loop. A producer starts the rollout groups of step `s` once the
-generators hold the policy of step `s - 1 - ahead`, where `ahead` is 0 in sync mode (every token
-of step `s` comes from the policy of step `s - 1`) and `controller.max_staleness` in async mode
-(generation runs up to that many steps ahead of the trainer and never waits for a step to
-finish). The trainer takes `rollout.prompts_per_step` finished groups per step, drops episodes
+Sync and async training are one loop. A RolloutProducer starts the rollout groups of step `s`
+once the generators hold the policy of step `s - 1 - ahead`, where `ahead` is 0 in sync mode
+(every token of step `s` comes from the policy of step `s - 1`) and `controller.max_staleness` in
+async mode (generation runs up to that many steps ahead of the trainer and never waits for a step
+to finish); its tasks end with the loop. The trainer takes `rollout.prompts_per_step` finished groups per step, drops episodes
 older than `max_staleness` versions (counted), trains, and pushes the new weights to every
-replica, verified by checksum. A step with nothing to train on (every group's rewards equal)
+replica, verified by checksum (`rlactors.weight_sync.sync`). A step with nothing to train on (every group's rewards equal)
 is a whole step all the same: logged, counted, checkpointed when due; its policy is the previous
 step's, which the generators hold already.
 
@@ -24,13 +24,12 @@ import math
 import sys
 import time
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-from monarch.actor import ActorError
 
 from rlactors.config import Config, dump_toml, gpu_layout
 from rlactors.hosts import Hosts, allocate_hosts, first_value
@@ -38,17 +37,16 @@ from rlactors.losses import LossNorm
 from rlactors.metrics import EnvErrorLog, MetricsLogger
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.env import SampleStream, load_env
+from rlactors.rollout.producer import RolloutProducer
 from rlactors.rollout.rollouter import Rollouter, group_number, summarize as summarize_groups
 from rlactors.rollout.types import Episode, Rollout, RolloutGroup
 from rlactors.trainer.checkpoint import checkpoint_dir, is_complete, latest_checkpoint
 from rlactors.types import Completion, SamplingParams
+from rlactors.weight_sync.sync import BroadcastStuck, NoReplicaUp, WeightSync, WeightSyncError, create_weight_sync
 
 logger = logging.getLogger(__name__)
 
 CONTROLLER_STATE = "controller_state.json"
-# A weight broadcast still running this long after one of its members died is stuck: NCCL waits
-# for every member for ever (gloo fails by itself at once).
-BROADCAST_DEATH_GRACE_S = 2.0
 # Settings a resumed run must keep: another env or seed would make it a different run.
 FIXED_ON_RESUME = ("env.name", "env.args", "controller.seed")
 # What to try when steps train nothing because every group's rewards are equal.
@@ -90,12 +88,7 @@ class Controller:
         self.checkpoint_root = self.run_dir / "checkpoints"
         self.step = 0
         self.policy_version = 0  # the trainer's
-        self.generator_version = 0  # the newest version every live replica holds
-        self.generator_step = 0  # the newest step whose policy every live replica holds
-        self._generator_step_reached = asyncio.Condition()
-        # Step -> (samples, rollouter) states when its groups were started: where a resume after
-        # the step before it continues.
-        self._next_step_state: dict[int, tuple[dict[str, int], dict[str, int]]] = {}
+        self.producer: RolloutProducer | None = None  # while train() runs
         self._env_errors: EnvErrorLog | None = None
         self._told_no_signal = False
         self.interrupt_report: str | None = None  # the line that says what Ctrl-C kept
@@ -105,16 +98,7 @@ class Controller:
         self._generator_busy: tuple[float, float] | None = None  # (time, busy seconds of all replicas)
         self.trainer = None
         self.router = None
-
-    @property
-    def broadcast_weight_sync(self) -> bool:
-        """Weights by broadcast from trainer rank 0 (`generator.weight_sync`; by default for vLLM
-        replicas on GPUs of their own: NCCL cannot join two ranks on one GPU), else in Monarch
-        messages."""
-        c = self.config
-        if c.generator.weight_sync == "auto":
-            return c.generator.engine == "vllm" and not c.controller.colocate
-        return c.generator.weight_sync == "broadcast"
+        self.weight_sync: WeightSync | None = None
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -161,8 +145,8 @@ class Controller:
                                          self._hosts.generators)
         await self._print_placement(ranks)
 
-        if self.broadcast_weight_sync:
-            await self._form_weight_group(await self.router.plan_weight_group.call_one())
+        self.weight_sync = create_weight_sync(c, self.trainer, self.router)
+        await self._sync_call(self.weight_sync.start())
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(dump_toml(c))
         if resume_from is not None:
@@ -171,7 +155,7 @@ class Controller:
     async def _print_placement(self, ranks: list[dict[str, Any]]) -> None:
         """One line: the host of each trainer rank and of each generator replica, in order."""
         stats = await self.router.stats.call_one()
-        replica_hosts = [r["engine"]["host"] if r["engine"] else "dead" for r in stats["replicas"]]
+        replica_hosts = [r["engine"]["host"] if r["engine"] else r["state"] for r in stats["replicas"]]
         print(f"trainer ranks on {', '.join(r['host'] for r in ranks)}; "
               f"generator replicas on {', '.join(replica_hosts)}", flush=True)
 
@@ -255,24 +239,6 @@ class Controller:
                         session_id: str | None = None) -> Completion:
         return await self.router.generate.call_one(prompt_token_ids, sampling, request_id, session_id)
 
-    async def _reach_generator_step(self, step: int) -> None:
-        """The generators hold the policy of `step` (pushed, or unchanged by it)."""
-        async with self._generator_step_reached:
-            self.generator_step = step
-            self._generator_step_reached.notify_all()
-
-    async def _produce(self, queue: asyncio.Queue, ahead: int) -> None:
-        """Starts each step's groups once the generators hold the policy of step `s - 1 - ahead`;
-        finished groups (or the exception that ended one) go to `queue` in completion order."""
-        c = self.config
-        for step in range(self.step + 1, c.controller.steps + 1):
-            async with self._generator_step_reached:
-                await self._generator_step_reached.wait_for(lambda: self.generator_step >= step - 1 - ahead)
-            self._next_step_state[step] = (self.samples.state_dict(), self.rollouter.state_dict())
-            for sample in self.samples.next(c.rollout.prompts_per_step):
-                task = asyncio.ensure_future(self.rollouter.run_group(sample))
-                task.add_done_callback(lambda t: queue.put_nowait(t.exception() or t.result()))
-
     # -- training -----------------------------------------------------------------------------
 
     async def run(self) -> list[dict[str, float]]:
@@ -313,40 +279,41 @@ class Controller:
 
     async def train(self) -> list[dict[str, float]]:
         c = self.config
-        ahead = 0 if c.controller.mode == "sync" else c.controller.max_staleness
         metrics_log = MetricsLogger(self.run_dir, c.controller.steps, resume_step=self.step)
         self._env_errors = EnvErrorLog(self.run_dir, resume_step=self.step)
-        await self._reach_generator_step(self.step)  # start() pushed the resumed policy, if any
         await self._generator_metrics()  # the first reading of generator busy time, for step 1's idle fraction
-        queue: asyncio.Queue = asyncio.Queue()
-        producer = asyncio.ensure_future(self._produce(queue, ahead))
+        # The generators hold the policy of self.step: start() pushed the resumed one, if any.
+        self.producer = RolloutProducer(self.rollouter, self.samples, c.rollout.prompts_per_step,
+                                        ahead=0 if c.controller.mode == "sync" else c.controller.max_staleness,
+                                        first_step=self.step + 1, last_step=c.controller.steps)
+        self.producer.start()
         history = []
         try:
             while self.step < c.controller.steps:
-                history.append(await self._train_step(queue, metrics_log))
-                if producer.done() and producer.exception() is not None:
-                    raise producer.exception()
+                history.append(await self._train_step(metrics_log))
         except SupervisionError as e:
             # A proc died (trainer or router): stop with what died and where to resume from.
             raise TrainingError(f"step {self.step + 1}: {' '.join(str(e).split())}; {self._last_checkpoint()}; "
                                 "continue with --resume") from None
         finally:
-            producer.cancel()
-            png = metrics_log.close()
+            try:
+                await self.producer.stop()
+            finally:
+                png = metrics_log.close()
         if png is not None:
             print(f"reward curve: {png}", flush=True)
         return history
 
-    async def _train_step(self, queue: asyncio.Queue, metrics_log: MetricsLogger) -> dict[str, float]:
+    async def _train_step(self, metrics_log: MetricsLogger) -> dict[str, float]:
         c = self.config
         step = self.step + 1
         step_start = time.perf_counter()
         groups: list[RolloutGroup] = []
         while len(groups) < c.rollout.prompts_per_step:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise TrainingError(f"step {step}: a rollout group failed: {item!r}") from item
-            groups.append(item)
+            try:
+                groups.append(await self.producer.next_group())
+            except Exception as e:  # noqa: BLE001 - whatever ended the group ends the run
+                raise TrainingError(f"step {step}: a rollout group failed: {e!r}") from e
         rollout_wait = time.perf_counter() - step_start
         groups.sort(key=group_number)  # the same batch whatever order the groups finished in
         # From here the step completes even when interrupted: a run stopped in the middle of an
@@ -391,9 +358,9 @@ class Controller:
             checkpoint_s = time.perf_counter() - checkpoint_start
 
         sync_start = time.perf_counter()
-        sync = await self._push_weights() if self.generator_version != self.policy_version else {}
+        sync = await self._push_weights() if self.weight_sync.version != self.policy_version else {}
         sync_s = time.perf_counter() - sync_start
-        await self._reach_generator_step(step)
+        await self.producer.reached(step)
         step_s = time.perf_counter() - step_start
 
         generated = sum(r.num_generated_tokens for g in groups for r in g.rollouts)
@@ -453,83 +420,24 @@ class Controller:
         metrics.update(packed.metrics)
         return metrics
 
-    async def _form_weight_group(self, plan: dict[str, Any]) -> None:
-        """Replicas get weights by broadcast from trainer rank 0: form that group with the
-        replicas `plan` (the router's `plan_weight_group`) names, on a new port. A group's members
-        are fixed, so one is formed at start and again whenever a member died or a restarted
-        replica is up; every member keeps its buffers."""
-        if not plan["members"]:
+    async def _push_weights(self) -> dict[str, float]:
+        """The trainer's current policy to every replica (`WeightSync.push`); its timings."""
+        return await self._sync_call(self.weight_sync.push())
+
+    async def _sync_call(self, call: Awaitable[Any]) -> Any:
+        """`call` (a WeightSync step), its failure as the TrainingError that stops the run."""
+        try:
+            return await call
+        except NoReplicaUp as e:
             saved = "no step was trained yet"
             if self.step:
                 await self._save_step_once()
                 saved = f"the state after step {self.step} is saved in {self.checkpoint_root}"
-            raise TrainingError(f"no generator replica is up to receive the weights; {saved}")
-        dtype = self.config.model.dtype
-        host, port = first_value(await self.trainer.weight_sync_address.call())
-        layout = first_value(await self.trainer.weight_layout.call(dtype))
-        await asyncio.gather(self.trainer.init_weight_sender.call(host, port, plan["world_size"], dtype),
-                             self.router.join_weight_group.call_one(host, port, layout))
-
-    async def _push_weights(self) -> dict[str, float]:
-        """The trainer's current policy to every replica, verified by checksum on arrival.
-
-        Returns once every replica has verified the weights; each loads them at its next step
-        boundary (after a drain, or at once for a hot swap) and admits no request before that.
-        Returns seconds spent gathering the weights (and packing, checksumming) and moving them
-        (transfer and verification), and the bytes moved to each replica."""
-        mode = self.config.generator.update_mode
-        start, details = time.perf_counter(), {}
-        if self.broadcast_weight_sync:
-            packed, plan = await asyncio.gather(self.trainer.pack_weights.call(),
-                                                self.router.plan_weight_group.call_one())
-            if plan["stale"]:  # a member died, or a restarted replica waits for weights
-                await self._form_weight_group(plan)
-            packed = first_value(packed)
-            version, gathered = packed["version"], time.perf_counter()
-            try:
-                sent, received = await self._broadcast(version, packed["checksum"], mode)
-            except ActorError as e:  # a replica rejected the weights (checksum), or a side failed
-                raise TrainingError(f"weight sync of policy version {version} failed: {e.exception}") from None
-            sender, replicas = first_value(sent), received["replicas"]
-            num_bytes = sender["bytes"]
-            # Where the time went: the trainer's gather and checksum, its broadcast (which waits
-            # for every receiver to join), and the slowest replica's receive + checksum check.
-            # The replicas load after this returns, between engine steps.
-            details = {"pack_s": packed["pack_s"], "checksum_s": packed["checksum_s"],
-                       "broadcast_s": sender["broadcast_s"],
-                       "replica_receive_verify_s": max((r["receive_verify_s"] for r in replicas), default=0.0)}
-        else:
-            weights = first_value(await self.trainer.state_dict_for_sync.call(self.config.model.dtype))
-            version, gathered = weights.version, time.perf_counter()
-            try:
-                await self.router.update_weights.call_one(version, weights.weights, weights.checksum, mode)
-            except ActorError as e:  # a replica rejected the weights (checksum, names, shapes)
-                raise TrainingError(f"weight sync of policy version {version} failed: {e.exception}") from None
-            num_bytes = float(sum(t.numel() * t.element_size() for t in weights.weights.values()))
-        done = time.perf_counter()
-        self.generator_version = version
-        return {"gather_s": gathered - start, "transfer_s": done - gathered, "bytes": num_bytes, **details}
-
-    async def _broadcast(self, version: int, checksum: str, mode: str) -> tuple[Any, dict[str, Any]]:
-        """The trainer's broadcast together with every member's receive. While they run the router
-        is asked every 0.5 s which members have died: a broadcast that outlives a member's death by
-        BROADCAST_DEATH_GRACE_S stops the run. The trainer is then stuck in the collective, so
-        nothing more is saved."""
-        transfer = asyncio.ensure_future(asyncio.gather(
-            self.trainer.broadcast_weights.call(), self.router.receive_weights.call_one(version, checksum, mode)))
-        dead_since = None
-        while not (await asyncio.wait([transfer], timeout=0.5))[0]:
-            dead = await self.router.dead_weight_group_members.call_one()
-            if not dead:
-                continue
-            dead_since = dead_since or time.monotonic()
-            if time.monotonic() - dead_since >= BROADCAST_DEATH_GRACE_S:
-                transfer.cancel()
-                transfer.add_done_callback(lambda f: f.cancelled() or f.exception())  # abandoned, not an error
-                raise TrainingError(f"weight sync of policy version {version}: generator replica(s) {dead} died "
-                                    f"during the broadcast, which waits for every member; {self._last_checkpoint()}; "
-                                    "continue with --resume")
-        return transfer.result()
+            raise TrainingError(f"{e}; {saved}") from None
+        except BroadcastStuck as e:  # the trainer is stuck in the collective: nothing more is saved
+            raise TrainingError(f"{e}; {self._last_checkpoint()}; continue with --resume") from None
+        except WeightSyncError as e:
+            raise TrainingError(str(e)) from None
 
     def _last_checkpoint(self) -> str:
         """Where a stopped run resumes from, for its error line."""
@@ -543,16 +451,17 @@ class Controller:
             await self.save_checkpoint()
 
     async def save_checkpoint(self) -> Path:
-        samples, rollouter = self._next_step_state.get(self.step + 1) or (self.samples.state_dict(),
-                                                                          self.rollouter.state_dict())
-        state = ResumeState(self.step, self.policy_version, samples, rollouter)
+        resume = (self.producer.resume_state(self.step + 1) if self.producer is not None else
+                  {"samples": self.samples.state_dict(), "rollouter": self.rollouter.state_dict()})
+        state = ResumeState(self.step, self.policy_version, **resume)
         path = await self.trainer.save_checkpoint.call(str(self.checkpoint_root), self.step,
                                                        {CONTROLLER_STATE: json.dumps(state.__dict__)})
         return Path(first_value(path))
 
     async def _generator_metrics(self) -> dict[str, float]:
         stats = await self.router.stats.call_one()
-        metrics = {"generator/live_replicas": float(stats["live"]), "generator/dead_replicas": float(stats["dead"]),
+        serving = stats["states"]["serving"]
+        metrics = {"generator/serving_replicas": float(serving), "generator/dead_replicas": float(stats["states"]["dead"]),
                    "generator/retries": float(stats["retries"]), "generator/restarts": float(stats["restarts"]),
                    "generator/weight_groups": float(stats["weight_groups"])}
         # Idle = the share of replica time since the last step spent outside engine steps (not
@@ -563,10 +472,10 @@ class Controller:
         metrics["generator/superseded_updates"] = float(sum(e["superseded"] for e in engines))
         now = time.perf_counter()
         busy = sum(e["busy_s"] for e in engines)
-        if self._generator_busy is not None and stats["live"]:
+        if self._generator_busy is not None and serving:
             then, busy_then = self._generator_busy
             if busy >= busy_then:
-                idle = 1.0 - (busy - busy_then) / ((now - then) * stats["live"])
+                idle = 1.0 - (busy - busy_then) / ((now - then) * serving)
                 metrics["time/generator_idle_fraction"] = min(max(idle, 0.0), 1.0)
         self._generator_busy = (now, busy)
         return metrics

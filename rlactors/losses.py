@@ -15,15 +15,16 @@ Advantages arrive computed (with or without std normalisation: rlactors.rollout.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from rlactors.config import LossConfig
+from rlactors.config import LossConfig, LossName
 
-LOSS_NAMES = ("grpo", "dapo", "dr_grpo", "sft")
+LOSS_NAMES = typing.get_args(LossName)
 MAX_LOG_RATIO = 20.0  # |log p_trainer - log p_old| beyond this is clamped (ratio within e^±20)
 
 

@@ -8,7 +8,11 @@ import shutil
 
 import pytest
 
-from examples.alphabet_sort.env import (
+from rlactors.config import ConfigError, EnvConfig, RolloutConfig
+from rlactors.models.tokenizer import load_tokenizer, render_messages
+from rlactors.rollout import Rollouter, RolloutStatus, load_env
+from rlactors.types import Completion
+from rlactors_examples.alphabet_sort.env import (
     COMBINED_TAG,
     FIRST_TAG,
     AlphabetSortConfig,
@@ -17,11 +21,7 @@ from examples.alphabet_sort.env import (
     reference_reply,
     score_turn,
 )
-from examples.alphabet_sort.evaluate import main as evaluate_main
-from rlactors.config import ConfigError, EnvConfig, RolloutConfig
-from rlactors.models.tokenizer import load_tokenizer, render_messages
-from rlactors.rollout import Rollouter, RolloutStatus, load_env
-from rlactors.types import Completion
+from rlactors_examples.alphabet_sort.evaluate import main as evaluate_main
 
 TURN1 = ["Alan Adams", "Finn Fox", "Kate Evans"]
 TURN2 = ["Alan Adams", "Ben Cole // new name!", "Finn Fox", "Kate Evans"]
@@ -179,7 +179,7 @@ def test_untagged_and_cut_off_replies(tiny_ckpt):
 
 
 def test_warm_start_teacher_makes_its_two_mistakes_at_the_stated_rates():
-    from examples.alphabet_sort.warm_start import TEACHER_UNSORTED, TEACHER_UNTAGGED, teacher_reply
+    from rlactors_examples.alphabet_sort.warm_start import TEACHER_UNSORTED, TEACHER_UNTAGGED, teacher_reply
 
     sample = build_dataset(AlphabetSortConfig(min_names_per_turn=3, max_names_per_turn=3), "train")[0]
     rng, n = random.Random(0), 4000

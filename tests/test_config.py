@@ -3,9 +3,45 @@ from pathlib import Path
 
 import pytest
 
-from rlactors.config import Config, ConfigError, build_dataclass, cuda_visible_devices, dump_toml, gpu_layout, load_config
+from rlactors import config as config_module
+from rlactors.config import (
+    Config,
+    ConfigError,
+    GeneratorConfig,
+    LossConfig,
+    ModelConfig,
+    build_dataclass,
+    cuda_visible_devices,
+    dump_toml,
+    gpu_layout,
+)
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+
+
+def load_config(path=None, overrides=(), available_gpus=None):
+    """rlactors.config.load_config with a model.path (it has no default) before the overrides."""
+    return config_module.load_config(path, ['model.path="ckpt"', *overrides], available_gpus)
+
+
+def test_model_path_has_no_default():
+    for overrides in ([], ["model.dtype=bfloat16"]):
+        with pytest.raises(ConfigError, match=r"^model\.path: missing; it has no default \(set it in the config "
+                                              r"file, or as model\.path=\.\.\.\)$"):
+            config_module.load_config(None, overrides)
+    with pytest.raises(ConfigError, match=r"^model\.path: must name a checkpoint directory"):
+        config_module.load_config(None, ['model.path=""'])
+    with pytest.raises(TypeError, match="path"):
+        ModelConfig()
+
+
+def test_a_section_checks_its_values_when_it_is_made():
+    """Whoever holds a section holds a valid one: the Batcher, trainer and engines check nothing again."""
+    with pytest.raises(ConfigError, match=r"^generator\.kv_cache_tokens: must hold at least one full sequence"):
+        GeneratorConfig(kv_cache_tokens=100, max_model_len=512)
+    with pytest.raises(ConfigError, match=r"^loss\.clip_low: must be in \[0, 1\)"):
+        LossConfig(clip_low=1.5)
+    assert ModelConfig(path="ckpt").path == "ckpt"
 
 
 def test_defaults_validate():
@@ -76,9 +112,22 @@ def test_gpu_layout_separate_and_colocated():
 
 def test_broadcast_weight_sync_needs_generators_on_gpus_of_their_own():
     colocated = ["controller.device=cuda", "controller.colocate=true", "trainer.ranks=1", "generator.replicas=1"]
-    assert load_config(overrides=colocated, available_gpus=1).generator.weight_sync == "auto"
+    assert load_config(overrides=colocated, available_gpus=1).generator.weight_sync == "messages"
     with pytest.raises(ConfigError, match=r"^generator\.weight_sync: 'broadcast' needs generators on GPUs of"):
         load_config(overrides=[*colocated, "generator.weight_sync=broadcast"], available_gpus=1)
+
+
+def test_weight_sync_auto_is_resolved_when_the_config_loads():
+    vllm = ["controller.device=cuda", "generator.engine=vllm", "trainer.ranks=1", "generator.replicas=1"]
+    own_gpus = load_config(overrides=vllm, available_gpus=2)
+    assert own_gpus.generator.weight_sync == "broadcast"
+    assert load_config(overrides=[*vllm, "controller.colocate=true"], available_gpus=1).generator.weight_sync == \
+        "messages"
+    assert load_config().generator.weight_sync == "messages"  # native replicas
+    assert load_config(overrides=["generator.weight_sync=broadcast"]).generator.weight_sync == "broadcast"
+    # A run's config.toml holds the resolved value, so a resume with the same settings sees no change.
+    assert 'weight_sync = "broadcast"' in dump_toml(own_gpus)
+    assert build_dataclass(Config, tomllib.loads(dump_toml(own_gpus))) == own_gpus
 
 
 def test_gpu_layout_on_the_hosts_of_a_job():
@@ -113,9 +162,9 @@ def test_file_errors(tmp_path):
 
 def test_a_config_files_env_args_go_only_with_the_env_it_names(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('[env]\nname = "examples.alphabet_sort.env:AlphabetSortEnv"\nargs = { max_turns = 2 }\n')
+    path.write_text('[env]\nname = "rlactors_examples.alphabet_sort.env:AlphabetSortEnv"\nargs = { max_turns = 2 }\n')
     assert load_config(path).env.args == {"max_turns": 2}
-    same = load_config(path, ['env.name="examples.alphabet_sort.env:AlphabetSortEnv"'])
+    same = load_config(path, ['env.name="rlactors_examples.alphabet_sort.env:AlphabetSortEnv"'])
     assert same.env.args == {"max_turns": 2}
     other = load_config(path, ['env.name="my_envs.reverse:ReverseEnv"'])
     assert (other.env.name, other.env.args) == ("my_envs.reverse:ReverseEnv", {})

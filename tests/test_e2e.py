@@ -32,7 +32,7 @@ def test_training_steps_update_the_policy_and_the_generators(tiny_ckpt, tmp_path
     history = _run(_config(tiny_ckpt, tmp_path, f"controller.mode={mode}", "controller.max_staleness=1"))
     assert [m["policy/version"] for m in history] == [1.0, 2.0, 3.0]
     for m in history:
-        assert m["rollout/rollouts"] == 8 and m["generator/live_replicas"] == 2
+        assert m["rollout/rollouts"] == 8 and m["generator/serving_replicas"] == 2
         assert math.isfinite(m["loss/loss"]) and m["loss/tokens"] > 0
         assert m["policy/age_max"] <= (0 if mode == "sync" else 1)
         assert m["policy/stale_episodes_dropped"] == 0
@@ -68,7 +68,7 @@ def test_weights_by_broadcast_train_like_weights_by_messages(tiny_ckpt, tmp_path
     for by_message, by_broadcast in zip(messages, broadcast):
         assert "weight_sync/broadcast_s" in by_broadcast and "weight_sync/broadcast_s" not in by_message
         assert by_broadcast["weight_sync/bytes"] == pytest.approx(by_message["weight_sync/bytes"], rel=0.01)  # + alignment
-        assert by_broadcast["generator/live_replicas"] == 2
+        assert by_broadcast["generator/serving_replicas"] == 2
         for key in ("loss/loss", "rollout/reward_mean", "loss/tokens", "train/grad_norm"):
             assert by_broadcast[key] == pytest.approx(by_message[key], rel=1e-5, abs=1e-7), key
 
@@ -94,7 +94,7 @@ def test_meshes_on_the_hosts_of_a_process_job_train_like_one_host(tiny_ckpt, tmp
     assert "trainer ranks on trainers_0, trainers_1; generator replicas on generators_0, generators_1" in out
     assert [m["policy/version"] for m in on_hosts] == [1.0, 2.0]
     for local, remote in zip(one_host, on_hosts):
-        assert remote["generator/live_replicas"] == 2
+        assert remote["generator/serving_replicas"] == 2
         for key in ("loss/loss", "rollout/reward_mean", "loss/tokens", "train/grad_norm"):
             assert remote[key] == pytest.approx(local[key], rel=1e-5, abs=1e-7), key
 

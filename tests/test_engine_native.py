@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from rlactors.config import GeneratorConfig
 from rlactors.engines.kv_cache import BlockPool
 from rlactors.engines.native import NativeEngine
 from rlactors.engines.sampling import filter_top_k_top_p, sample
@@ -35,7 +36,7 @@ def model(tiny_ckpt):
 def make_engine(model, **kwargs) -> NativeEngine:
     options = dict(max_num_seqs=16, max_num_tokens=256, kv_cache_tokens=2048, block_size=16, max_model_len=512)
     options.update(kwargs)
-    return NativeEngine(model, **options)
+    return NativeEngine(model, GeneratorConfig(**options))
 
 
 def prompts(n: int, low: int = 1, high: int = 60, seed: int = 0) -> list[list[int]]:

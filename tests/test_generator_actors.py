@@ -53,8 +53,8 @@ def reference_logprobs(model, prompt: list[int], completion: list[int]) -> torch
 
 def async_engine(ckpt, mode: str = "drain") -> AsyncEngine:
     model = from_pretrained(ckpt, dtype="float32")
-    return AsyncEngine(NativeEngine(model, max_num_seqs=8, max_num_tokens=256, kv_cache_tokens=2048,
-                                    max_model_len=512), default_update_mode=mode)
+    return AsyncEngine(NativeEngine(model, GeneratorConfig(max_num_seqs=8, max_num_tokens=256, kv_cache_tokens=2048,
+                                                           max_model_len=512)), default_update_mode=mode)
 
 
 async def until(condition, timeout: float = 30.0) -> None:
@@ -216,8 +216,8 @@ class StagingEngine(NativeEngine):
 
 def staging_engine(ckpt) -> AsyncEngine:
     model = from_pretrained(ckpt, dtype="float32")
-    return AsyncEngine(StagingEngine(model, max_num_seqs=8, max_num_tokens=256, kv_cache_tokens=2048,
-                                     max_model_len=512))
+    return AsyncEngine(StagingEngine(model, GeneratorConfig(max_num_seqs=8, max_num_tokens=256, kv_cache_tokens=2048,
+                                                            max_model_len=512)))
 
 
 def test_broadcast_weights_are_verified_at_once_and_the_newest_is_loaded_after_the_drain(tiny_ckpt):
@@ -467,7 +467,7 @@ def test_router_serves_concurrent_requests_sticky_sessions_and_weight_updates(ti
             assert (ref - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
 
         stats = await router.stats.call_one()
-        assert stats["live"] == 2 and stats["dead"] == 0 and stats["retries"] == 0
+        assert stats["states"]["serving"] == 2 and stats["states"]["dead"] == 0 and stats["retries"] == 0
         assert sum(r["completed"] for r in stats["replicas"]) == 64 + 18 + 2 + 1 + 3
         assert all(r["engine"]["version"] == 1 and r["engine"]["healthy"] for r in stats["replicas"])
         assert sum(r["engine"]["prefix_hit_tokens"] for r in stats["replicas"]) > 0  # sticky turns reuse KV

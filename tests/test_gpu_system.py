@@ -90,7 +90,7 @@ def test_nccl_weight_sync_reaches_every_replica_and_is_verified(ckpt, tmp_path):
     before, after, back, again, stats, packed = asyncio.run(_with_controller(config, body))
     assert before.token_ids != after.token_ids
     assert back.token_ids == before.token_ids == again.token_ids and set(again.versions) == {0}
-    assert packed["pack_s"] > 0 and packed["checksum_s"] > 0 and stats["live"] == replicas
+    assert packed["pack_s"] > 0 and packed["checksum_s"] > 0 and stats["states"]["serving"] == replicas
     assert [r["version"] for r in stats["replicas"]] == [0] * replicas
     assert all(r["engine"]["last_update"]["copy_plan"] == 1.0 for r in stats["replicas"])
 
@@ -137,7 +137,7 @@ def test_alphabet_sort_steps_on_two_trainer_gpus_and_two_vllm_replicas(ckpt, tmp
     config = _config(ckpt, tmp_path, "trainer.ranks=2", "generator.replicas=2", "controller.mode=async")
     history = asyncio.run(Controller(config).run())
     assert [m["policy/version"] for m in history] == [1.0, 2.0]
-    assert all(m["generator/live_replicas"] == 2 and m["rollout/rollouts"] == 16 for m in history)
+    assert all(m["generator/serving_replicas"] == 2 and m["rollout/rollouts"] == 16 for m in history)
 
 
 def test_colocated_single_gpu_run(ckpt, tmp_path):

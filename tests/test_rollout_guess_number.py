@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 
-from examples.guess_number.env import GuessNumberConfig, GuessNumberEnv, parse_guess
 from rlactors.config import ConfigError, EnvConfig, RolloutConfig
 from rlactors.models.tokenizer import load_tokenizer
 from rlactors.rollout import Rollouter, RolloutStatus, load_env
 from rlactors.types import Completion
+from rlactors_examples.guess_number.env import GuessNumberConfig, GuessNumberEnv, parse_guess
 
 
 class BinarySearchPlayer:
@@ -31,7 +31,7 @@ class BinarySearchPlayer:
 
 
 def run(tok, player, secret, **env_args):
-    env = load_env(EnvConfig(name="examples.guess_number.env:GuessNumberEnv", args=env_args), tok)
+    env = load_env(EnvConfig(name="rlactors_examples.guess_number.env:GuessNumberEnv", args=env_args), tok)
     config = RolloutConfig(group_size=2, max_turns=8, max_total_tokens=512, max_tokens_per_turn=16,
                            keep_zero_variance_groups=True)
     return asyncio.run(Rollouter(env, player, config).run_group({"id": 0, "secret": secret}))

@@ -1,7 +1,6 @@
-"""Rollouter: statuses, soft failures, group advantages, zero-variance groups, ids/seeds, streaming."""
+"""Rollouter: statuses, soft failures, group advantages, zero-variance groups, ids/seeds."""
 
 import asyncio
-import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -276,34 +275,6 @@ def test_rubric_weights_turn_rewards_and_adds_rollout_rewards():
         assert ro.reward == 2.0 * generated + 0.5 * 2.0
     with pytest.raises(ValueError, match="unique"):
         Rubric([RewardFunc("a", len), RewardFunc("a", len)])
-
-
-def test_stream_yields_every_group_with_bounded_concurrency():
-    async def consume():
-        generate = FakeGenerate()
-        r = rollouter(LengthRewardEnv(turns=2), generate)
-        async with contextlib.aclosing(r.stream(iter([{"id": i} for i in range(5)]), max_groups_in_flight=2)) as it:
-            groups = [g async for g in it]
-        return groups, generate
-
-    groups, generate = asyncio.run(consume())
-    assert sorted(g.group_id for g in groups) == [f"g{i}" for i in range(5)]
-    assert [g.sample["id"] for g in sorted(groups, key=lambda g: g.group_id)] == list(range(5))
-    assert generate.max_groups_in_flight == 2
-
-
-def test_closing_the_stream_cancels_running_groups():
-    async def consume():
-        r = rollouter(LengthRewardEnv(turns=2))
-        samples = ({"id": i} for i in range(1000))
-        async with contextlib.aclosing(r.stream(samples, max_groups_in_flight=3)) as it:
-            first = await anext(it)
-        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        return first, pending, r.state_dict()
-
-    first, pending, state = asyncio.run(consume())
-    assert first.group_id.startswith("g") and pending == []
-    assert state["groups_started"] <= 4
 
 
 def test_load_env_builds_config_and_names_bad_keys():

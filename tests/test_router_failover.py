@@ -57,8 +57,8 @@ def test_killed_replica_loses_no_request_and_is_reported_dead(tiny_ckpt):
         assert [c.request_id for c in completions] == [f"r{i}" for i in range(40)]
         assert all(len(c.token_ids) == 120 and c.finish_reason == "length" for c in completions)
         stats = await router.stats.call_one()
-        assert stats["dead"] == 1 and stats["live"] == 1 and stats["deaths"] == 1
-        assert not stats["replicas"][0]["alive"] and stats["replicas"][1]["alive"]
+        assert stats["states"]["dead"] == 1 and stats["states"]["serving"] == 1 and stats["deaths"] == 1
+        assert stats["replicas"][0]["state"] != "serving" and stats["replicas"][1]["state"] == "serving"
         assert await router.dead_replicas.call_one() == [0]
         assert stats["replicas"][0]["completed"] + stats["replicas"][1]["completed"] == 40
         assert stats["retries"] >= 1  # the requests that were in flight on replica 0
@@ -72,7 +72,7 @@ def test_killed_replica_loses_no_request_and_is_reported_dead(tiny_ckpt):
         with pytest.raises(ActorError, match="no live generator replica"):
             await router.generate.call_one(batch[0], SamplingParams(max_tokens=4), "orphan")
         stats = await router.stats.call_one()
-        assert stats["dead"] == 2 and stats["deaths"] == 2 and await router.dead_replicas.call_one() == [0, 1]
+        assert stats["states"]["dead"] == 2 and stats["deaths"] == 2 and await router.dead_replicas.call_one() == [0, 1]
         await router.close.call_one()
         await procs.stop()
 
@@ -86,7 +86,7 @@ def test_replicas_that_cannot_start_are_reported_and_requests_fail_clearly(tmp_p
             await router.generate.call_one([5, 6], SamplingParams(max_tokens=4), "r")
         stats = await router.stats.call_one()
         # It never served, so one restart was tried, which failed the same way; no crash loop.
-        assert stats["live"] == 0 and stats["dead"] == 1 and stats["failed_restarts"] == 1
+        assert stats["states"]["serving"] == 0 and stats["states"]["dead"] == 1 and stats["failed_restarts"] == 1
         assert stats["restarts"] == 0 and stats["restarting"] == []
         await router.close.call_one()
         await procs.stop()
@@ -111,10 +111,19 @@ def test_dead_replica_restarts_at_the_latest_weights_before_serving(tiny_ckpt):
         os.kill(old_pid, signal.SIGKILL)
         completions = await asyncio.gather(*calls)
         assert all(len(c.token_ids) == 60 and set(c.versions) == {4} for c in completions)
-        stats = await wait_for(router, lambda s: s["restarts"] == 1 and s["live"] == 2)
+        seen = []  # replica 1's states as the restart goes, each new one once
+
+        def restarted(s):
+            if not seen or seen[-1] != s["replicas"][1]["state"]:
+                seen.append(s["replicas"][1]["state"])
+            return s["restarts"] == 1 and s["states"]["serving"] == 2
+
+        stats = await wait_for(router, restarted)
+        # The dead replica's slot holds its replacement, which starts, then serves.
+        assert seen[-2:] == ["starting", "serving"] and "serving" not in seen[:-1], seen
         restarted = stats["replicas"][1]
         assert restarted["engine"]["pid"] != old_pid and restarted["engine"]["version"] == 4
-        assert stats["deaths"] == 1 and stats["dead"] == 0
+        assert stats["deaths"] == 1 and stats["states"]["dead"] == 0
         after = await asyncio.gather(*(router.generate.call_one(p, SamplingParams(max_tokens=4), f"a{i}")
                                        for i, p in enumerate(prompts(12, seed=3))))
         assert {c.replica for c in after} == {0, 1} and all(set(c.versions) == {4} for c in after)

@@ -1,64 +1,33 @@
-"""Train a policy on alphabet_sort with GRPO on Monarch actors.
+"""Train a policy on alphabet_sort with GRPO on Monarch actors: the CPU demo (`make run`).
 
-    python examples/alphabet_sort/run.py                                   # CPU demo (tiny Qwen3)
-    python examples/alphabet_sort/run.py --config configs/alphabet_sort_8gpu.toml
-    python examples/alphabet_sort/run.py controller.mode=async generator.replicas=3
-    python examples/alphabet_sort/run.py --resume                           # from the last checkpoint
-    python examples/alphabet_sort/run.py --config configs/math_cpu.toml    # any config: its [env] picks the env
+    python examples/alphabet_sort/run.py                          # the CPU demo (tiny Qwen3), from any directory
+    python examples/alphabet_sort/run.py controller.steps=10      # overrides: section.key=value
+    python examples/alphabet_sort/run.py --resume                 # from the last checkpoint
 
-Overrides are `section.key=value` (TOML values). Metrics, samples, env errors (env_errors.log),
-TensorBoard logs, checkpoints and reward_curve.png go to controller.run_dir, which holds one run:
-a new run there is refused once it holds steps (continue it with --resume). Ctrl-C saves the last
-completed step.
+This is `python -m rlactors.train` (rlactors/train.py) with the demo's config and its warm
+checkpoint as defaults; a run of another config or of your own env goes through that command.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-from rlactors.supervision import use_fast_supervision
+from rlactors import train
 
-use_fast_supervision()  # notice a dead actor proc within about a second; before Monarch starts
+EXAMPLE = Path(__file__).resolve().parent
+DEFAULT_CONFIG = EXAMPLE.parents[1] / "configs" / "alphabet_sort_cpu.toml"
+# The demo config names its checkpoint relative to the repository; given by absolute path here
+# (before the caller's overrides, which may name another), the demo runs from any directory.
+DEMO_CHECKPOINT = EXAMPLE / "warm_checkpoint"
 
-from rlactors.config import ConfigError, load_config  # noqa: E402
-from rlactors.controller import NO_SIGNAL_HINT, Controller, TrainingError  # noqa: E402
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "alphabet_sort_cpu.toml"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML config (default: the CPU demo)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
-    parser.add_argument("overrides", nargs="*", help="section.key=value")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    controller = None
-    try:
-        config = load_config(args.config, args.overrides)
-        controller = Controller(config, resume=args.resume)
-        history = asyncio.run(controller.run())
-    except (ConfigError, TrainingError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        if controller is None or controller.interrupt_report is None:  # else the controller said what it kept
-            print("interrupted", file=sys.stderr)
-        return 130
-    rewards = [m["rollout/reward_mean"] for m in history if "rollout/reward_mean" in m]
-    if rewards:
-        untrained = sum(m["train/trained"] == 0 for m in history)
-        trained = f"; {untrained} of them trained nothing (see their step lines)" if untrained else ""
-        print(f"done: {len(history)} steps, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}{trained}; "
-              f"run dir {config.controller.run_dir}")
-        if all(m["rollout/groups_dropped"] == m["rollout/groups"] for m in history):
-            print(f"no step trained: the rollouts of each group earned equal rewards, so GRPO had nothing to "
-                  f"learn from; {NO_SIGNAL_HINT}")
-    return 0
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(arg == "--config" or arg.startswith("--config=") for arg in argv):
+        argv = [f'model.path="{DEMO_CHECKPOINT}"', *argv]
+    return train.main(argv, default_config=DEFAULT_CONFIG)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from monarch.actor import Actor, concurrent_endpoint
 
+from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines import create_engine
 from rlactors.engines.async_engine import AsyncEngine
 from rlactors.hosts import host_name
@@ -23,7 +24,7 @@ from rlactors.types import Completion, SamplingParams
 class Generator(Actor):
     """Serves `generate` on one engine built from a GeneratorConfig and a ModelConfig."""
 
-    def __init__(self, generator_config: Any, model_config: Any, replica: int = 0):
+    def __init__(self, generator_config: GeneratorConfig, model_config: ModelConfig, replica: int = 0):
         self.replica = replica
         self.engine = AsyncEngine(create_engine(generator_config, model_config),
                                   default_update_mode=generator_config.update_mode)

@@ -8,18 +8,25 @@
 - Routing: least loaded (requests in flight through this router); a `session_id` sticks to the
   replica that served it first (prefix-cache reuse across turns) unless that replica is dead or
   far busier than the least loaded one (`ReplicaPicker`).
+- States (`ReplicaState`): a replica is `starting` until it answers its first call (and holds
+  the latest weights), then `serving`; one restarted while weights go by broadcast is
+  `awaiting_weights` (up, out of routing) until a broadcast reaches it; one whose proc or engine
+  loop died is `dead`, for good: a restart is a new replica in its slot, which starts again.
 - Failover: a replica whose call fails because its proc or its engine loop died is marked dead
-  and the request is retried on a live replica; a request error (ValueError) goes back to the caller.
-- Weights: `update_weights` fans out to every live replica in parallel. The router keeps the
+  and the request is retried on a serving replica; a request error (ValueError) goes back to the
+  caller. With `generator.restart_dead`, a dead replica that had served is replaced.
+- Weights: `update_weights` fans out to every serving replica in parallel. The router keeps the
   latest (version, tensors, checksum) it fanned out so that a restarted replica is brought to the
   current version before it takes requests. Weights that reach the replicas by the trainer's
-  broadcast are not kept here: a replica restarted then waits, out of routing, until the
-  controller forms a new broadcast group with it and a broadcast reaches it (`plan_weight_group`).
+  broadcast are not kept here: the broadcast group's endpoints (`plan_weight_group`,
+  `join_weight_group`, `receive_weights`, `dead_weight_group_members`) serve the protocol of
+  `rlactors.weight_sync.sync`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections import OrderedDict
@@ -31,7 +38,7 @@ import torch
 from monarch.actor import Actor, ActorError, concurrent_endpoint, default_bootstrap_cmd, this_host
 
 from rlactors.actors.generator import Generator
-from rlactors.config import cuda_visible_devices
+from rlactors.config import GeneratorConfig, ModelConfig, cuda_visible_devices
 from rlactors.engines.async_engine import EngineDeadError
 from rlactors.hosts import host_of, num_hosts
 from rlactors.types import Completion, SamplingParams
@@ -75,36 +82,38 @@ class ReplicaPicker:
         return least
 
 
+class ReplicaState(enum.Enum):
+    STARTING = "starting"  # spawned; not yet answered its first call (or brought to the latest weights)
+    SERVING = "serving"  # takes requests
+    AWAITING_WEIGHTS = "awaiting_weights"  # restarted under broadcast sync: up, serves after its first broadcast
+    DEAD = "dead"  # its proc or engine loop died, or it failed to start; never serves again
+
+    @property
+    def up(self) -> bool:
+        """Serving or awaiting weights: a member of the next weight broadcast group."""
+        return self in (ReplicaState.SERVING, ReplicaState.AWAITING_WEIGHTS)
+
+
 @dataclass(eq=False)  # one object per spawn: compared by identity
 class _Replica:
     index: int
     name: str
     procs: Any
     actor: Any
-    alive: bool = False  # answered its first call and has not failed since
-    dead: bool = False
-    restarted: bool = False  # spawned to replace a dead replica
-    awaiting_weights: bool = False  # restarted under broadcast sync: up, serving after its first broadcast
+    restarted: bool = False  # spawned to replace a dead replica (a restart that fails is not retried)
+    state: ReplicaState = ReplicaState.STARTING
     in_flight: int = 0
     routed: int = 0
     completed: int = 0
     version: int | None = None
 
-    @property
-    def up(self) -> bool:
-        """Serving, or restarted and waiting for its first broadcast: a weight group member."""
-        return self.alive or self.awaiting_weights
-
 
 class GeneratorRouter(Actor):
-    def __init__(self, generator_config: Any, model_config: Any, gpu_ids: Sequence[Sequence[int]] | None = None,
-                 hosts: Any = None):
+    def __init__(self, generator_config: GeneratorConfig, model_config: ModelConfig,
+                 gpu_ids: Sequence[Sequence[int]] | None = None, hosts: Any = None):
         g = generator_config
         self.hosts = hosts if hosts is not None else this_host()
-        host_count = num_hosts(self.hosts)
-        if g.replicas % host_count:
-            raise ValueError(f"generator.replicas={g.replicas} do not split evenly over {host_count} hosts")
-        self.replicas_per_host = g.replicas // host_count
+        self.replicas_per_host = g.replicas // num_hosts(self.hosts)  # they split evenly (Config.validate)
         if gpu_ids is not None:
             if len(gpu_ids) != g.replicas or any(len(ids) != g.tp for ids in gpu_ids):
                 raise ValueError(f"gpu_ids must list generator.tp={g.tp} GPU ids for each of the "
@@ -116,7 +125,7 @@ class GeneratorRouter(Actor):
         self.latest_weights: tuple[int, Mapping[str, torch.Tensor], str | None] | None = None
         self.counters = {"retries": 0, "deaths": 0, "restarts": 0, "failed_restarts": 0, "weight_groups": 0}
         self._spawned = 0
-        self._live = asyncio.Event()
+        self._serving = asyncio.Event()  # set while a replica serves, or when none can come
         self._restarts: dict[int, asyncio.Task] = {}
         self.replicas = [self._spawn(i) for i in range(g.replicas)]
         self._ready: asyncio.Task | None = None
@@ -125,7 +134,7 @@ class GeneratorRouter(Actor):
 
     # -- replicas ---------------------------------------------------------------------------
 
-    def _spawn(self, index: int) -> _Replica:
+    def _spawn(self, index: int, restarted: bool = False) -> _Replica:
         self._spawned += 1
         name = f"generator{index}x{self._spawned}"
         bootstrap = None
@@ -135,7 +144,7 @@ class GeneratorRouter(Actor):
         host = host_of(self.hosts, index // self.replicas_per_host)
         procs = host.spawn_procs(per_host={"gpus": 1}, bootstrap_command=bootstrap)
         actor = procs.spawn(name, Generator, self.generator_config, self.model_config, index)
-        return _Replica(index, name, procs, actor)
+        return _Replica(index, name, procs, actor, restarted)
 
     async def _ensure_started(self) -> None:
         """Waits (once) until every first replica answers; one that fails is handled as a death."""
@@ -147,40 +156,48 @@ class GeneratorRouter(Actor):
         if not await self._bring_up(replica):
             self._mark_dead(replica, RuntimeError("it failed to start"))
 
+    def _serving_replicas(self) -> list[_Replica]:
+        return [r for r in self.replicas if r.state is ReplicaState.SERVING]
+
     async def _bring_up(self, replica: _Replica) -> bool:
         """Waits for a new replica's first answer and brings it to the latest weights fanned out
         (even if a newer version arrives meanwhile); True once it serves, or, with broadcast
         sync, once it is up and waits for the next weight group."""
         try:
             replica.version = (await replica.actor.stats.call_one())["version"]
-            if self._weight_group is not None:
-                replica.awaiting_weights = True
-                return True
-            while self.latest_weights is not None and replica.version != self.latest_weights[0]:
+            by_broadcast = self._weight_group is not None
+            while not by_broadcast and self.latest_weights is not None and replica.version != self.latest_weights[0]:
                 version, tensors, checksum = self.latest_weights
                 await replica.actor.update_weights.call_one(version, tensors, checksum)
                 replica.version = version
         except Exception as e:  # noqa: BLE001 - any failure to start means it does not serve
             logger.error("generator replica %d (%s) failed to start: %s", replica.index, replica.name, e)
             return False
-        replica.alive = True
-        self._live.set()
+        if replica.state is not ReplicaState.STARTING:
+            return False  # found dead meanwhile
+        if by_broadcast:
+            replica.state = ReplicaState.AWAITING_WEIGHTS
+        else:
+            self._serve(replica)
         return True
 
+    def _serve(self, replica: _Replica) -> None:
+        replica.state = ReplicaState.SERVING
+        self._serving.set()
+
     def _mark_dead(self, replica: _Replica, error: BaseException) -> None:
-        if replica.dead or replica is not self.replicas[replica.index]:
+        if replica.state is ReplicaState.DEAD or replica is not self.replicas[replica.index]:
             return  # already handled, or a replica that has been replaced since
-        was_alive, replica.alive, replica.dead = replica.alive, False, True
-        replica.awaiting_weights = False
-        if was_alive:
+        served, replica.state = replica.state is ReplicaState.SERVING, ReplicaState.DEAD
+        if served:
             self.counters["deaths"] += 1
         logger.warning("generator replica %d (%s) is dead: %s", replica.index, replica.name, error)
-        if not any(r.alive for r in self.replicas):
-            self._live.clear()
+        if not self._serving_replicas():
+            self._serving.clear()
         # A replica that served is restarted; one that never came up after a restart is not (no
         # crash loop); a restart in progress handles its own replica's failure.
         if (self.generator_config.restart_dead and replica.index not in self._restarts
-                and (was_alive or not replica.restarted)):
+                and (served or not replica.restarted)):
             self._restarts[replica.index] = asyncio.create_task(self._restart(replica))
 
     async def _restart(self, dead: _Replica) -> None:
@@ -189,17 +206,16 @@ class GeneratorRouter(Actor):
                 await dead.procs.stop()
             except Exception:  # noqa: BLE001 - the proc is usually gone already
                 pass
-            replica = self.replicas[dead.index] = self._spawn(dead.index)
-            replica.restarted = True
+            replica = self.replicas[dead.index] = self._spawn(dead.index, restarted=True)
             if await self._bring_up(replica):
                 self.counters["restarts"] += 1
             else:
-                replica.dead = True  # no restart loop: it stays dead, counted
+                replica.state = ReplicaState.DEAD  # no restart loop: it stays dead, counted
                 self.counters["failed_restarts"] += 1
         finally:
             self._restarts.pop(dead.index, None)
-            if not any(r.alive for r in self.replicas) and not self._restarts:
-                self._live.set()  # nothing left to wait for: callers fail instead of hanging
+            if not self._serving_replicas() and not self._restarts:
+                self._serving.set()  # nothing left to wait for: callers fail instead of hanging
 
     async def __supervise__(self, failure: Any) -> bool:
         # A replica's proc or actor failed: mark it dead now rather than at its next call.
@@ -220,13 +236,13 @@ class GeneratorRouter(Actor):
         last_error: BaseException | None = None
         # Bounded, so that a request that kills every engine it reaches cannot loop forever.
         for _ in range(2 * len(self.replicas) + 1):
-            loads = [r.in_flight if r.alive else None for r in self.replicas]
+            loads = [r.in_flight if r.state is ReplicaState.SERVING else None for r in self.replicas]
             index = self.picker.pick(loads, session_id, frozenset(failed))
             if index is None:
                 if self._restarts:
-                    await self._live.wait()  # a restart is under way
+                    await self._serving.wait()  # a restart is under way
                     failed.clear()
-                    if any(r.alive for r in self.replicas):
+                    if self._serving_replicas():
                         continue
                 raise RuntimeError(f"request {request_id!r}: no live generator replica "
                                    f"(last error: {last_error!r})")
@@ -256,7 +272,7 @@ class GeneratorRouter(Actor):
     @concurrent_endpoint
     async def update_weights(self, version: int, named_tensors: Mapping[str, torch.Tensor],
                              checksum: str | None = None, mode: str | None = None) -> dict[str, Any]:
-        """Loads `version` on every live replica in parallel. A replica that rejects the weights
+        """Loads `version` on every serving replica in parallel. A replica that rejects the weights
         (checksum mismatch, bad names or shapes) keeps its old version and the call raises naming
         it; a replica that dies meanwhile is restarted (if configured) with these weights."""
         await self._ensure_started()
@@ -265,7 +281,7 @@ class GeneratorRouter(Actor):
         previous, self.latest_weights = self.latest_weights, (version, named_tensors, checksum)
         live, rejected, _ = await self._fan_out(
             version, lambda r: r.actor.update_weights.call_one(version, named_tensors, checksum, mode),
-            [r for r in self.replicas if r.alive])
+            self._serving_replicas())
         if not any(r.version == version for r in live):
             self.latest_weights = previous  # nobody took these weights: restarts keep the old ones
         _raise_if_rejected(version, rejected)
@@ -274,12 +290,12 @@ class GeneratorRouter(Actor):
 
     @concurrent_endpoint
     async def plan_weight_group(self) -> dict[str, Any]:
-        """Who would form a new weight broadcast group now: every replica that is up (live, or
-        restarted and waiting for weights). A group's members are fixed, so a new one is due
+        """Who would form a new weight broadcast group now: every replica that is up (serving, or
+        restarted and awaiting weights). A group's members are fixed, so a new one is due
         (`stale`) when a member has died or a restarted replica waits. The plan is what the next
         `join_weight_group` joins; its world size counts the trainer's rank 0."""
         await self._ensure_started()
-        members = [r for r in self.replicas if r.up]
+        members = [r for r in self.replicas if r.state.up]
         group = self._weight_group
         stale = group != members  # replicas compare by identity: a restarted one is a new member
         self._planned_group = members
@@ -302,12 +318,13 @@ class GeneratorRouter(Actor):
     @concurrent_endpoint
     async def dead_weight_group_members(self) -> list[int]:
         """Members of the current weight group that have died: a broadcast waits for them."""
-        return [r.index for r in self._weight_group or () if r.dead]
+        return [r.index for r in self._weight_group or () if r.state is ReplicaState.DEAD]
 
     @concurrent_endpoint
     async def dead_replicas(self) -> list[int]:
-        """The replicas this router has found dead (its own record: no call to any replica)."""
-        return [r.index for r in self.replicas if not r.up and r.index not in self._restarts]
+        """The replicas this router has found dead (its own record: no call to any replica); a
+        slot whose replacement is spawned holds a new, starting replica."""
+        return [r.index for r in self.replicas if r.state is ReplicaState.DEAD]
 
     @concurrent_endpoint
     async def receive_weights(self, version: int, checksum: str, mode: str | None = None) -> dict[str, Any]:
@@ -316,7 +333,7 @@ class GeneratorRouter(Actor):
         whose checksum does not match keeps its old weights and the call raises naming it; a
         replica that fails otherwise is marked dead."""
         start = time.perf_counter()
-        members = [r for r in self._weight_group or () if r.up]
+        members = [r for r in self._weight_group or () if r.state.up]
         _, rejected, timings = await self._fan_out(
             version, lambda r: r.actor.receive_weights.call_one(version, checksum, mode), members)
         _raise_if_rejected(version, rejected)
@@ -337,44 +354,48 @@ class GeneratorRouter(Actor):
                 self._mark_dead(replica, result)
             else:
                 replica.version = version
-                if replica.awaiting_weights:
-                    replica.awaiting_weights, replica.alive = False, True
-                    self._live.set()
+                if replica.state is ReplicaState.AWAITING_WEIGHTS:
+                    self._serve(replica)
                 accepted.append(result)
         return live, rejected, accepted
 
     @concurrent_endpoint
     async def stats(self) -> dict[str, Any]:
-        """Router counters and, per replica, its load, liveness and the replica's own stats."""
+        """Router counters; per replica its state, load, version and, when serving, the replica's
+        own stats; `states`: how many replicas are in each state.
+
+        States are those the answer was made from: a replica counts as serving when it was
+        serving as the call began and answered it (its stats are there); one that failed to
+        answer is dead. Counters: `deaths` (serving replicas that died), `restarts` (replacements
+        that came up), `failed_restarts`, `retries` (requests sent again after a replica
+        failed), `weight_groups` (broadcast groups formed)."""
         await self._ensure_started()
-        live = [r for r in self.replicas if r.alive]
-        engine_stats = await asyncio.gather(*(r.actor.stats.call_one() for r in live), return_exceptions=True)
-        by_index = {}
-        for replica, result in zip(live, engine_stats):
+        replicas = list(self.replicas)
+        states = [r.state for r in replicas]
+        serving = [r for r, state in zip(replicas, states) if state is ReplicaState.SERVING]
+        engine_stats = await asyncio.gather(*(r.actor.stats.call_one() for r in serving), return_exceptions=True)
+        by_replica = {}
+        for replica, result in zip(serving, engine_stats):
             if isinstance(result, BaseException):
                 self._mark_dead(replica, result)
+                states[replicas.index(replica)] = ReplicaState.DEAD
             else:
-                by_index[replica.index] = result
-        # Live = answered this call: a replica whose restart completes while the call waits is
-        # counted from the next call on, so "live" never counts a replica without its stats.
-        replicas = [{"index": r.index, "alive": r.index in by_index, "in_flight": r.in_flight, "routed": r.routed,
-                     "completed": r.completed, "version": r.version, "engine": by_index.get(r.index)}
-                    for r in self.replicas]
-        return {"replicas": replicas, "live": len(by_index),
-                "dead": sum(not r.up for r in self.replicas),
-                "restarting": sorted(self._restarts),
-                "awaiting_weights": [r.index for r in self.replicas if r.awaiting_weights],
-                "sessions": len(self.picker.sessions), **self.counters}
+                by_replica[replica] = result
+        per_replica = [{"index": r.index, "state": state.value, "in_flight": r.in_flight, "routed": r.routed,
+                        "completed": r.completed, "version": r.version, "engine": by_replica.get(r)}
+                       for r, state in zip(replicas, states)]
+        return {"replicas": per_replica, "states": {s.value: states.count(s) for s in ReplicaState},
+                "restarting": sorted(self._restarts), "sessions": len(self.picker.sessions), **self.counters}
 
     @concurrent_endpoint
     async def close(self) -> None:
         """Closes every live replica's engine and stops all replica procs."""
         for task in list(self._restarts.values()):
             task.cancel()
-        live = [r for r in self.replicas if r.alive]
-        await asyncio.gather(*(r.actor.close.call_one() for r in live), return_exceptions=True)
+        serving = self._serving_replicas()
+        await asyncio.gather(*(r.actor.close.call_one() for r in serving), return_exceptions=True)
         for replica in self.replicas:
-            replica.alive = False
+            replica.state = ReplicaState.DEAD
         await asyncio.gather(*(r.procs.stop() for r in self.replicas), return_exceptions=True)
 
 

@@ -107,10 +107,9 @@ async def spawn_trainer(hosts: HostMesh, model: ModelConfig, trainer: TrainerCon
             return default_bootstrap_cmd().with_env({"CUDA_VISIBLE_DEVICES": gpu})
     else:
         bootstrap_command = None
-    host_count = num_hosts(hosts)
-    if trainer.ranks % host_count:
-        raise ValueError(f"trainer.ranks={trainer.ranks} do not split evenly over {host_count} hosts")
-    procs = hosts.spawn_procs(per_host={"gpus": trainer.ranks // host_count}, bootstrap_command=bootstrap_command)
+    # The ranks split evenly over the hosts (Config.validate).
+    procs = hosts.spawn_procs(per_host={"gpus": trainer.ranks // num_hosts(hosts)},
+                              bootstrap_command=bootstrap_command)
     await setup_torch_elastic_env_async(procs)
     actors = procs.spawn("policy_trainer", PolicyTrainer, model, trainer, device, generator_engine)
     ranks = sorted((value for _, value in (await actors.init.call()).items()), key=lambda r: r["rank"])

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.base import Engine
 
 
-def create_engine(generator_config: Any, model_config: Any) -> Engine:
+def create_engine(generator_config: GeneratorConfig, model_config: ModelConfig) -> Engine:
     """The engine named by `generator_config.engine`, loaded from `model_config.path`.
 
     vLLM is imported only here, when asked for, so CPU installs never need it.

@@ -23,19 +23,21 @@ import concurrent.futures
 import functools
 import logging
 import time
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from rlactors.config import UpdateMode
 from rlactors.engines.base import Engine
 from rlactors.types import Completion, SamplingParams
 from rlactors.weight_sync.checksum import ChecksumMismatch, state_checksum
 
 logger = logging.getLogger(__name__)
 
-UPDATE_MODES = ("drain", "hot_swap")
+UPDATE_MODES = typing.get_args(UpdateMode)
 
 
 class EngineDeadError(RuntimeError):
@@ -66,9 +68,7 @@ class _Update:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, default_update_mode: str = "drain"):
-        if default_update_mode not in UPDATE_MODES:
-            raise ValueError(f"update mode must be one of {UPDATE_MODES}, got {default_update_mode!r}")
+    def __init__(self, engine: Engine, default_update_mode: UpdateMode = "drain"):
         self.engine = engine
         self.default_update_mode = default_update_mode
         self._incoming: list[_Request] = []

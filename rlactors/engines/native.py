@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.base import Engine, check_request
 from rlactors.engines.kv_cache import BlockPool, PagedKVCache, blocks_for
 from rlactors.engines.sampling import request_generator, sample
@@ -25,27 +26,25 @@ from rlactors.weight_sync.packed import PackedLayout
 
 
 class NativeEngine(Engine):
-    def __init__(self, model: DecoderForCausalLM, *, max_num_seqs: int = 64, max_num_tokens: int = 2048,
-                 kv_cache_tokens: int = 16384, block_size: int = 16, max_model_len: int = 2048,
-                 true_on_policy: bool = False):
-        if kv_cache_tokens < max_model_len:
-            raise ValueError(f"kv_cache_tokens ({kv_cache_tokens}) must hold one full sequence "
-                             f"of max_model_len ({max_model_len}) tokens")
+    """Serves `model`, sized by `config` (its max_num_seqs, max_num_tokens, kv_cache_tokens,
+    block_size and max_model_len)."""
+
+    def __init__(self, model: DecoderForCausalLM, config: GeneratorConfig, true_on_policy: bool = False):
         self.model = model.eval().requires_grad_(False)
         # True on-policy: batch-invariant kernels, so a token's logprob is the trainer's exactly.
         self.true_on_policy = true_on_policy
         model.set_batch_invariant(true_on_policy, weights_frozen=True)
         args = model.args
         self.vocab_size = args.vocab_size
-        self.max_model_len = max_model_len
+        self.max_model_len = config.max_model_len
         self.version = 0
         param = next(model.parameters())
         self.device = param.device
-        num_blocks = blocks_for(kv_cache_tokens, block_size)
-        self.pool = BlockPool(num_blocks, block_size)
-        self.cache = PagedKVCache(args.num_hidden_layers, num_blocks, block_size, args.num_key_value_heads,
+        num_blocks = blocks_for(config.kv_cache_tokens, config.block_size)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.cache = PagedKVCache(args.num_hidden_layers, num_blocks, config.block_size, args.num_key_value_heads,
                                   args.head_dim, param.dtype, self.device)
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_tokens)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_tokens)
         self.sequences: dict[str, SeqState] = {}
         self.aborted: list[Completion] = []
         self.counters = {"steps": 0, "finished": 0, "aborted": 0, "generated_tokens": 0,
@@ -53,7 +52,7 @@ class NativeEngine(Engine):
         self.receiver: BufferReceiver | None = None  # set by join_weight_group
 
     @classmethod
-    def from_config(cls, generator_config: Any, model_config: Any,
+    def from_config(cls, generator_config: GeneratorConfig, model_config: ModelConfig,
                     device: torch.device | str | None = None) -> NativeEngine:
         """Loads `model_config.path` in `model_config.dtype` and sizes the engine from a
         GeneratorConfig; the device defaults to CUDA when it is available."""
@@ -62,10 +61,7 @@ class NativeEngine(Engine):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         model = from_pretrained(model_config.path, dtype=model_config.dtype, device=device)
-        g = generator_config
-        return cls(model, max_num_seqs=g.max_num_seqs, max_num_tokens=g.max_num_tokens,
-                   kv_cache_tokens=g.kv_cache_tokens, block_size=g.block_size, max_model_len=g.max_model_len,
-                   true_on_policy=model_config.true_on_policy)
+        return cls(model, generator_config, true_on_policy=model_config.true_on_policy)
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.base import Engine, check_request
 from rlactors.types import Completion, SamplingParams
 
@@ -71,7 +72,7 @@ class VLLMEngine(Engine):
         self.counters = {"steps": 0, "finished": 0, "aborted": 0, "generated_tokens": 0}
 
     @classmethod
-    def from_config(cls, generator_config: Any, model_config: Any) -> VLLMEngine:
+    def from_config(cls, generator_config: GeneratorConfig, model_config: ModelConfig) -> VLLMEngine:
         """A vLLM engine for `model_config.path`. In `model_config.true_on_policy` mode vLLM runs
         our own model with the trainer's kernels (`rlactors.engines.vllm_model`)."""
         from rlactors.engines import vllm_model

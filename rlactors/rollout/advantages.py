@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Sequence
 
-ADVANTAGE_METHODS = ("grpo", "dr_grpo")
+from rlactors.config import AdvantageMethod
+
+ADVANTAGE_METHODS = typing.get_args(AdvantageMethod)
 
 # Rewards closer than this are "the same": the group carries no learning signal.
 ZERO_VARIANCE_TOL = 1e-8

@@ -35,7 +35,6 @@ class _Document:
 
 class Batcher:
     def __init__(self, config: BatcherConfig, dp_size: int = 1, pad_token_id: int = 0) -> None:
-        config.validate("batcher")
         if dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
         self.config = config

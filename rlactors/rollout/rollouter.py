@@ -9,11 +9,10 @@ ended it (`error`) and, when the env raised, where (`error_traceback`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import statistics
 import traceback
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,6 @@ class Rollouter:
     """
 
     def __init__(self, env: TokenEnv, generate: GenerateFn, config: RolloutConfig, seed: int = 0) -> None:
-        config.validate("rollout")
         self.env = env
         self.generate = generate
         self.config = config
@@ -74,46 +72,14 @@ class Rollouter:
         self._rollouts_started = state["rollouts_started"]
 
     async def collect(self, samples: Sequence[Any]) -> RolloutBatch:
-        """All groups of one step (sync mode): episodes to train on, the groups, and metrics."""
+        """The groups of `samples`, run at once: their episodes, the groups, and metrics."""
         groups = await asyncio.gather(*(self.run_group(s) for s in samples))
         episodes = [ep for g in groups for ep in g.episodes]
         return RolloutBatch(episodes=episodes, groups=list(groups), metrics=summarize(groups))
 
-    async def stream(self, samples: Iterable[Any], max_groups_in_flight: int) -> AsyncIterator[RolloutGroup]:
-        """Finished groups in completion order, keeping `max_groups_in_flight` running (async mode).
-
-        Every group is yielded, dropped ones too (with no episodes), so the caller can count
-        them. A finished group's slot is refilled before the group is yielded, so generation goes
-        on while the caller trains. Close the iterator (e.g. `contextlib.aclosing`) to cancel the
-        groups still running.
-        """
-        if max_groups_in_flight < 1:
-            raise ValueError(f"max_groups_in_flight must be >= 1, got {max_groups_in_flight}")
-        sample_iter = iter(samples)
-        running: set[asyncio.Task[RolloutGroup]] = set()
-
-        def refill() -> None:
-            while len(running) < max_groups_in_flight:
-                sample = next(sample_iter, _EXHAUSTED)
-                if sample is _EXHAUSTED:
-                    return
-                running.add(asyncio.ensure_future(self.run_group(sample)))
-
-        try:
-            refill()
-            while running:
-                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                running.difference_update(done)
-                refill()
-                for task in sorted(done, key=lambda t: group_number(t.result())):
-                    yield task.result()
-        finally:
-            for task in running:
-                task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.gather(*running, return_exceptions=True)
-
-    async def run_group(self, sample: Any) -> RolloutGroup:
+    def run_group(self, sample: Any) -> Awaitable[RolloutGroup]:
+        """Plays a group of `group_size` rollouts of `sample`. Its ids and seeds are taken when
+        this is called, so `state_dict()` counts the group as started from then on."""
         group_id = f"g{self._groups_started}"
         self._groups_started += 1
         first = self._rollouts_started
@@ -123,6 +89,9 @@ class Rollouter:
                     seed=(self.seed << 32) + first + i, sample=sample)
             for i in range(self.config.group_size)
         ]
+        return self._play_group(group_id, sample, rollouts)
+
+    async def _play_group(self, group_id: str, sample: Any, rollouts: list[Rollout]) -> RolloutGroup:
         await asyncio.gather(*(self._run_rollout(r) for r in rollouts))
 
         rewards = [r.reward for r in rollouts]
@@ -220,7 +189,6 @@ class Rollouter:
             raise _RolloutEnded(RolloutStatus.ERROR_PARSE, f"env {what}: {e}") from e
 
 
-_EXHAUSTED = object()
 _ASYNCIO_DIR = Path(asyncio.__file__).parent
 
 

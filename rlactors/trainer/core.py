@@ -114,8 +114,6 @@ class PolicyTrainerCore:
 
     def __init__(self, model: ModelConfig, trainer: TrainerConfig, device: torch.device,
                  generator_engine: str = "native"):
-        model.validate("model")
-        trainer.validate("trainer")
         self.model_config, self.config, self.device = model, trainer, device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.world_size != trainer.ranks:
@@ -152,7 +150,6 @@ class PolicyTrainerCore:
         Returns this rank's loss-token count; the loss stats come reduced from optim_step, so the
         host never waits for the device between microbatches.
         """
-        loss.validate("loss")
         self._check_microbatches(microbatches)
         tokens = [int(loss_tokens(loss.name, mb.loss_mask, mb.generator_logprobs).sum()) for mb in microbatches]
         self._check_norm(norm, loss, sum(tokens))

@@ -17,9 +17,9 @@ import pytest
 from faultkit import run_cli
 
 import fault_envs
-from examples.alphabet_sort.run import DEFAULT_CONFIG, main
 from rlactors.config import Config, dump_toml, load_config
 from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir
+from rlactors_examples.alphabet_sort.run import DEFAULT_CONFIG, main
 
 # Any value is well-typed here; what matters is that load_config rejects it before the run.
 BASE = ['model.path="/nonexistent/never-read"', 'controller.run_dir="/nonexistent/never-written"']
@@ -28,10 +28,10 @@ BASE = ['model.path="/nonexistent/never-read"', 'controller.run_dir="/nonexisten
 def config_fields() -> dict[str, typing.Any]:
     """Every leaf key of Config (`section.field`) and its annotation."""
     fields = {}
-    for section in dataclasses.fields(Config):
-        hints = typing.get_type_hints(section.default_factory)
-        for f in dataclasses.fields(section.default_factory):
-            fields[f"{section.name}.{f.name}"] = hints[f.name]
+    for section, cls in typing.get_type_hints(Config).items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            fields[f"{section}.{f.name}"] = hints[f.name]
     return fields
 
 
@@ -292,8 +292,8 @@ def test_a_new_run_never_writes_over_a_run_dir_that_holds_a_run(capsys, tmp_path
 def test_resume_keeps_the_runs_env_and_seed(capsys, tmp_path, fault_record):
     files = _run_dir_after(tmp_path, 1)
     checkpoint = checkpoint_dir(tmp_path / "checkpoints", 1)
-    for override, key, now, was in (('env.name="examples.alphabet_sort.env:AlphabetSortEnv"', "env.name",
-                                     "'examples.alphabet_sort.env:AlphabetSortEnv'", "'fault_envs:FaultyEnv'"),
+    for override, key, now, was in (('env.name="rlactors_examples.alphabet_sort.env:AlphabetSortEnv"', "env.name",
+                                     "'rlactors_examples.alphabet_sort.env:AlphabetSortEnv'", "'fault_envs:FaultyEnv'"),
                                     ("env.args={ num_samples = 8 }", "env.args", "{'num_samples': 8}", "{}"),
                                     ("controller.seed=1", "controller.seed", "1", "0")):
         assert cli_error(capsys, "--resume", *RUN, f'controller.run_dir="{tmp_path}"', override) == (

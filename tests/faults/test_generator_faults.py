@@ -81,12 +81,12 @@ def test_replica_killed_mid_rollout_is_detected_in_2s_and_restarted_at_the_newes
         old_pid = stats["replicas"][1]["engine"]["pid"]
         killed_at = time.monotonic()
         os.kill(old_pid, signal.SIGKILL)
-        await poll(router, lambda s: not s["replicas"][1]["alive"], timeout=30)
+        await poll(router, lambda s: s["replicas"][1]["state"] != "serving", timeout=30)
         detection_s = time.monotonic() - killed_at
         # A new policy arrives while replica 1 restarts: it must come up at this one, not at v3.
         pushed = await router.update_weights.call_one(4, v4, state_checksum(v4))
         assert pushed["replicas"] == [0]
-        stats = await poll(router, lambda s: s["restarts"] == 1 and s["live"] == 2, timeout=90, interval=0.1)
+        stats = await poll(router, lambda s: s["restarts"] == 1 and s["states"]["serving"] == 2, timeout=90, interval=0.1)
         restart_s = time.monotonic() - killed_at
         restarted = stats["replicas"][1]
         assert restarted["engine"]["pid"] != old_pid and restarted["version"] == restarted["engine"]["version"] == 4
@@ -102,7 +102,7 @@ def test_replica_killed_mid_rollout_is_detected_in_2s_and_restarted_at_the_newes
         served_by_new = [c for c in completions if c.replica == 1 and 4 in c.versions]
         assert served_by_new and all(set(c.versions) == {4} for c in served_by_new)
         final = await router.stats.call_one()
-        assert final["deaths"] == 1 and final["dead"] == 0 and final["retries"] >= 1
+        assert final["deaths"] == 1 and final["states"]["dead"] == 0 and final["retries"] >= 1
         after = await asyncio.gather(*(router.generate.call_one(p, SamplingParams(max_tokens=2), f"a{i}")
                                        for i, p in enumerate(prompts(12, seed=7))))
         assert {c.replica for c in after} == {0, 1} and all(set(c.versions) == {4} for c in after)
@@ -170,7 +170,7 @@ def test_corrupted_weights_are_rejected_by_checksum_and_never_served(tiny_ckpt, 
             message = str(raised.value)
             assert f"weights version {version + 1} rejected by replica 0" in message and "replica 1" in message
             stats = await router.stats.call_one()
-            assert stats["live"] == 2 and [r["version"] for r in stats["replicas"]] == [version, version]
+            assert stats["states"]["serving"] == 2 and [r["version"] for r in stats["replicas"]] == [version, version]
             again = await router.generate.call_one(probe, greedy, f"probe-after-{len(detection)}")
             assert again.token_ids == before.token_ids and set(again.versions) == {version}
         # The intact weights with the same checksum are accepted and served.
@@ -230,14 +230,14 @@ def test_killed_replica_without_restart_leaves_the_run_degraded(router, fault_re
 
     async def main():
         stats = await router.stats.call_one()
-        assert stats["live"] == 2
+        assert stats["states"]["serving"] == 2
         calls = [asyncio.ensure_future(router.generate.call_one(p, SamplingParams(max_tokens=24, seed=i), f"d{i}"))
                  for i, p in enumerate(batch)]
         stats = await poll(router, lambda s: s["replicas"][0]["in_flight"] > 0
                            and s["replicas"][0]["engine"]["generated_tokens"] > 0, timeout=60)
         killed_at = time.monotonic()
         os.kill(stats["replicas"][0]["engine"]["pid"], signal.SIGKILL)
-        await poll(router, lambda s: not s["replicas"][0]["alive"], timeout=30)
+        await poll(router, lambda s: s["replicas"][0]["state"] != "serving", timeout=30)
         detection_s = time.monotonic() - killed_at
         completions = await asyncio.gather(*calls)
         await asyncio.sleep(1.0)  # a restart, were one (wrongly) started, would show in the stats
@@ -246,7 +246,7 @@ def test_killed_replica_without_restart_leaves_the_run_degraded(router, fault_re
     detection_s, completions, stats = asyncio.run(main())
     assert [c.request_id for c in completions] == [f"d{i}" for i in range(40)]
     assert all(c.finish_reason == "length" and len(c.token_ids) == 24 for c in completions)
-    assert stats["live"] == 1 and stats["dead"] == 1 and stats["restarts"] == 0 and stats["restarting"] == []
+    assert stats["states"]["serving"] == 1 and stats["states"]["dead"] == 1 and stats["restarts"] == 0 and stats["restarting"] == []
     assert detection_s < 2.0, f"replica death noticed after {detection_s:.2f} s"
     fault_record("generator replica proc killed, no restart (restart_dead = false)",
                  "SIGKILL of replica 0's proc with 40 requests in flight", detection_s,

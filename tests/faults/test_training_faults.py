@@ -24,6 +24,7 @@ from rlactors.config import load_config
 from rlactors.controller import Controller, TrainingError
 from rlactors.metrics import read_metrics
 from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir, partial_dir
+from rlactors.weight_sync import sync
 
 # FaultyEnv's schedule (see fault_envs.py): per step, 2 groups of 4 rollouts, of which 3 end in
 # error_env, 1 in error_timeout, 2 in error_parse, and 2 have no fault.
@@ -329,7 +330,8 @@ class _ActorWith:
 class CorruptedSyncController(Controller):
     async def start(self) -> None:
         await super().start()
-        self.router = _ActorWith(self.router, update_weights=_CorruptingUpdates(self.router.update_weights, self.router))
+        self.router = self.weight_sync.router = _ActorWith(
+            self.router, update_weights=_CorruptingUpdates(self.router.update_weights, self.router))
 
 
 def test_corrupted_weight_sync_stops_the_run_and_the_replicas_keep_the_old_policy(tiny_ckpt, tmp_path, fault_record):
@@ -341,7 +343,7 @@ def test_corrupted_weight_sync_stops_the_run_and_the_replicas_keep_the_old_polic
     assert message.startswith("weight sync of policy version 1 failed: ") and "ChecksumMismatch" in message
     assert "rejected by replica 0" in message and "still serving version 0" in message
     replicas = controller.router.update_weights.after["replicas"]
-    assert [(r["alive"], r["version"]) for r in replicas] == [(True, 0)]
+    assert [(r["state"] == "serving", r["version"]) for r in replicas] == [(True, 0)]
     assert [m["step"] for m in read_metrics(tmp_path)] == []  # step 1 stopped at its weight push
     assert (checkpoint_dir(tmp_path / "checkpoints", 1) / COMPLETE_FILE).is_file()  # saved before the push
     fault_record("weight-sync corruption (controller)", "one bit flipped in one tensor of the step-1 push, "
@@ -366,8 +368,8 @@ class _WrongChecksumReceives(_StandIn):
 class WrongChecksumBroadcastController(Controller):
     async def start(self) -> None:
         await super().start()
-        self.router = _ActorWith(self.router,
-                                  receive_weights=_WrongChecksumReceives(self.router.receive_weights, self.router))
+        self.router = self.weight_sync.router = _ActorWith(
+            self.router, receive_weights=_WrongChecksumReceives(self.router.receive_weights, self.router))
 
 
 def test_a_broadcast_that_fails_its_checksum_stops_the_run_and_the_replicas_keep_the_old_policy(
@@ -380,7 +382,7 @@ def test_a_broadcast_that_fails_its_checksum_stops_the_run_and_the_replicas_keep
     assert message.startswith("weight sync of policy version 1 failed: ") and "ChecksumMismatch" in message
     assert "rejected by replica 0" in message and "replica 1" in message
     replicas = controller.router.receive_weights.after["replicas"]
-    assert [(r["alive"], r["version"], r["engine"]["version"]) for r in replicas] == [(True, 0, 0)] * 2
+    assert [(r["state"] == "serving", r["version"], r["engine"]["version"]) for r in replicas] == [(True, 0, 0)] * 2
     assert (checkpoint_dir(tmp_path / "checkpoints", 1) / COMPLETE_FILE).is_file()
     fault_record("weight-sync corruption (broadcast)", "the replicas told a checksum that does not match "
                  "the step-1 broadcast", None, f"no served token: both replicas kept version 0; the run stopped "
@@ -394,18 +396,23 @@ async def _kill_replica(router, index: int) -> float:
     return time.monotonic()
 
 
-class ReplicaKilledBeforeSync(Controller):
-    """SIGKILLs replica 1's proc after step 1 has trained, before its weight sync, and records how
-    long the router took to count it dead; before step 2's sync it waits until the restarted
-    replica is up. Records every weight group formed and the router's stats after the last sync."""
+class RecordingBroadcastSync(sync.BroadcastSync):
+    """Records the members of every weight group formed."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.groups: list[list[int]] = []
 
-    async def _form_weight_group(self, plan):
+    async def _form_group(self, plan):
         self.groups.append(plan["members"])
-        await super()._form_weight_group(plan)
+        await super()._form_group(plan)
+
+
+class ReplicaKilledBeforeSync(Controller):
+    """SIGKILLs replica 1's proc after step 1 has trained, before its weight sync, and records how
+    long the router took to count it dead; before step 2's sync it waits until the restarted
+    replica is up. Records the router's stats after the last sync (and, through
+    RecordingBroadcastSync, every weight group formed)."""
 
     async def _push_weights(self):
         if self.step == 1:
@@ -425,11 +432,13 @@ class ReplicaKilledBeforeSync(Controller):
 
 
 def test_a_dead_replica_in_a_broadcast_run_is_restarted_into_a_new_group_and_the_run_goes_on(
-        tiny_ckpt, tmp_path, fault_record):
+        tiny_ckpt, tmp_path, fault_record, monkeypatch):
     config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, *BROADCAST, "controller.steps=4",
                                                    "controller.checkpoint_every=0"))
+    monkeypatch.setattr(sync, "BroadcastSync", RecordingBroadcastSync)
     controller = ReplicaKilledBeforeSync(config)
     metrics = asyncio.run(controller.run())
+    controller.groups = controller.weight_sync.groups
     assert [m["policy/version"] for m in metrics] == [1.0, 2.0, 3.0, 4.0]
     # Formed at start; at sync 1 without replica 1 (or with its restart, if that was up already);
     # with the restarted replica once it was up.
@@ -437,9 +446,9 @@ def test_a_dead_replica_in_a_broadcast_run_is_restarted_into_a_new_group_and_the
     stats = controller.router_stats
     assert stats["weight_groups"] == len(controller.groups) and stats["restarts"] == 1 and stats["deaths"] == 1
     # Both replicas, the restarted one too, accepted the last broadcast and serve it.
-    assert [(r["alive"], r["version"]) for r in stats["replicas"]] == [(True, 4), (True, 4)]
-    assert stats["replicas"][1]["routed"] > 0 and stats["awaiting_weights"] == []
-    assert metrics[-1]["generator/live_replicas"] == 2 and metrics[-1]["generator/restarts"] == 1
+    assert [(r["state"] == "serving", r["version"]) for r in stats["replicas"]] == [(True, 4), (True, 4)]
+    assert stats["replicas"][1]["routed"] > 0 and stats["states"]["awaiting_weights"] == 0
+    assert metrics[-1]["generator/serving_replicas"] == 2 and metrics[-1]["generator/restarts"] == 1
     fault_record("generator replica SIGKILLed (broadcast weight sync)", "replica 1's proc, after step 1 trained, "
                  "before its weight sync", controller.detection_s,
                  f"nothing: the run went on; weight groups formed {controller.groups} (the restarted replica "
@@ -489,11 +498,11 @@ class _StuckBroadcast:
 class StuckBroadcastController(Controller):
     async def start(self) -> None:
         await super().start()
-        self.trainer = _ActorWith(self.trainer, broadcast_weights=_StuckBroadcast(self))
+        self.trainer = self.weight_sync.trainer = _ActorWith(self.trainer, broadcast_weights=_StuckBroadcast(self))
 
-    async def _broadcast(self, *args):
+    async def _push_weights(self):
         try:
-            return await super()._broadcast(*args)
+            return await super()._push_weights()
         finally:
             self.given_up_at = time.monotonic()
 

@@ -15,6 +15,7 @@ from faultkit import run_cli, small_run_overrides
 from rlactors.config import load_config
 from rlactors.controller import NO_SIGNAL_HINT, Controller
 from rlactors.metrics import read_metrics
+from rlactors.rollout.producer import RolloutProducer
 from rlactors.trainer.checkpoint import checkpoint_dir, is_complete
 
 NO_SIGNAL = ("rollout.keep_zero_variance_groups=false", "env.args={ signal_from_group = 1000000 }")
@@ -76,12 +77,15 @@ def test_async_generation_goes_on_past_untrained_steps_and_trains_once_groups_va
 def test_the_producer_waits_for_the_step_before_not_for_a_policy_version(mode):
     """The producer's rule on its own: step s's groups start once the generators hold the policy
     of step s - 1 - ahead, whatever its version number."""
-    config = load_config(None, ['controller.run_dir="/nonexistent"', f"controller.mode={mode}"])
-    controller = Controller(config)
+    config = load_config(None, ['model.path="/nonexistent"', 'controller.run_dir="/nonexistent"',
+                                f"controller.mode={mode}"])
     started = []
 
     class Samples:
+        steps_started = 0
+
         def next(self, n):
+            self.steps_started += 1
             return list(range(n))
 
         def state_dict(self):
@@ -94,20 +98,20 @@ def test_the_producer_waits_for_the_step_before_not_for_a_policy_version(mode):
         def state_dict(self):
             return {}
 
-    controller.samples, controller.rollouter = Samples(), Rollouter()
     ahead = 0 if mode == "sync" else config.controller.max_staleness
+    samples = Samples()
+    producer = RolloutProducer(Rollouter(), samples, config.rollout.prompts_per_step, ahead, first_step=1,
+                               last_step=config.controller.steps)
 
     async def drive():
-        queue = asyncio.Queue()
-        producer = asyncio.ensure_future(controller._produce(queue, ahead))
+        producer.start()
         for step in range(1, 4):
             await asyncio.sleep(0.05)
-            started.append(sorted(controller._next_step_state))
-            await controller._reach_generator_step(step)  # an untrained step: the version stays 0
-        producer.cancel()
+            started.append(list(range(1, samples.steps_started + 1)))
+            await producer.reached(step)  # an untrained step: no policy version is pushed
+        await producer.stop()
 
     asyncio.run(drive())
-    assert controller.policy_version == 0 and controller.generator_version == 0
     if mode == "sync":
         assert started == [[1], [1, 2], [1, 2, 3]]
     else:

@@ -1,4 +1,4 @@
-# Two commands: `make run` trains alphabet_sort on this machine, `make test` runs the tests.
+# Two commands: `make run` trains alphabet_sort on this machine, `make test` lints (ruff) and runs the tests.
 # Each creates .venv and installs what is missing. TORCH pins the CPU-compatible torch
 # (GPU nodes: see README, vLLM 0.26 needs torch==2.11.0).
 PYTHON ?= python3
@@ -22,4 +22,5 @@ run: $(STAMP)
 	$(PY) examples/alphabet_sort/run.py $(ARGS)
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q $(ARGS)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from rlactors.models.batch_invariant import AttentionPlan
+from rlactors.attention.invariant import AttentionPlan
 
 
 def main() -> None:

@@ -76,8 +76,8 @@ def measure(config) -> dict:
         w = torch.randn(n, k, device="cuda").bfloat16()
         for m in DECODE_M + PREFILL_M:
             x = torch.randn(m, k, device="cuda").bfloat16()
-            ours = graph_time(lambda: bit.matmul(x, w))
-            cublas = graph_time(lambda: torch.matmul(x, w.T))
+            ours = graph_time(lambda x=x, w=w: bit.matmul(x, w))
+            cublas = graph_time(lambda x=x, w=w: torch.matmul(x, w.T))
             out["ratios"][(name, m)] = (ours, cublas)
     return out
 
@@ -103,7 +103,8 @@ def main() -> None:
              "Time per call from CUDA-graph replay (20 calls x 10 replays); ratio = ours / cuBLAS "
              "(torch.matmul). Geometric means over the shapes below, at decode sizes "
              f"M = {', '.join(map(str, DECODE_M))} and prefill sizes M = {', '.join(map(str, PREFILL_M))}.", "",
-             "| config (BM, BN, BK, chunk K, warps, stages, min tiles) | rows invariant | decode ratio | prefill ratio |",
+             "| config (BM, BN, BK, chunk K, warps, stages, min tiles) | rows invariant | decode ratio "
+             "| prefill ratio |",
              "|---|---|---|---|"]
     details = []
     for config in configs:

@@ -21,12 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlactors_examples.alphabet_sort.env import AlphabetSortConfig, AlphabetSortEnv, reference_reply
+
 from rlactors.config import BatcherConfig, RolloutConfig
 from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.models.tokenizer import load_tokenizer
 from rlactors.rollout import Batcher, Rollouter, SampleStream
 from rlactors.types import Completion
-from rlactors_examples.alphabet_sort.env import AlphabetSortConfig, AlphabetSortEnv, reference_reply
 
 LAYOUTS = [  # (row_tokens, rows_per_microbatch, dp ranks)
     (1024, 4, 1),

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rlactors_examples.alphabet_sort.env import AlphabetSortConfig, AlphabetSortEnv
 
 from rlactors.config import load_config
 from rlactors.controller import Controller
 from rlactors.supervision import use_fast_supervision
-from rlactors_examples.alphabet_sort.env import AlphabetSortConfig, AlphabetSortEnv
 
 RESULTS = Path(__file__).parent / "results" / "e2e_alphabet_sort.md"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "alphabet_sort_cpu.toml"

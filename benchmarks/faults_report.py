@@ -54,7 +54,8 @@ def render(rows: list[dict], runs: int, suite_s: list[float]) -> str:
         "",
         f"`python benchmarks/faults_report.py --runs {runs}` on {platform.machine()}, {os.cpu_count()} CPU cores, "
         f"Python {platform.python_version()}; suite wall time {seconds(suite_s)}. Real Monarch procs on CPU, "
-        "tiny random Qwen3, `rlactors.supervision.FAST_SUPERVISION` (poll every 1 s, state queries unanswered for 1 s count as a death). Times: " + timing + ".",
+        "tiny random Qwen3, `rlactors.supervision.FAST_SUPERVISION` (poll every 1 s, state queries unanswered "
+        "for 1 s count as a death). Times: " + timing + ".",
         "",
         "Detection: from the injection to the moment the system knows (the router marks the replica dead; "
         "the controller logs the trainer's death; the checksum rejects the weights). Where detection is "

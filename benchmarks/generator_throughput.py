@@ -142,7 +142,8 @@ def cpu_benchmark(args) -> str:
 
 def raw_vllm_run(ckpt: str, prompt_sets, max_tokens: int, config) -> list[float]:
     """Seconds of `LLM.generate` on each prompt set (new prompts each time: no prefix-cache hits)."""
-    from vllm import LLM, SamplingParams as VLLMSamplingParams
+    from vllm import LLM
+    from vllm import SamplingParams as VLLMSamplingParams
 
     llm = LLM(model=ckpt, dtype="bfloat16", gpu_memory_utilization=config.gpu_memory_utilization,
               max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
@@ -235,7 +236,8 @@ def gpu_benchmark(args) -> str:
         "|---|---|---|---|",
         *rows,
         "",
-        f"Router / raw vLLM: median **{statistics.median(ratios):.3f}**, min {min(ratios):.3f} (goal >= 0.97 in every run).",
+        f"Router / raw vLLM: median **{statistics.median(ratios):.3f}**, min {min(ratios):.3f} "
+        "(goal >= 0.97 in every run).",
         "",
     ])
 

@@ -39,7 +39,7 @@ from rlactors.losses import LossNorm  # noqa: E402
 from rlactors.models.args import FAMILIES, ModelArgs  # noqa: E402
 from rlactors.models.checkpoint import load_args  # noqa: E402
 from rlactors.models.tiny import make_tiny_checkpoint  # noqa: E402
-from rlactors.rollout.types import MicroBatch  # noqa: E402
+from rlactors.trainer.batch import MicroBatch  # noqa: E402
 from rlactors.trainer.core import PolicyTrainerCore  # noqa: E402
 from rlactors.trainer.parallel import init_distributed  # noqa: E402
 
@@ -132,7 +132,9 @@ def measure(size: str, ckpt_dir: Path, opts: argparse.Namespace, device: torch.d
             raise RuntimeError(f"step {i} skipped its update (grad norm {metrics['grad_norm']})")
     if opts.profile:
         per_rank, norm, _ = steps[-1]
-        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
             for j in range(opts.microbatches):
                 core.forward_backward([per_rank[r][j] for r in range(world)], norm, loss)
@@ -186,7 +188,8 @@ def write_markdown(results: list[dict], opts: argparse.Namespace, path: Path) ->
     for r in results:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
-        lines.append(f"| {opts.family} {r['size']} | {r['params'] / 1e6:.1f}M | {r['tokens_per_step']} | {r['step_s']:.3f} | "
+        lines.append(f"| {opts.family} {r['size']} | {r['params'] / 1e6:.1f}M | {r['tokens_per_step']} | "
+                     f"{r['step_s']:.3f} | "
                      f"{r['tokens_per_s']:.0f} | {r['tflops_per_rank']:.3g} | {mfu} | {mem} |")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

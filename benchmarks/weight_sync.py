@@ -67,7 +67,7 @@ def _broadcast_worker(rank: int, world_size: int, num_bytes: int, gpus: list[int
 def nccl_ceiling(num_bytes: int, gpus: list[int], iters: int) -> float:
     import torch.multiprocessing as mp
 
-    from rlactors.weight_sync.broadcast import free_port
+    from rlactors.placement import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -113,7 +113,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--weight-sync", choices=("auto", "messages", "broadcast"), default="auto",
                         help="generator.weight_sync (auto: broadcast for vLLM, messages for native replicas)")
-    parser.add_argument("--dtype", help="model.dtype of the synced weights (default: bfloat16 on cuda, the config's on cpu)")
+    parser.add_argument("--dtype",
+                        help="model.dtype of the synced weights (default: bfloat16 on cuda, the config's on cpu)")
     args = parser.parse_args()
 
     use_fast_supervision()
@@ -127,7 +128,8 @@ def main() -> None:
     if args.dtype:
         overrides.append(f'model.dtype="{args.dtype}"')
     if cuda:
-        overrides += ['generator.engine="vllm"', "generator.gpu_memory_utilization=0.35", 'generator.update_mode="hot_swap"']
+        overrides += ['generator.engine="vllm"', "generator.gpu_memory_utilization=0.35",
+                      'generator.update_mode="hot_swap"']
         if not args.dtype:
             overrides.append('model.dtype="bfloat16"')
     config = load_config(None, overrides)
@@ -141,7 +143,8 @@ def main() -> None:
     num_bytes = runs[0]["bytes"]
     machine = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if cuda else "CPU"
     line = (f"| {datetime.date.today()} | {machine} | {args.size} ({num_bytes / 1e6:.0f} MB) | {args.trainer_gpus} "
-            f"| {args.replicas} | {statistics.median(totals) * 1e3:.1f} ({min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f}) "
+            f"| {args.replicas} | {statistics.median(totals) * 1e3:.1f} "
+            f"({min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f}) "
             f"| {median_ms('served_s')} | {median_ms('gather_s')} | {median_ms('pack_s')} | {median_ms('checksum_s')} "
             f"| {median_ms('transfer_s')} | {median_ms('broadcast_s')} | {median_ms('replica_receive_verify_s')} "
             f"| {median_ms('replica_apply_s')} | {'yes' if all(r.get('copy_plan') == 1.0 for r in runs) else 'no'} "

@@ -11,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import re
 import tomllib
 import types
 import typing
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from rlactors.placement import gpu_layout
 
 # The choices of the Literal fields that code outside this module also names.
 UpdateMode = Literal["drain", "hot_swap"]
@@ -301,40 +301,6 @@ class Config:
 def _section_keys() -> dict[type, str]:
     """Each section's class -> its key in the Config (ModelConfig -> "model")."""
     return {hint: name for name, hint in typing.get_type_hints(Config).items()}
-
-
-def gpu_layout(config: Config) -> tuple[list[int], list[list[int]]]:
-    """GPU ids, counted on their own host, of the trainer ranks of one trainer host and of each
-    generator replica (its TP group).
-
-    On one host (job.scheduler 'local') trainers take the first GPUs and replicas the following
-    ones, or, with `controller.colocate`, the same ones from GPU 0 on (the generator then uses
-    only gpu_memory_utilization of each). On a job's hosts each mesh has hosts of its own:
-    every trainer host uses GPUs 0.., and replica r is the (r % per host)-th of its host.
-    """
-    j = config.job
-    tp = config.generator.tp
-    ranks_per_host = config.trainer.ranks // j.trainer_hosts
-    replicas_per_host = config.generator.replicas // j.generator_hosts
-    first = ranks_per_host if j.scheduler == "local" and not config.controller.colocate else 0
-    trainer = list(range(ranks_per_host))
-    replicas = [list(range(first + (r % replicas_per_host) * tp, first + (r % replicas_per_host + 1) * tp))
-                for r in range(config.generator.replicas)]
-    return trainer, replicas
-
-
-def cuda_visible_devices(gpu_ids: Sequence[int]) -> str:
-    """CUDA_VISIBLE_DEVICES for a child proc given GPUs `gpu_ids` of this process's view.
-
-    Ids count the GPUs this process sees: when it was itself started with CUDA_VISIBLE_DEVICES
-    (say "4,5,6,7"), id 0 is GPU 4, so a job confined to part of a node stays there.
-    """
-    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if not visible:
-        return ",".join(str(i) for i in gpu_ids)
-    if max(gpu_ids) >= len(visible):
-        raise ValueError(f"GPU ids {list(gpu_ids)} exceed the {len(visible)} GPUs of CUDA_VISIBLE_DEVICES={visible}")
-    return ",".join(visible[i] for i in gpu_ids)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,15 +4,11 @@ Sync and async training are one loop. A RolloutProducer starts the rollout group
 once the generators hold the policy of step `s - 1 - ahead`, where `ahead` is 0 in sync mode
 (every token of step `s` comes from the policy of step `s - 1`) and `controller.max_staleness` in
 async mode (generation runs up to that many steps ahead of the trainer and never waits for a step
-to finish); its tasks end with the loop. The trainer takes `rollout.prompts_per_step` finished groups per step, drops episodes
-older than `max_staleness` versions (counted), trains, and pushes the new weights to every
-replica, verified by checksum (`rlactors.weight_sync.sync`). A step with nothing to train on (every group's rewards equal)
-is a whole step all the same: logged, counted, checkpointed when due; its policy is the previous
-step's, which the generators hold already.
-
-A run dir holds one run: a new run refuses a dir with steps in it, and `--resume` refuses a config
-whose env or seed differ from the run's. Ctrl-C lets a step whose update has begun complete, then
-saves the last completed step unless its checkpoint exists.
+to finish); its tasks end with the loop. The trainer takes `rollout.prompts_per_step` finished
+groups per step, drops episodes older than `max_staleness` versions (counted), trains, and pushes
+the new weights to every replica, verified by checksum (`rlactors.weight_sync.sync`). A step with
+nothing to train on (every group's rewards equal) is a whole step all the same: logged, counted,
+checkpointed when due; its policy is the previous step's, which the generators hold already.
 """
 
 from __future__ import annotations
@@ -31,14 +27,15 @@ from typing import Any
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
-from rlactors.config import Config, dump_toml, gpu_layout
-from rlactors.hosts import Hosts, allocate_hosts, first_value
+from rlactors.config import Config, dump_toml
 from rlactors.losses import LossNorm
 from rlactors.metrics import EnvErrorLog, MetricsLogger
+from rlactors.placement import Hosts, allocate_hosts, first_value, gpu_layout
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.env import SampleStream, load_env
 from rlactors.rollout.producer import RolloutProducer
-from rlactors.rollout.rollouter import Rollouter, group_number, summarize as summarize_groups
+from rlactors.rollout.rollouter import Rollouter, group_number
+from rlactors.rollout.rollouter import summarize as summarize_groups
 from rlactors.rollout.types import Episode, Rollout, RolloutGroup
 from rlactors.trainer.checkpoint import checkpoint_dir, is_complete, latest_checkpoint
 from rlactors.types import Completion, SamplingParams
@@ -461,7 +458,8 @@ class Controller:
     async def _generator_metrics(self) -> dict[str, float]:
         stats = await self.router.stats.call_one()
         serving = stats["states"]["serving"]
-        metrics = {"generator/serving_replicas": float(serving), "generator/dead_replicas": float(stats["states"]["dead"]),
+        metrics = {"generator/serving_replicas": float(serving),
+                   "generator/dead_replicas": float(stats["states"]["dead"]),
                    "generator/retries": float(stats["retries"]), "generator/restarts": float(stats["restarts"]),
                    "generator/weight_groups": float(stats["weight_groups"])}
         # Idle = the share of replica time since the last step spent outside engine steps (not

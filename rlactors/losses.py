@@ -29,7 +29,7 @@ MAX_LOG_RATIO = 20.0  # |log p_trainer - log p_old| beyond this is clamped (rati
 
 
 class TokenBatch(Protocol):
-    """What `LossNorm.for_step` reads from a microbatch (e.g. rlactors.rollout.types.MicroBatch)."""
+    """What `LossNorm.for_step` reads from a microbatch (e.g. rlactors.trainer.batch.MicroBatch)."""
 
     positions: torch.Tensor
     loss_mask: torch.Tensor

@@ -7,11 +7,6 @@ import re
 import shutil
 
 import pytest
-
-from rlactors.config import ConfigError, EnvConfig, RolloutConfig
-from rlactors.models.tokenizer import load_tokenizer, render_messages
-from rlactors.rollout import Rollouter, RolloutStatus, load_env
-from rlactors.types import Completion
 from rlactors_examples.alphabet_sort.env import (
     COMBINED_TAG,
     FIRST_TAG,
@@ -22,6 +17,11 @@ from rlactors_examples.alphabet_sort.env import (
     score_turn,
 )
 from rlactors_examples.alphabet_sort.evaluate import main as evaluate_main
+
+from rlactors.config import ConfigError, EnvConfig, RolloutConfig
+from rlactors.models.tokenizer import load_tokenizer, render_messages
+from rlactors.rollout import Rollouter, RolloutStatus, load_env
+from rlactors.types import Completion
 
 TURN1 = ["Alan Adams", "Finn Fox", "Kate Evans"]
 TURN2 = ["Alan Adams", "Ben Cole // new name!", "Finn Fox", "Kate Evans"]

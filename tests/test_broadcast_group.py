@@ -12,7 +12,8 @@ import re
 
 import torch
 
-from rlactors.weight_sync.broadcast import BufferReceiver, WeightSender, free_port
+from rlactors.placement import free_port
+from rlactors.weight_sync.broadcast import BufferReceiver, WeightSender
 from rlactors.weight_sync.checksum import ChecksumMismatch
 from rlactors.weight_sync.packed import PackedLayout
 

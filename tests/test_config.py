@@ -11,10 +11,9 @@ from rlactors.config import (
     LossConfig,
     ModelConfig,
     build_dataclass,
-    cuda_visible_devices,
     dump_toml,
-    gpu_layout,
 )
+from rlactors.placement import cuda_visible_devices, gpu_layout
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 

@@ -67,7 +67,8 @@ def test_weights_by_broadcast_train_like_weights_by_messages(tiny_ckpt, tmp_path
     assert [m["policy/version"] for m in broadcast] == [1.0, 2.0]
     for by_message, by_broadcast in zip(messages, broadcast):
         assert "weight_sync/broadcast_s" in by_broadcast and "weight_sync/broadcast_s" not in by_message
-        assert by_broadcast["weight_sync/bytes"] == pytest.approx(by_message["weight_sync/bytes"], rel=0.01)  # + alignment
+        # broadcast bytes include alignment
+        assert by_broadcast["weight_sync/bytes"] == pytest.approx(by_message["weight_sync/bytes"], rel=0.01)
         assert by_broadcast["generator/serving_replicas"] == 2
         for key in ("loss/loss", "rollout/reward_mean", "loss/tokens", "train/grad_norm"):
             assert by_broadcast[key] == pytest.approx(by_message[key], rel=1e-5, abs=1e-7), key

@@ -147,7 +147,8 @@ def test_same_seed_same_tokens_alone_or_batched(model):
                    SamplingParams(max_tokens=12, temperature=0.7, top_k=50, top_p=0.9, seed=99)):
         alone = run(make_engine(model), {"t": (target, params)})["t"]
         crowd = {"t": (target, params)}
-        crowd.update({f"o{i}": (p, SamplingParams(max_tokens=14, temperature=1.0, seed=i)) for i, p in enumerate(others)})
+        crowd.update({f"o{i}": (p, SamplingParams(max_tokens=14, temperature=1.0, seed=i))
+                      for i, p in enumerate(others)})
         engine = make_engine(model, max_num_tokens=64)  # chunked prefills mixed with the target's decodes
         engine.add_request("early", others[0], SamplingParams(max_tokens=14))
         engine.step()

@@ -101,9 +101,8 @@ def test_two_gpu_trainer_gathers_the_policy_bitwise(ckpt, tmp_path):
     from monarch.actor import this_host
 
     from rlactors.actors.trainer import spawn_trainer
-    from rlactors.models.checkpoint import load_state_dict
-
     from rlactors.config import ModelConfig, TrainerConfig
+    from rlactors.models.checkpoint import load_state_dict
 
     async def main():
         procs, trainer, _ = await spawn_trainer(this_host(), ModelConfig(path=str(ckpt), dtype="bfloat16"),

@@ -1,4 +1,4 @@
-"""Where the meshes run (rlactors.hosts). The process scheduler runs for real in
+"""Where the meshes run (rlactors.placement). The process scheduler runs for real in
 tests/test_e2e.py; Slurm cannot run here, so a stand-in SlurmJob checks what the config asks of it."""
 
 import socket
@@ -9,7 +9,7 @@ import monarch.job
 import pytest
 
 from rlactors.config import JobConfig
-from rlactors.hosts import allocate_hosts, host_name
+from rlactors.placement import allocate_hosts, host_name
 
 
 class RecordingSlurmJob:

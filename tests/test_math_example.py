@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from rlactors_examples.math.generate import make_problems, write_splits
 
 from rlactors.config import EnvConfig, load_config
 from rlactors.controller import Controller
@@ -14,7 +15,6 @@ from rlactors.metrics import read_metrics
 from rlactors.models.tokenizer import load_tokenizer
 from rlactors.rewards import reference_answer
 from rlactors.rollout import load_env
-from rlactors_examples.math.generate import make_problems, write_splits
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "math" / "data"

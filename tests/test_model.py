@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from rlactors.attention.varlen import cu_seqlens_from_positions
 from rlactors.models import DecoderForCausalLM, ModelArgs, VarlenAttention, from_pretrained
 from rlactors.models.args import FAMILIES
-from rlactors.models.attention import cu_seqlens_from_positions
 from rlactors.models.decoder import rope_inverse_frequencies
 from rlactors.models.tiny import size_args
 
@@ -268,7 +268,7 @@ def test_token_logprobs_gradients_equal_autograd_through_the_full_log_softmax(fi
     expected = gradients(lambda hidden: full_token_logprobs(model, hidden, targets)[0])
     head = "model.embed_tokens.weight" if model.args.tie_word_embeddings else "lm_head.weight"
     for chunk_size in (5, 64):
-        got = gradients(lambda hidden: model.token_logprobs_and_entropy(hidden, targets, chunk_size)[0])
+        got = gradients(lambda hidden: model.token_logprobs_and_entropy(hidden, targets, chunk_size)[0])  # noqa: B023
         for name, grad in expected.items():
             assert grad.abs().max() > 0, name
             # Past the head, backprop through the layers amplifies fp32 rounding: measured, the
@@ -358,7 +358,7 @@ def test_model_args_validation():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["varlen", "flash"])
 def test_cuda_backends_match_sdpa(backend):
-    from rlactors.models.attention import flash_attn_available
+    from rlactors.attention.varlen import flash_attn_available
 
     if backend == "flash" and not flash_attn_available():
         pytest.skip("flash-attn not installed")

@@ -3,12 +3,12 @@
 import asyncio
 
 import pytest
+from rlactors_examples.guess_number.env import GuessNumberConfig, GuessNumberEnv, parse_guess
 
 from rlactors.config import ConfigError, EnvConfig, RolloutConfig
 from rlactors.models.tokenizer import load_tokenizer
 from rlactors.rollout import Rollouter, RolloutStatus, load_env
 from rlactors.types import Completion
-from rlactors_examples.guess_number.env import GuessNumberConfig, GuessNumberEnv, parse_guess
 
 
 class BinarySearchPlayer:

@@ -122,7 +122,8 @@ def test_no_rollout_runs_after_train_returns_even_after_a_group_failed(tmp_path)
     controller.samples, controller.rollouter, controller.router = InOrder(), Rollouter(), _Router()
 
     async def main():
-        with pytest.raises(TrainingError, match=r"^step 1: a rollout group failed: RuntimeError\('a bug in the group'\)"):
+        failed = r"^step 1: a rollout group failed: RuntimeError\('a bug in the group'\)"
+        with pytest.raises(TrainingError, match=failed):
             await controller.train()
         return others()
 

@@ -7,12 +7,12 @@ import asyncio
 import pytest
 import torch
 from monarch.actor import ActorError, this_host
+from trainer_inputs import cat, rows
 
 from rlactors.actors.trainer import spawn_trainer
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm
 from rlactors.trainer.checkpoint import latest_checkpoint
-from trainer_inputs import cat, rows
 
 LOSS = LossConfig(name="dapo", clip_high=0.28)
 
@@ -77,7 +77,8 @@ def test_two_ranks_match_one_rank_however_the_batch_is_split(loop, two_ranks, ti
         return await train_step(two_ranks, split, norm), await policy(two_ranks)
 
     start, one, one_weights = loop.run_until_complete(one_rank())
-    assert max((one_weights.weights[n] - w).abs().max().item() for n, w in start.weights.items()) > 1e-3  # a visible update
+    # a visible update
+    assert max((one_weights.weights[n] - w).abs().max().item() for n, w in start.weights.items()) > 1e-3
     for split in ([[cat(batch[:4])], [cat(batch[4:])]],
                   [[cat(batch[:1]), cat(batch[1:3])], [cat(batch[3:7]), cat(batch[7:])]]):
         metrics, weights = loop.run_until_complete(two_ranks_split(split))

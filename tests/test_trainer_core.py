@@ -7,15 +7,15 @@ import math
 
 import pytest
 import torch
+from trainer_inputs import cat, one_rank_process_group, rows
 
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm, compute_loss
 from rlactors.models.args import FAMILIES
 from rlactors.models.checkpoint import TIED_KEY, from_pretrained, load_state_dict
-from rlactors.rollout.types import MicroBatch
+from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.checkpoint import COMPLETE_FILE, latest_checkpoint, partial_dir
 from rlactors.trainer.core import MICROBATCH_FIELDS, PolicyTrainerCore
-from trainer_inputs import cat, one_rank_process_group, rows
 
 VOCAB = 1024  # the tiny checkpoint's
 
@@ -131,8 +131,10 @@ def _bad_inputs():
     advantages[good.loss_mask] = math.inf
     return norm, [
         ([changed(**{n: getattr(good, n)[:, :0] for n in MICROBATCH_FIELDS})], norm, "is empty"),
-        ([changed(advantages=good.advantages[:, :-1])], norm, r"advantages has shape \(1, 47\), input_ids has \(1, 48\)"),
-        ([changed(target_ids=out_of_vocab)], norm, r"target_ids holds token id 1024 outside the vocabulary \[0, 1024\)"),
+        ([changed(advantages=good.advantages[:, :-1])], norm,
+         r"advantages has shape \(1, 47\), input_ids has \(1, 48\)"),
+        ([changed(target_ids=out_of_vocab)], norm,
+         r"target_ids holds token id 1024 outside the vocabulary \[0, 1024\)"),
         ([changed(input_ids=good.input_ids.float())], norm, "input_ids must hold integers"),
         ([changed(positions=good.positions + 1)], norm, "positions row 0: positions must start at 0"),
         ([changed(advantages=advantages)], norm, "advantages is not finite on a loss token"),

@@ -8,9 +8,9 @@ episodes. The default mode's difference is measured too (and kept small, not zer
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from trainer_inputs import one_rank_process_group
 
 from rlactors.config import BatcherConfig, GeneratorConfig, ModelConfig, TrainerConfig
 from rlactors.engines.native import NativeEngine
@@ -18,7 +18,6 @@ from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.types import Episode, RolloutStatus
 from rlactors.trainer.core import PolicyTrainerCore
 from rlactors.types import SamplingParams
-from trainer_inputs import one_rank_process_group
 
 VOCAB = 1024  # the tiny checkpoint's
 

@@ -87,7 +87,8 @@ def test_generates_with_raw_logprobs_seeds_and_stops(engine, ckpt):
 
 def test_bad_requests_fail_alone_and_abort(engine):
     engine.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0))
-    for prompt, sampling, message in [([], SamplingParams(), "empty"), (list(range(3, 515)), SamplingParams(), "max_model_len"),
+    for prompt, sampling, message in [([], SamplingParams(), "empty"),
+                                      (list(range(3, 515)), SamplingParams(), "max_model_len"),
                                       ([5], {"max_tokens": 0}, "max_tokens"), ([5], {"temp": 1.0}, "unknown")]:
         with pytest.raises(ValueError, match=message):
             engine.add_request("bad", prompt, sampling)

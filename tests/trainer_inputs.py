@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlactors.rollout.types import MicroBatch
+from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.core import MICROBATCH_FIELDS
 from rlactors.trainer.parallel import init_distributed
 

@@ -21,13 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-
-from rlactors.config import BatcherConfig, LossConfig, build_dataclass, parse_override
-from rlactors.losses import LossNorm, compute_loss
-from rlactors.models import extend_with_messages, from_pretrained, load_tokenizer, render_messages, save_pretrained
-from rlactors.models.tiny import make_tiny_checkpoint
-from rlactors.rollout.batcher import Batcher
-from rlactors.rollout.types import Episode, RolloutStatus
 from rlactors_examples.alphabet_sort.env import (
     COMBINED_TAG,
     FIRST_TAG,
@@ -35,6 +28,13 @@ from rlactors_examples.alphabet_sort.env import (
     build_dataset,
     reference_reply,
 )
+
+from rlactors.config import BatcherConfig, LossConfig, build_dataclass, parse_override
+from rlactors.losses import LossNorm, compute_loss
+from rlactors.models import extend_with_messages, from_pretrained, load_tokenizer, render_messages, save_pretrained
+from rlactors.models.tiny import make_tiny_checkpoint
+from rlactors.rollout.batcher import Batcher
+from rlactors.rollout.types import Episode, RolloutStatus
 
 # The demo task: the difficulty a 1M-parameter model learns on a 2-core CPU in minutes.
 DEMO_ENV_ARGS = {"max_turns": 2, "max_names_per_turn": 3}
@@ -62,7 +62,8 @@ def demonstration(tokenizer, sample: dict, rng: random.Random) -> Episode:
     loss_mask = [False] * len(token_ids)
     for turn in range(sample["num_turns"]):
         if turn > 0:
-            extended = extend_with_messages(tokenizer, token_ids, [{"role": "user", "content": sample["prompts"][turn]}])
+            user = {"role": "user", "content": sample["prompts"][turn]}
+            extended = extend_with_messages(tokenizer, token_ids, [user])
             loss_mask += [False] * (len(extended) - len(token_ids))
             token_ids = extended
         reply = tokenizer.encode(teacher_reply(sample, turn, rng), add_special_tokens=False) + [end_of_turn]

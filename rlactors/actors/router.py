@@ -38,9 +38,9 @@ import torch
 from monarch.actor import Actor, ActorError, concurrent_endpoint, default_bootstrap_cmd, this_host
 
 from rlactors.actors.generator import Generator
-from rlactors.config import GeneratorConfig, ModelConfig, cuda_visible_devices
+from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.async_engine import EngineDeadError
-from rlactors.hosts import host_of, num_hosts
+from rlactors.placement import cuda_visible_devices, host_of, num_hosts
 from rlactors.types import Completion, SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ collectives. Endpoints that take microbatches get all ranks' (`microbatches[r]` 
 
     procs, trainer, ranks = await spawn_trainer(this_host(), config.model, config.trainer, device="cpu")
     await trainer.forward_backward.call(microbatches, norm, config.loss)   # x k microbatches
-    metrics = first_value(await trainer.optim_step.call())   # rank 0's (rlactors.hosts.first_value)
+    metrics = first_value(await trainer.optim_step.call())   # rank 0's (rlactors.placement.first_value)
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ import torch
 from monarch.actor import Actor, HostMesh, ProcMesh, default_bootstrap_cmd, endpoint
 from monarch.spmd import setup_torch_elastic_env_async
 
-from rlactors.config import LossConfig, ModelConfig, TrainerConfig, cuda_visible_devices
-from rlactors.hosts import host_name, num_hosts
+from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm
-from rlactors.rollout.types import MicroBatch
+from rlactors.placement import cuda_visible_devices, free_port, host_name, local_address, num_hosts
+from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.core import PolicyTrainerCore, VersionedWeights
 from rlactors.trainer.parallel import init_distributed
-from rlactors.weight_sync.broadcast import free_port, local_address
 
 
 class PolicyTrainer(Actor):

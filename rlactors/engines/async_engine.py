@@ -77,8 +77,8 @@ class AsyncEngine:
         self._update: _Update | None = None
         self._receive_lock = asyncio.Lock()  # one incoming version at a time, in order
         self._wake = asyncio.Event()
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
-        self._stage_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-stage")
+        self._step_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._side_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-side")
         self._loop_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self._closed = False
@@ -119,7 +119,7 @@ class AsyncEngine:
             self._check_alive()
             start = time.perf_counter()
             await asyncio.get_running_loop().run_in_executor(
-                self._stage_executor, self._verify, named_tensors, checksum, version)
+                self._side_executor, self._verify, named_tensors, checksum, version)
             self._check_alive()
             self._queue(_Update(version, functools.partial(self.engine.load_weights, named_tensors, version), mode,
                                 asyncio.get_running_loop().create_future()))
@@ -167,7 +167,7 @@ class AsyncEngine:
     def _staging_executor(self) -> concurrent.futures.Executor:
         """Where receives and group joins run: they touch only the receive buffer, so beside the
         engine; an engine that cannot stage while it steps stages between steps, on its thread."""
-        return self._stage_executor if self.engine.stages_concurrently else self._executor
+        return self._side_executor if self.engine.stages_concurrently else self._step_executor
 
     def _verify(self, named_tensors: Mapping[str, torch.Tensor], checksum: str | None, version: int) -> None:
         if checksum is not None:
@@ -239,10 +239,10 @@ class AsyncEngine:
         if self._loop_task is not None:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self.engine.close()
-        self._executor.shutdown(wait=True)
+        self._step_executor.shutdown(wait=True)
         # A receive waits for its sender, which may be gone (the trainer died; NCCL waits for
         # ever): do not wait for it; the proc is stopped next.
-        self._stage_executor.shutdown(wait=False, cancel_futures=True)
+        self._side_executor.shutdown(wait=False, cancel_futures=True)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -279,7 +279,7 @@ class AsyncEngine:
                 self._admit()
             if self.engine.has_unfinished():
                 start = time.perf_counter()
-                completions = await loop.run_in_executor(self._executor, self.engine.step)
+                completions = await loop.run_in_executor(self._step_executor, self.engine.step)
                 self.busy_s += time.perf_counter() - start
                 for completion in completions:
                     self._finish(completion)
@@ -314,7 +314,7 @@ class AsyncEngine:
         start = time.perf_counter()
         update.applying = True
         try:
-            engine_timings = await loop.run_in_executor(self._executor, update.load)
+            engine_timings = await loop.run_in_executor(self._step_executor, update.load)
         except BaseException as e:
             # The weights were verified: a load that fails leaves the model half-written, and
             # this replica must not serve it.

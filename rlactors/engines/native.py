@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from rlactors.attention.paged import paged_attention
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.base import Engine, check_request
 from rlactors.engines.kv_cache import BlockPool, PagedKVCache, blocks_for
@@ -123,7 +124,7 @@ class NativeEngine(Engine):
         for c in scheduled:
             input_ids += c.seq.token_ids[c.start:c.start + c.num_tokens]
             positions += range(c.start, c.start + c.num_tokens)
-        attention = self.cache.attention([c.as_chunk() for c in scheduled], batch_invariant=self.true_on_policy)
+        attention = paged_attention(self.cache, [c.as_chunk() for c in scheduled], batch_invariant=self.true_on_policy)
         return self.model(torch.tensor(input_ids, device=self.device),
                           torch.tensor(positions, device=self.device), attention)
 

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlactors.attention.invariant import OnPolicyAttentionFunction
+from rlactors.attention.varlen import VarlenAttention
 from rlactors.models.args import ModelArgs
-from rlactors.models.attention import VarlenAttention
-from rlactors.models.batch_invariant import OnPolicyAttentionFunction
 from rlactors.models.decoder import DecoderForCausalLM
 
 ARCHITECTURE = "RLActorsForCausalLM"
@@ -154,7 +154,7 @@ class PagedFlashAttention:
 
     @classmethod
     def from_positions(cls, positions: torch.Tensor, backend: str = "auto") -> PagedFlashAttention:
-        from rlactors.models.attention import cu_seqlens_from_positions
+        from rlactors.attention.varlen import cu_seqlens_from_positions
 
         cu_seqlens = cu_seqlens_from_positions(positions)
         return cls(cu_seqlens, int(cu_seqlens.diff().max().item()), backend)

@@ -3,8 +3,8 @@
 Random-init test checkpoints: ``rlactors.models.tiny`` (kept out of this namespace so that
 ``python -m rlactors.models.tiny`` runs cleanly)."""
 
+from rlactors.attention.varlen import VarlenAttention
 from rlactors.models.args import ModelArgs
-from rlactors.models.attention import VarlenAttention
 from rlactors.models.checkpoint import copy_tokenizer_files, from_pretrained, load_args, save_pretrained
 from rlactors.models.decoder import Attention, DecoderForCausalLM
 from rlactors.models.tokenizer import extend_with_messages, load_tokenizer, render_messages

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlactors.attention.varlen import VarlenAttention
 from rlactors.models import batch_invariant as bi
 from rlactors.models.args import Llama3RopeScaling, ModelArgs
-from rlactors.models.attention import VarlenAttention
 
 # attention(layer_idx, q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D]) -> out[T, Hq, D]
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -43,11 +43,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             return bi.rms_norm(x, self.weight, self.eps)
-        # Normalize in fp32, scale in the weight's dtype: the same rounding as HF's RMSNorm of
-        # every supported family.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return bi.torch_rms_norm(x, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float,

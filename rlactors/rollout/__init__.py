@@ -6,9 +6,7 @@ from rlactors.rollout.episodes import rollout_to_episodes
 from rlactors.rollout.rollouter import Rollouter, summarize
 from rlactors.rollout.types import (
     Episode,
-    MicroBatch,
     Observation,
-    PackedBatch,
     Rollout,
     RolloutBatch,
     RolloutGroup,
@@ -18,7 +16,7 @@ from rlactors.rollout.types import (
 )
 
 __all__ = [
-    "Batcher", "Episode", "MessageEnv", "MessageStep", "MicroBatch", "Observation", "PackedBatch",
+    "Batcher", "Episode", "MessageEnv", "MessageStep", "Observation",
     "RewardFunc", "Rollout", "RolloutBatch", "RolloutGroup", "RolloutStatus", "Rollouter", "Rubric",
     "SampleStream", "StepResult", "TokenEnv", "Turn", "load_env", "rollout_to_episodes", "summarize",
 ]

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from rlactors.config import BatcherConfig
-from rlactors.rollout.types import Episode, MicroBatch, PackedBatch
+from rlactors.rollout.types import Episode
+from rlactors.trainer.batch import MicroBatch, PackedBatch
 
 
 @dataclass

@@ -77,7 +77,7 @@ class RolloutProducer:
     async def _run(self) -> None:
         for step in range(self.first_step, self.last_step + 1):
             async with self._step_reached:
-                await self._step_reached.wait_for(lambda: self.reached_step >= step - 1 - self.ahead)
+                await self._step_reached.wait_for(lambda: self.reached_step >= step - 1 - self.ahead)  # noqa: B023
             self._states_at_start[step] = self._states()
             for sample in self.samples.next(self.groups_per_step):
                 task = asyncio.ensure_future(self.rollouter.run_group(sample))

@@ -29,11 +29,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from rlactors.attention.invariant import BatchInvariantAttention
+from rlactors.attention.varlen import VarlenAttention, cu_seqlens_from_positions
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm, LossStats, compute_loss, loss_tokens
 from rlactors.models.args import DTYPES
-from rlactors.models.attention import VarlenAttention, cu_seqlens_from_positions
-from rlactors.models.batch_invariant import BatchInvariantAttention
 from rlactors.models.checkpoint import (
     checkpoint_shapes,
     copy_tokenizer_files,
@@ -41,11 +41,11 @@ from rlactors.models.checkpoint import (
     open_tensors,
     save_pretrained,
 )
-from rlactors.rollout.types import MicroBatch
 from rlactors.trainer import checkpoint as ckpt
+from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, local_rows, make_mesh
-from rlactors.weight_sync.checksum import state_checksum
 from rlactors.weight_sync.broadcast import WeightSender
+from rlactors.weight_sync.checksum import state_checksum
 from rlactors.weight_sync.packed import PackedLayout
 
 MICROBATCH_FIELDS = ("input_ids", "positions", "target_ids", "loss_mask", "advantages",
@@ -273,7 +273,8 @@ class PolicyTrainerCore:
             slots.append((offset, chunk_rows, row_numel))
             offset += chunk_rows * row_numel
         flat = torch.zeros(offset, dtype=dtype, device=self.device)
-        torch._foreach_copy_([flat[o:o + local.numel()].view(local.shape) for (o, _, _), (local, _) in zip(slots, shards)],
+        torch._foreach_copy_([flat[o:o + local.numel()].view(local.shape)
+                              for (o, _, _), (local, _) in zip(slots, shards)],
                              [local for local, _ in shards])
         gathered = [torch.empty_like(flat) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(flat.view(torch.uint8), [g.view(torch.uint8) for g in gathered] if gathered else None, dst=0)

@@ -17,7 +17,6 @@ first are plain copies from the buffer where a copy plan was proven equal to vLL
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 from typing import Any
 
@@ -26,18 +25,6 @@ import torch
 from rlactors.weight_sync.checksum import ChecksumMismatch
 from rlactors.weight_sync.copy_plan import CopyPlan
 from rlactors.weight_sync.packed import PackedLayout
-
-
-def local_address() -> str:
-    """This host's address as the other hosts of the job reach it."""
-    return socket.gethostbyname(socket.gethostname())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
 
 GLOO_TIMEOUT = datetime.timedelta(minutes=5)  # a rendezvous or broadcast that waits longer fails
 

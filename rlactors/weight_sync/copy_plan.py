@@ -20,7 +20,8 @@ import torch
 from rlactors.weight_sync.packed import PackedLayout
 
 
-def _sources(param_name: str, available: Mapping[str, torch.Tensor], packed: Mapping[str, list[str]]) -> list[str] | None:
+def _sources(param_name: str, available: Mapping[str, torch.Tensor],
+             packed: Mapping[str, list[str]]) -> list[str] | None:
     """The HF tensors a model parameter is made of, in stacking order, or None."""
     if param_name in available:
         return [param_name]

@@ -55,7 +55,7 @@ from typing import Any
 from monarch.actor import ActorError
 
 from rlactors.config import Config
-from rlactors.hosts import first_value
+from rlactors.placement import first_value
 
 # A weight broadcast still running this long after one of its members died is stuck: NCCL waits
 # for every member for ever (gloo fails by itself at once).

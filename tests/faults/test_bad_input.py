@@ -13,13 +13,13 @@ import os
 import shutil
 import typing
 
+import fault_envs
 import pytest
 from faultkit import run_cli
+from rlactors_examples.alphabet_sort.run import DEFAULT_CONFIG, main
 
-import fault_envs
 from rlactors.config import Config, dump_toml, load_config
 from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir
-from rlactors_examples.alphabet_sort.run import DEFAULT_CONFIG, main
 
 # Any value is well-typed here; what matters is that load_config rejects it before the run.
 BASE = ['model.path="/nonexistent/never-read"', 'controller.run_dir="/nonexistent/never-written"']

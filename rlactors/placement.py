@@ -1,6 +1,7 @@
-"""Where a run's meshes live: this host, or the hosts of a Monarch job (`job.scheduler`).
+"""Placement: where a run's procs live and which devices and addresses they use.
 
-The trainer mesh spans `job.trainer_hosts` hosts (`trainer.ranks` split evenly, dims hosts x gpus);
+The meshes live on this host or on the hosts of a Monarch job (`job.scheduler`). The trainer
+mesh spans `job.trainer_hosts` hosts (`trainer.ranks` split evenly, dims hosts x gpus);
 the generator replicas spread over `job.generator_hosts` hosts, replica r on host
 r // (replicas per host). The router and the controller stay on this host.
 """
@@ -10,13 +11,60 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlactors.config import JobConfig
+if TYPE_CHECKING:
+    from rlactors.config import Config, JobConfig
 
 TRAINER_MESH = "trainers"
 GENERATOR_MESH = "generators"
+
+
+def gpu_layout(config: Config) -> tuple[list[int], list[list[int]]]:
+    """GPU ids, counted on their own host, of the trainer ranks of one trainer host and of each
+    generator replica (its TP group).
+
+    On one host (job.scheduler 'local') trainers take the first GPUs and replicas the following
+    ones, or, with `controller.colocate`, the same ones from GPU 0 on (the generator then uses
+    only gpu_memory_utilization of each). On a job's hosts each mesh has hosts of its own:
+    every trainer host uses GPUs 0.., and replica r is the (r % per host)-th of its host.
+    """
+    j = config.job
+    tp = config.generator.tp
+    ranks_per_host = config.trainer.ranks // j.trainer_hosts
+    replicas_per_host = config.generator.replicas // j.generator_hosts
+    first = ranks_per_host if j.scheduler == "local" and not config.controller.colocate else 0
+    trainer = list(range(ranks_per_host))
+    replicas = [list(range(first + (r % replicas_per_host) * tp, first + (r % replicas_per_host + 1) * tp))
+                for r in range(config.generator.replicas)]
+    return trainer, replicas
+
+
+def cuda_visible_devices(gpu_ids: Sequence[int]) -> str:
+    """CUDA_VISIBLE_DEVICES for a child proc given GPUs `gpu_ids` of this process's view.
+
+    Ids count the GPUs this process sees: when it was itself started with CUDA_VISIBLE_DEVICES
+    (say "4,5,6,7"), id 0 is GPU 4, so a job confined to part of a node stays there.
+    """
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        return ",".join(str(i) for i in gpu_ids)
+    if max(gpu_ids) >= len(visible):
+        raise ValueError(f"GPU ids {list(gpu_ids)} exceed the {len(visible)} GPUs of CUDA_VISIBLE_DEVICES={visible}")
+    return ",".join(visible[i] for i in gpu_ids)
+
+
+def local_address() -> str:
+    """This host's address as the other hosts of the job reach it."""
+    return socket.gethostbyname(socket.gethostname())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 @dataclass

@@ -190,7 +190,7 @@ class StagingEngine(NativeEngine):
         super().__init__(*args, **kwargs)
         self.wire: dict[str, torch.Tensor] = {}
         self.staged: dict[str, torch.Tensor] = {}
-        self.stage_threads: set[str] = set()
+        self.side_threads: set[str] = set()
         self.stages = 0
         self.load_gate: threading.Event | None = None
         self.joins: list[tuple[str, tuple]] = []
@@ -200,7 +200,7 @@ class StagingEngine(NativeEngine):
         return [group[2]]
 
     def stage_weights(self, version, checksum):
-        self.stage_threads.add(threading.current_thread().name)
+        self.side_threads.add(threading.current_thread().name)
         self.stages += 1
         self.staged = {k: v.clone() for k, v in self.wire.items()}
         if state_checksum(self.staged) != checksum:
@@ -247,7 +247,7 @@ def test_broadcast_weights_are_verified_at_once_and_the_newest_is_loaded_after_t
         assert (await later).versions == [2] * 4
         stats = engine.stats()
         assert stats["version"] == 2 and stats["updates"] == 1 and stats["last_update"]["load_s"] == 0.0
-        assert engine.engine.stage_threads == {"engine-stage_0"}
+        assert engine.engine.side_threads == {"engine-side_0"}
 
         # Verified weights that then fail to load leave the engine dead, not half-loaded and serving.
         engine.engine.wire = {"model.norm.weight": versions[1]["model.norm.weight"]}  # not a whole set
@@ -295,7 +295,7 @@ def test_a_new_weight_group_is_joined_beside_the_drain_and_keeps_the_waiting_ver
         assert (await running).versions == [0] * 200
         await until(lambda: engine.stats()["updates"] == 1)
         assert engine.stats()["version"] == 1
-        assert engine.engine.joins == [("engine-stage_0", ("10.0.0.1", 29500, 1, 2, None))]
+        assert engine.engine.joins == [("engine-side_0", ("10.0.0.1", 29500, 1, 2, None))]
         await engine.close()
 
     asyncio.run(main())

@@ -26,6 +26,7 @@ use_fast_supervision()  # notice a dead actor proc within about a second; before
 
 from rlactors.config import ConfigError, load_config  # noqa: E402
 from rlactors.controller import NO_SIGNAL_HINT, Controller, TrainingError  # noqa: E402
+from rlactors.metrics import EVAL_REWARD_MEAN, read_metrics  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "alphabet_sort_cpu.toml"
 
@@ -55,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         trained = f"; {untrained} of them trained nothing (see their step lines)" if untrained else ""
         print(f"done: {len(history)} steps, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}{trained}; "
               f"run dir {config.controller.run_dir}")
+        evals = [r for r in read_metrics(config.controller.run_dir) if EVAL_REWARD_MEAN in r]
+        if evals:
+            first, last = min(evals, key=lambda r: r["step"]), max(evals, key=lambda r: r["step"])
+            sampling = "greedy" if config.eval.temperature == 0 else f"temperature {config.eval.temperature:g}"
+            print(f"eval reward {first[EVAL_REWARD_MEAN]:.3f} at step {first['step']} -> {last[EVAL_REWARD_MEAN]:.3f} "
+                  f"at step {last['step']} ({last['eval/samples']:.0f} held-out samples, {sampling})")
         if all(m["rollout/groups_dropped"] == m["rollout/groups"] for m in history):
             print(f"no step trained: the rollouts of each group earned equal rewards, so GRPO had nothing to "
                   f"learn from; {NO_SIGNAL_HINT}")

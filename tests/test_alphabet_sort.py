@@ -193,16 +193,19 @@ def test_untagged_and_cut_off_replies(tiny_ckpt):
                for g in cut.groups for r in g.rollouts)
 
 
-def test_warm_start_teacher_makes_its_two_mistakes_at_the_stated_rates():
+@pytest.mark.parametrize("rates", [None, (0.7, 0.0)])  # the CPU demo's teacher (the defaults), the GPU demo's
+def test_warm_start_teacher_makes_its_two_mistakes_at_the_stated_rates(rates):
     from examples.alphabet_sort.warm_start import TEACHER_UNSORTED, TEACHER_UNTAGGED, teacher_reply
 
+    untagged_rate, unsorted_rate = rates or (TEACHER_UNTAGGED, TEACHER_UNSORTED)
     sample = build_dataset(AlphabetSortConfig(min_names_per_turn=3, max_names_per_turn=3), "train")[0]
     rng, n = random.Random(0), 4000
-    scores = [score_turn(teacher_reply(sample, 0, rng), sample["expected"][0], FIRST_TAG) for _ in range(n)]
+    replies = [teacher_reply(sample, 0, rng, *rates) if rates else teacher_reply(sample, 0, rng) for _ in range(n)]
+    scores = [score_turn(reply, sample["expected"][0], FIRST_TAG) for reply in replies]
     untagged = sum(s == 0.0 for s in scores) / n
     perfect = sum(s == 1.0 for s in scores) / n
     # A random order of 3 names is the sorted one 1 time in 6, and then scores 1 too.
-    assert untagged == pytest.approx(TEACHER_UNTAGGED, abs=0.03)
-    assert perfect == pytest.approx(1 - TEACHER_UNTAGGED - TEACHER_UNSORTED * 5 / 6, abs=0.03)
+    assert untagged == pytest.approx(untagged_rate, abs=0.03)
+    assert perfect == pytest.approx(1 - untagged_rate - unsorted_rate * 5 / 6, abs=0.03)
     first, second = random.Random(1), random.Random(1)
     assert [teacher_reply(sample, 0, first) for _ in range(50)] == [teacher_reply(sample, 0, second) for _ in range(50)]

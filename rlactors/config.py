@@ -202,6 +202,10 @@ class MetricsConfig:
     wandb_run: str = ""  # the W&B run's name; "" = the run dir's name
 
     def validate(self, key: str) -> None:
+        # W&B refuses these in project names (and names longer than 128 characters).
+        _check(len(self.wandb_project) <= 128 and not set(self.wandb_project) & set("/\\#?%:"),
+               f"{key}.wandb_project", f"W&B project names have at most 128 characters and none of / \\ # ? % :, "
+               f"got {self.wandb_project!r}")
         _check(not self.wandb_run or bool(self.wandb_project), f"{key}.wandb_run",
                "names a W&B run, but metrics.wandb_project is not set")
 

@@ -152,6 +152,7 @@ def test_an_env_without_an_eval_split_or_too_few_samples_is_refused_in_one_line(
     ("eval.pass_reward=inf", r"^eval\.pass_reward: must be finite"),
     ("eval.greedy=true", r"^eval\.greedy: unknown key"),
     ('metrics.wandb_run="r1"', r"^metrics\.wandb_run: names a W&B run, but metrics\.wandb_project is not set"),
+    ('metrics.wandb_project="a:b"', r"^metrics\.wandb_project: W&B project names have at most 128 characters and none "),
 ])
 def test_eval_and_metrics_settings_are_checked_by_key(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -55,8 +55,9 @@ class ToolLatencyAlphabetSort(AlphabetSortEnv):
 
 def run(config_path: Path, steps: int, overrides: list[str]) -> list[dict[str, float]]:
     run_dir = tempfile.mkdtemp(prefix="rlactors_e2e_")
+    # No evaluation: the demo configs' evals would share the replicas with the steps timed here.
     config = load_config(config_path, [*overrides, f"controller.steps={steps}", f'controller.run_dir="{run_dir}"',
-                                       "controller.checkpoint_every=0"])
+                                       "controller.checkpoint_every=0", "controller.eval_every=0"])
     return asyncio.run(Controller(config).run())
 
 

@@ -181,6 +181,7 @@ class ControllerConfig(_Section):
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 1  # async: oldest policy version an episode may come from, in versions
     checkpoint_every: int = 0  # steps; 0 = only at the end
+    eval_every: int = 0  # steps; evaluates at step 0, every eval_every steps and at the end ([eval]); 0 = off
     run_dir: str = "runs/alphabet_sort"
     seed: int = 0
     log_samples: bool = True
@@ -189,8 +190,44 @@ class ControllerConfig(_Section):
         _check(self.steps >= 1, f"{key}.steps", f"must be >= 1, got {self.steps}")
         _check(self.max_staleness >= 0, f"{key}.max_staleness", "must be >= 0")
         _check(self.checkpoint_every >= 0, f"{key}.checkpoint_every", "must be >= 0")
+        _check(self.eval_every >= 0, f"{key}.eval_every", f"must be >= 0 (0 = off), got {self.eval_every}")
         _check(bool(self.run_dir), f"{key}.run_dir", "must not be empty")
         _check(self.seed >= 0, f"{key}.seed", f"must be >= 0, got {self.seed}")
+
+
+@dataclass
+class EvalConfig(_Section):
+    """Evaluation on the env's eval split (`controller.eval_every`, `python -m rlactors.evaluate`).
+    Rollouts follow [rollout]'s turn and token limits; sampling is this section's own."""
+
+    samples: int = 0  # the first this many samples of the eval split; 0 = all of it
+    samples_per_prompt: int = 1  # k of pass@k
+    temperature: float = 0.0  # 0 = greedy; top-p and top-k are off
+    pass_reward: float = 1.0  # a rollout passes (pass@k) when its reward is at least this
+
+    def validate(self, key: str) -> None:
+        _check(self.samples >= 0, f"{key}.samples", f"must be >= 0 (0 = the whole eval split), got {self.samples}")
+        _check(self.samples_per_prompt >= 1, f"{key}.samples_per_prompt",
+               f"must be >= 1, got {self.samples_per_prompt}")
+        _check(0 <= self.temperature < math.inf, f"{key}.temperature", "must be >= 0 (0 = greedy) and finite")
+        _check(math.isfinite(self.pass_reward), f"{key}.pass_reward", f"must be finite, got {self.pass_reward}")
+
+
+@dataclass
+class MetricsConfig(_Section):
+    """Sinks beyond metrics.jsonl and TensorBoard: Weights & Biases when `wandb_project` is set
+    (`pip install -e ".[wandb]"`; offline with WANDB_MODE=offline)."""
+
+    wandb_project: str = ""  # "" = no W&B
+    wandb_run: str = ""  # the W&B run's name; "" = the run dir's name
+
+    def validate(self, key: str) -> None:
+        # W&B refuses these in project names (and names longer than 128 characters).
+        _check(len(self.wandb_project) <= 128 and not set(self.wandb_project) & set("/\\#?%:"),
+               f"{key}.wandb_project", f"W&B project names have at most 128 characters and none of / \\ # ? % :, "
+               f"got {self.wandb_project!r}")
+        _check(not self.wandb_run or bool(self.wandb_project), f"{key}.wandb_run",
+               "names a W&B run, but metrics.wandb_project is not set")
 
 
 @dataclass
@@ -240,6 +277,8 @@ class Config:
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     job: JobConfig = field(default_factory=JobConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
 

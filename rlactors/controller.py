@@ -9,6 +9,14 @@ groups per step, drops episodes older than `max_staleness` versions (counted), t
 the new weights to every replica, verified by checksum (`rlactors.weight_sync.sync`). A step with
 nothing to train on (every group's rewards equal) is a whole step all the same: logged, counted,
 checkpointed when due; its policy is the previous step's, which the generators hold already.
+
+A run dir holds one run: a new run refuses a dir with steps in it, and `--resume` refuses a config
+whose env or seed differ from the run's. Ctrl-C lets a step whose update has begun complete, then
+saves the last completed step unless its checkpoint exists.
+
+With `controller.eval_every`, the policy of step 0, of every eval_every-th step and of the last step
+is scored on the env's eval split (rlactors.evaluation): in sync mode before the next step's update
+(so on that policy alone), in async mode beside training, which does not wait for it.
 """
 
 from __future__ import annotations
@@ -27,9 +35,10 @@ from typing import Any
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
-from rlactors.config import Config, dump_toml
+from rlactors.config import Config, ConfigError, dump_toml
+from rlactors.evaluation import Evaluator, eval_due, eval_samples
 from rlactors.losses import LossNorm
-from rlactors.metrics import EnvErrorLog, MetricsLogger
+from rlactors.metrics import EnvErrorLog, MetricsLogger, WandbSink, check_wandb
 from rlactors.placement import Hosts, allocate_hosts, first_value, gpu_layout
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.env import SampleStream, load_env
@@ -93,6 +102,9 @@ class Controller:
         self._procs: list[Any] = []
         self._hosts: Hosts | None = None
         self._generator_busy: tuple[float, float] | None = None  # (time, busy seconds of all replicas)
+        self.evaluator: Evaluator | None = None  # with controller.eval_every
+        self._eval_tasks: dict[int, asyncio.Task] = {}  # async mode: evals running beside training
+        self._metrics_log: MetricsLogger | None = None
         self.trainer = None
         self.router = None
         self.weight_sync: WeightSync | None = None
@@ -128,6 +140,14 @@ class Controller:
             raise TrainingError(f"env {c.env.name}: the train split is empty")
         self.samples = SampleStream(dataset, seed=c.controller.seed)
         self.rollouter = Rollouter(env, self._generate, c.rollout, seed=c.controller.seed)
+        if c.controller.eval_every:
+            try:
+                held_out = eval_samples(env, c.env.name, c.eval)
+            except ConfigError as e:
+                raise ConfigError(f"controller.eval_every={c.controller.eval_every}: {e}") from None
+            self.evaluator = Evaluator(env, self._generate, c.rollout, c.eval, held_out)
+        if c.metrics.wandb_project:
+            check_wandb()
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.batcher = Batcher(c.batcher, dp_size=c.trainer.ranks, pad_token_id=pad_id)
 
@@ -236,6 +256,41 @@ class Controller:
                         session_id: str | None = None) -> Completion:
         return await self.router.generate.call_one(prompt_token_ids, sampling, request_id, session_id)
 
+    # -- evaluation ---------------------------------------------------------------------------
+
+    async def _evaluate_if_due(self, step: int) -> None:
+        """Evaluates the policy of `step`, which the generators hold, when the schedule says so
+        (`eval_due`). Sync mode waits for it here, before the next step's update, so every eval
+        request runs on that policy (the next step's rollouts may be generated meanwhile); async
+        mode lets it run beside training, and the trainer does not wait for it."""
+        c = self.config
+        if self.evaluator is None or not eval_due(step, c.controller.eval_every, c.controller.steps):
+            return
+        task = asyncio.ensure_future(self._evaluate(step))
+        if c.controller.mode == "async":
+            self._eval_tasks[step] = task
+            return
+        try:
+            await task
+        except Exception as e:  # noqa: BLE001 - reported as the run's error
+            raise TrainingError(f"evaluation of step {step} failed: {e!r}") from e
+
+    async def _evaluate(self, step: int) -> None:
+        self._metrics_log.log_eval(step, await self.evaluator.evaluate(step, self.weight_sync.version))
+
+    def _raise_failed_eval(self) -> None:
+        """Async mode: forgets the evals that finished, and stops the run if one failed."""
+        for step, task in list(self._eval_tasks.items()):
+            if task.done():
+                del self._eval_tasks[step]
+                if task.exception() is not None:
+                    raise TrainingError(f"evaluation of step {step} failed: {task.exception()!r}") from task.exception()
+
+    async def _finish_evals(self) -> None:
+        """Async mode, after the last step: waits for the evals still running (the last step's)."""
+        await asyncio.gather(*self._eval_tasks.values(), return_exceptions=True)
+        self._raise_failed_eval()
+
     # -- training -----------------------------------------------------------------------------
 
     async def run(self) -> list[dict[str, float]]:
@@ -276,8 +331,14 @@ class Controller:
 
     async def train(self) -> list[dict[str, float]]:
         c = self.config
-        metrics_log = MetricsLogger(self.run_dir, c.controller.steps, resume_step=self.step)
+        wandb = None
+        if c.metrics.wandb_project:
+            wandb = WandbSink(self.run_dir, c.metrics.wandb_project, c.metrics.wandb_run, c.to_dict(), self.resume)
+        metrics_log = self._metrics_log = MetricsLogger(self.run_dir, c.controller.steps, resume_step=self.step,
+                                                        wandb=wandb)
         self._env_errors = EnvErrorLog(self.run_dir, resume_step=self.step)
+        if self.step == 0:
+            await self._evaluate_if_due(0)  # the policy before training
         await self._generator_metrics()  # the first reading of generator busy time, for step 1's idle fraction
         # The generators hold the policy of self.step: start() pushed the resumed one, if any.
         self.producer = RolloutProducer(self.rollouter, self.samples, c.rollout.prompts_per_step,
@@ -288,6 +349,9 @@ class Controller:
         try:
             while self.step < c.controller.steps:
                 history.append(await self._train_step(metrics_log))
+                self._raise_failed_eval()
+                await self._evaluate_if_due(self.step)
+            await self._finish_evals()
         except SupervisionError as e:
             # A proc died (trainer or router): stop with what died and where to resume from.
             raise TrainingError(f"step {self.step + 1}: {' '.join(str(e).split())}; {self._last_checkpoint()}; "
@@ -296,6 +360,8 @@ class Controller:
             try:
                 await self.producer.stop()
             finally:
+                for task in self._eval_tasks.values():
+                    task.cancel()
                 png = metrics_log.close()
         if png is not None:
             print(f"reward curve: {png}", flush=True)

@@ -1,8 +1,11 @@
-"""Per-step metrics: one record per step to the console, metrics.jsonl, TensorBoard and a PNG;
-env errors to env_errors.log (and the first of each kind to the console).
+"""Per-step metrics: one record per step to the console, metrics.jsonl, TensorBoard, optionally
+Weights & Biases, and a PNG; one record per evaluation (`eval/*`) to the same sinks; env errors to
+env_errors.log (and the first of each kind to the console).
 
-Records are flat `{"group/name": float}` dicts. The reward curve is drawn from metrics.jsonl, so it can be redrawn
-for any run dir with `python -m rlactors.metrics RUN_DIR`.
+Records are flat `{"group/name": float}` dicts with their step. An evaluation's record carries the
+step of the policy it scored, and in async mode arrives after later steps' records. The reward
+curve is drawn from metrics.jsonl, so it can be redrawn for any run dir with
+`python -m rlactors.metrics RUN_DIR`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ if TYPE_CHECKING:
     from rlactors.rollout.types import Rollout
 
 REWARD_MEAN, REWARD_MIN, REWARD_MAX = "rollout/reward_mean", "rollout/reward_min", "rollout/reward_max"
+EVAL_REWARD_MEAN = "eval/reward_mean"
+WANDB_RUN_ID_FILE = "wandb_run_id"  # in the run dir: a resumed run goes on logging into the same W&B run
 
 CONSOLE_KEYS = (
     (REWARD_MEAN, "reward {:.3f}"),
@@ -34,9 +39,11 @@ ENV_ERRORS_FILE = "env_errors.log"
 
 
 class MetricsLogger:
-    """Writes step records under `run_dir`; `resume_step` drops records of steps after it."""
+    """Writes step and eval records under `run_dir` (and to `wandb`, a WandbSink, when given);
+    `resume_step` drops records of steps after it."""
 
-    def __init__(self, run_dir: str | Path, total_steps: int, resume_step: int = 0, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, total_steps: int, resume_step: int = 0, tensorboard: bool = True,
+                 wandb: WandbSink | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
@@ -49,20 +56,32 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step + 1)
+        self._wandb = wandb
         self._start = time.monotonic()
         self._first_step = resume_step + 1
 
     def log(self, step: int, metrics: dict[str, float], note: str | None = None) -> None:
         """One step's record; `note` ends its console line (e.g. why the step trained nothing)."""
+        self._write(step, metrics)
+        print(self.console_line(step, metrics, note), file=sys.stdout, flush=True)
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """One evaluation's `eval/*` record, at the step of the policy it scored."""
+        self._write(step, metrics)
+        print(eval_line(step, metrics), file=sys.stdout, flush=True)
+
+    def _write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        scalars = {key: float(value) for key, value in record.items() if key not in ("step", "time")
+                   and isinstance(value, (int, float)) and math.isfinite(value)}
         if self._writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._writer.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._writer.add_scalar(key, value, step)
             self._writer.flush()
-        print(self.console_line(step, metrics, note), file=sys.stdout, flush=True)
+        if self._wandb is not None:
+            self._wandb.log(step, scalars)
 
     def console_line(self, step: int, metrics: dict[str, float], note: str | None = None) -> str:
         done = step - self._first_step + 1
@@ -88,7 +107,64 @@ class MetricsLogger:
     def close(self) -> Path | None:
         if self._writer is not None:
             self._writer.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         return plot_reward_curve(self.run_dir)
+
+
+def eval_line(step: int, metrics: dict[str, float]) -> str:
+    """The console line of an evaluation: rewards, pass rates, errors, size, policy, time."""
+    rollouts = metrics.get("eval/rollouts", 0.0)
+    parts = [f"eval of step {step}: reward {metrics[EVAL_REWARD_MEAN]:.3f}"]
+    parts += [f"{key[5:]} {metrics[key]:.3f}"
+              for key in sorted(metrics) if key.startswith(("eval/pass@", "eval/best@"))]
+    errors = sum(value for key, value in metrics.items() if key.startswith("eval/status/error_"))
+    if errors:
+        parts.append(f"errors {errors:.0f}/{rollouts:.0f}")
+    samples = metrics.get("eval/samples", 0.0)
+    per_prompt = f" x {rollouts / samples:.0f}" if samples and rollouts != samples else ""
+    version, newest = metrics.get("eval/policy_version", 0.0), metrics.get("eval/policy_version_max", 0.0)
+    versions = f"{version:.0f}" if newest == version else f"{version:.0f}-{newest:.0f}"
+    parts.append(f"{samples:.0f} held-out samples{per_prompt}, {metrics.get('eval/generated_tokens_mean', 0.0):.0f} "
+                 f"tokens each, policy version {versions}, {metrics.get('eval/time_s', 0.0):.1f}s")
+    return "  ".join(parts)
+
+
+def check_wandb() -> None:
+    """Raises ConfigError unless the wandb package can be imported (before anything is spawned)."""
+    from rlactors.config import ConfigError
+
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ConfigError('metrics.wandb_project: logging to W&B needs the wandb package: '
+                          'pip install -e ".[wandb]"') from None
+
+
+class WandbSink:
+    """A Weights & Biases run that gets the records TensorBoard gets, against their step.
+
+    Records are logged with their step as the metric `step` (every other metric is plotted against
+    it) rather than as W&B's own step, which must only grow: an evaluation's record arrives after
+    later steps' records in async mode. `WANDB_MODE=offline` writes the run under run_dir/wandb for
+    `wandb sync`, with no network. A resumed run logs into the W&B run it started."""
+
+    def __init__(self, run_dir: str | Path, project: str, name: str, config: dict[str, Any], resume: bool):
+        import wandb
+
+        id_file = Path(run_dir) / WANDB_RUN_ID_FILE
+        run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
+        self.run = wandb.init(project=project, name=name or Path(run_dir).name, dir=str(run_dir), config=config,
+                              id=run_id, resume="allow" if run_id else None)
+        id_file.write_text(self.run.id)
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log({"step": step, **scalars})
+
+    def finish(self) -> None:
+        self.run.finish()
 
 
 class EnvErrorLog:
@@ -172,25 +248,33 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 def plot_reward_curve(run_dir: str | Path, title: str | None = None) -> Path | None:
     """reward_curve.png: mean reward per step, its trailing 5-step mean, and the min-max band over
-    rollouts; None when no step has a reward."""
-    records = [r for r in read_metrics(run_dir) if isinstance(r.get(REWARD_MEAN), (int, float))]
-    if not records:
+    rollouts; beside them the held-out eval reward of each evaluation. None when no step has a
+    reward and no evaluation ran."""
+    records = read_metrics(run_dir)
+    steps_with_reward = [r for r in records if isinstance(r.get(REWARD_MEAN), (int, float))]
+    evals = sorted((r["step"], r[EVAL_REWARD_MEAN])
+                   for r in records if isinstance(r.get(EVAL_REWARD_MEAN), (int, float)))
+    if not steps_with_reward and not evals:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in records]
     fig, ax = plt.subplots(figsize=(7, 4))
-    if all(REWARD_MIN in r and REWARD_MAX in r for r in records):
-        ax.fill_between(steps, [r[REWARD_MIN] for r in records], [r[REWARD_MAX] for r in records],
-                        alpha=0.12, label="min-max over rollouts")
-    means = [r[REWARD_MEAN] for r in records]
-    ax.plot(steps, means, marker="o", markersize=3, linewidth=1, alpha=0.6, label="mean reward")
-    # Step means are noisy (a few prompts each); the trailing mean shows the trend.
-    trailing = [sum(means[max(0, i - 4):i + 1]) / len(means[max(0, i - 4):i + 1]) for i in range(len(means))]
-    ax.plot(steps, trailing, linewidth=2.5, label="trailing 5-step mean")
+    if steps_with_reward:
+        steps = [r["step"] for r in steps_with_reward]
+        if all(REWARD_MIN in r and REWARD_MAX in r for r in steps_with_reward):
+            ax.fill_between(steps, [r[REWARD_MIN] for r in steps_with_reward],
+                            [r[REWARD_MAX] for r in steps_with_reward], alpha=0.12, label="min-max over rollouts")
+        means = [r[REWARD_MEAN] for r in steps_with_reward]
+        ax.plot(steps, means, marker="o", markersize=3, linewidth=1, alpha=0.6, label="mean reward")
+        # Step means are noisy (a few prompts each); the trailing mean shows the trend.
+        trailing = [sum(means[max(0, i - 4):i + 1]) / len(means[max(0, i - 4):i + 1]) for i in range(len(means))]
+        ax.plot(steps, trailing, linewidth=2.5, label="trailing 5-step mean")
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], marker="s", markersize=5, linewidth=2, color="black",
+                label="eval reward (held-out)")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_title(title or f"reward: {Path(run_dir).name}")

@@ -41,6 +41,7 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
 
     from rlactors.config import ConfigError, load_config
     from rlactors.controller import NO_SIGNAL_HINT, Controller, TrainingError
+    from rlactors.metrics import EVAL_REWARD_MEAN, read_metrics
 
     controller = None
     try:
@@ -60,6 +61,12 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
         trained = f"; {untrained} of them trained nothing (see their step lines)" if untrained else ""
         print(f"done: {len(history)} steps, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}{trained}; "
               f"run dir {config.controller.run_dir}")
+        evals = [r for r in read_metrics(config.controller.run_dir) if EVAL_REWARD_MEAN in r]
+        if evals:
+            first, last = min(evals, key=lambda r: r["step"]), max(evals, key=lambda r: r["step"])
+            sampling = "greedy" if config.eval.temperature == 0 else f"temperature {config.eval.temperature:g}"
+            print(f"eval reward {first[EVAL_REWARD_MEAN]:.3f} at step {first['step']} -> {last[EVAL_REWARD_MEAN]:.3f} "
+                  f"at step {last['step']} ({last['eval/samples']:.0f} held-out samples, {sampling})")
         if all(m["rollout/groups_dropped"] == m["rollout/groups"] for m in history):
             print(f"no step trained: the rollouts of each group earned equal rewards, so GRPO had nothing to "
                   f"learn from; {NO_SIGNAL_HINT}")

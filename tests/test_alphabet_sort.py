@@ -4,7 +4,6 @@ import asyncio
 import difflib
 import random
 import re
-import shutil
 
 import pytest
 from rlactors_examples.alphabet_sort.env import (
@@ -16,7 +15,6 @@ from rlactors_examples.alphabet_sort.env import (
     reference_reply,
     score_turn,
 )
-from rlactors_examples.alphabet_sort.evaluate import main as evaluate_main
 
 from rlactors.config import ConfigError, EnvConfig, RolloutConfig
 from rlactors.models.tokenizer import load_tokenizer, render_messages
@@ -96,6 +94,23 @@ def test_dataset_is_deterministic_by_seed_and_respects_the_knobs():
         assert len({n.split()[0] for n in everyone}) == len({n.split()[1] for n in everyone}) == len(everyone)
     with pytest.raises(ValueError, match="split"):
         build_dataset(config, "test")
+
+
+@pytest.mark.parametrize("args", [{"max_turns": 2, "max_names_per_turn": 3}, {"max_turns": 1, "max_names_per_turn": 1}])
+def test_no_eval_sample_repeats_a_train_sample(args):
+    """Small tasks draw some samples again; the eval split skips those the train split holds (the
+    CPU demo's task drew 4 of its first 200 eval samples from the train split)."""
+    config = AlphabetSortConfig(**args)
+    train = {tuple(s["prompts"]) for s in build_dataset(config, "train")}
+    held_out = build_dataset(config, "eval")
+    assert len(held_out) == 200 and [s["id"] for s in held_out] == list(range(200))
+    assert not any(tuple(s["prompts"]) in train for s in held_out)
+    assert held_out == build_dataset(AlphabetSortConfig(**args), "eval")
+    # A task too small to hold that many samples outside the train split says so.
+    # (1 name of 1 turn: 36 x 31 names x 2 orders; 40000 train samples draw every one.)
+    with pytest.raises(ConfigError, match=r"^env\.args\.num_eval_samples: only 0 of 5 eval samples differ "):
+        build_dataset(AlphabetSortConfig(max_turns=1, max_names_per_turn=1, num_samples=40000, num_eval_samples=5),
+                      "eval")
 
 
 def test_generated_names_follow_the_length_knob():
@@ -178,28 +193,19 @@ def test_untagged_and_cut_off_replies(tiny_ckpt):
                for g in cut.groups for r in g.rollouts)
 
 
-def test_warm_start_teacher_makes_its_two_mistakes_at_the_stated_rates():
+@pytest.mark.parametrize("rates", [None, (0.7, 0.0)])  # the CPU demo's teacher (the defaults), the GPU demo's
+def test_warm_start_teacher_makes_its_two_mistakes_at_the_stated_rates(rates):
     from rlactors_examples.alphabet_sort.warm_start import TEACHER_UNSORTED, TEACHER_UNTAGGED, teacher_reply
 
+    untagged_rate, unsorted_rate = rates or (TEACHER_UNTAGGED, TEACHER_UNSORTED)
     sample = build_dataset(AlphabetSortConfig(min_names_per_turn=3, max_names_per_turn=3), "train")[0]
     rng, n = random.Random(0), 4000
-    scores = [score_turn(teacher_reply(sample, 0, rng), sample["expected"][0], FIRST_TAG) for _ in range(n)]
+    replies = [teacher_reply(sample, 0, rng, *rates) if rates else teacher_reply(sample, 0, rng) for _ in range(n)]
+    scores = [score_turn(reply, sample["expected"][0], FIRST_TAG) for reply in replies]
     untagged = sum(s == 0.0 for s in scores) / n
     perfect = sum(s == 1.0 for s in scores) / n
     # A random order of 3 names is the sorted one 1 time in 6, and then scores 1 too.
-    assert untagged == pytest.approx(TEACHER_UNTAGGED, abs=0.03)
-    assert perfect == pytest.approx(1 - TEACHER_UNTAGGED - TEACHER_UNSORTED * 5 / 6, abs=0.03)
+    assert untagged == pytest.approx(untagged_rate, abs=0.03)
+    assert perfect == pytest.approx(1 - untagged_rate - unsorted_rate * 5 / 6, abs=0.03)
     first, second = random.Random(1), random.Random(1)
     assert [teacher_reply(sample, 0, first) for _ in range(50)] == [teacher_reply(sample, 0, second) for _ in range(50)]
-
-
-def test_evaluate_scores_a_training_checkpoints_step_dir_through_its_hf_export(tiny_ckpt, tmp_path, capsys):
-    step_dir = tmp_path / "checkpoints" / "step_00000001"
-    shutil.copytree(tiny_ckpt, step_dir / "hf")
-    (step_dir / "dcp").mkdir()  # the sharded trainer state, which is not an HF checkpoint
-    assert evaluate_main([str(step_dir), "--prompts", "2", "--group-size", "2"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"{step_dir / 'hf'}: reward ") and " over 4 rollouts, " in out
-    assert evaluate_main([str(tmp_path / "checkpoints")]) == 2
-    assert capsys.readouterr().err == (f"error: {tmp_path / 'checkpoints'} is neither an HF checkpoint dir nor a "
-                                       "training checkpoint with one in hf/ (no config.json in either)\n")

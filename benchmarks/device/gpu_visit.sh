@@ -11,6 +11,8 @@
 #   bash benchmarks/device/gpu_visit.sh single1  # nvidia-h200 (one GPU): every gpu test that fits, trainer MFU at 1.7B
 #   bash benchmarks/device/gpu_visit.sh system1  # nvidia-h200 (one GPU): e2e sync vs async (staleness 1, 2) on
 #                                                #   configs/alphabet_sort_1gpu.toml (trainer and vLLM colocated), a 40-step reward curve
+#   bash benchmarks/device/gpu_visit.sh learn1   # nvidia-h200 (one GPU): the GPU demo as a user runs it
+#                                                #   (configs/alphabet_sort_1gpu.toml), its learning curve with held-out evals
 #   bash benchmarks/device/gpu_visit.sh onpolicy1  # nvidia-h200: batch-invariant matmul sweep, vLLM true
 #                                                #   on-policy test, its cost at 0.6B
 #   bash benchmarks/device/gpu_visit.sh profile1   # nvidia-h200: router vs raw vLLM, and a py-spy profile
@@ -81,6 +83,16 @@ system1)
   step reward_run 240 0 python examples/alphabet_sort/run.py --config configs/alphabet_sort_1gpu.toml \
       controller.steps=40 controller.checkpoint_every=0 'controller.run_dir="runs/reward_1gpu"'
   cp runs/reward_1gpu/metrics.jsonl runs/reward_1gpu/*.png "$OUT"/ 2>/dev/null
+  ;;
+learn1)
+  rm -rf runs/alphabet_sort_1gpu  # a run dir holds one run: a second call on a warm machine starts afresh
+  step demo 540 0 python examples/alphabet_sort/run.py --config configs/alphabet_sort_1gpu.toml
+  grep -h "^eval of step\|^done\|^eval reward" "$OUT/demo.log" | tee -a "$OUT/summary.txt"
+  python benchmarks/learning_curve.py runs/alphabet_sort_1gpu --machine "nvidia-h200 (one H200)" \
+      --command "python examples/alphabet_sort/run.py --config configs/alphabet_sort_1gpu.toml" \
+      --out benchmarks/results/alphabet_sort_1gpu_learning.md
+  cp runs/alphabet_sort_1gpu/metrics.jsonl "$OUT"/alphabet_sort_1gpu_learning_metrics.jsonl
+  cp runs/alphabet_sort_1gpu/reward_curve.png "$OUT"/alphabet_sort_1gpu_learning_reward_curve.png
   ;;
 onpolicy1)
   step matmul 200 0 python benchmarks/batch_invariant_matmul.py --configs sweep --out "$OUT/matmul.md"

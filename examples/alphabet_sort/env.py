@@ -126,13 +126,31 @@ def make_sample(rng: random.Random, config: AlphabetSortConfig, index: int) -> d
             "prompts": prompts, "expected": expected}
 
 
+# How many draws the eval split may take per sample it keeps, before the task counts as too small
+# to hold num_eval_samples samples outside the train split.
+MAX_EVAL_DRAWS_PER_SAMPLE = 100
+
+
 def build_dataset(config: AlphabetSortConfig, split: str) -> list[dict[str, Any]]:
-    """The split's samples; the same config always gives the same samples."""
+    """The split's samples; the same config always gives the same samples. No eval sample has the
+    prompts of a train sample: a small task (few names and turns) draws some again, and those are
+    skipped."""
     if split not in SPLITS:
         raise ValueError(f"alphabet_sort split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"alphabet_sort:{config.seed}:{split}")
-    size = config.num_samples if split == "train" else config.num_eval_samples
-    return [make_sample(rng, config, i) for i in range(size)]
+    if split == "train":
+        return [make_sample(rng, config, i) for i in range(config.num_samples)]
+    train_prompts = {tuple(s["prompts"]) for s in build_dataset(config, "train")}
+    samples: list[dict[str, Any]] = []
+    for _ in range(MAX_EVAL_DRAWS_PER_SAMPLE * config.num_eval_samples):
+        sample = make_sample(rng, config, len(samples))
+        if tuple(sample["prompts"]) not in train_prompts:
+            samples.append(sample)
+            if len(samples) == config.num_eval_samples:
+                return samples
+    raise ConfigError(f"env.args.num_eval_samples: only {len(samples)} of {config.num_eval_samples} eval samples "
+                      f"differ from every train sample; lower num_eval_samples or num_samples, or allow more "
+                      f"names or turns")
 
 
 def reference_reply(sample: dict[str, Any], turn: int) -> str:

@@ -6,11 +6,15 @@ The demonstrations come from a careless teacher, as real SFT data often does: in
 it forgets the answer tags (a reply the env scores 0) and in 20% it leaves the names unsorted. The
 warm policy imitates that mix, so its samples score well below its best replies, and RL has to
 find from the reward alone that tagged, sorted replies pay. The run is deterministic: the same
-arguments give the same checkpoint, so the committed one can be rebuilt with
+arguments give the same checkpoint, so the committed ones can be rebuilt with
 
     python examples/alphabet_sort/warm_start.py examples/alphabet_sort/warm_checkpoint
+    python examples/alphabet_sort/warm_start.py examples/alphabet_sort/warm_checkpoint_gpu --untagged 0.7 --unsorted 0
 
-Arguments after the output dir are `env.args` overrides (`max_turns=2`) for the demonstrations.
+The first is the CPU demo's start; the second, the GPU demo's, mostly forgets the tags, so its
+greedy replies score low until RL teaches it to tag (`--untagged`, `--unsorted`: the teacher's
+mistake rates). Arguments after the output dir are `env.args` overrides (`max_turns=2`) for the
+demonstrations.
 """
 
 from __future__ import annotations
@@ -42,20 +46,23 @@ TEACHER_UNTAGGED = 0.4  # share of demonstrated turns without the answer tags
 TEACHER_UNSORTED = 0.2  # share of demonstrated turns with the names in random order
 
 
-def teacher_reply(sample: dict, turn: int, rng: random.Random) -> str:
-    """The careless teacher's reply to `turn`: the reference, or one of its two mistakes."""
+def teacher_reply(sample: dict, turn: int, rng: random.Random, untagged: float = TEACHER_UNTAGGED,
+                  unsorted: float = TEACHER_UNSORTED) -> str:
+    """The careless teacher's reply to `turn`: the reference, or one of its two mistakes, made in
+    `untagged` and `unsorted` of its turns."""
     draw = rng.random()
-    if draw >= TEACHER_UNTAGGED + TEACHER_UNSORTED:
+    if draw >= untagged + unsorted:
         return reference_reply(sample, turn)
     lines = list(sample["expected"][turn])
-    if draw < TEACHER_UNTAGGED:
+    if draw < untagged:
         return "\n".join(lines)
     rng.shuffle(lines)
     tag = FIRST_TAG if turn == 0 else COMBINED_TAG
     return f"<{tag}>\n" + "\n".join(lines) + f"\n</{tag}>"
 
 
-def demonstration(tokenizer, sample: dict, rng: random.Random) -> Episode:
+def demonstration(tokenizer, sample: dict, rng: random.Random, untagged: float = TEACHER_UNTAGGED,
+                  unsorted: float = TEACHER_UNSORTED) -> Episode:
     """The whole multi-turn conversation with the teacher's replies; the replies are the loss tokens."""
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     token_ids = render_messages(tokenizer, [{"role": "user", "content": sample["prompts"][0]}])
@@ -66,7 +73,8 @@ def demonstration(tokenizer, sample: dict, rng: random.Random) -> Episode:
             extended = extend_with_messages(tokenizer, token_ids, [user])
             loss_mask += [False] * (len(extended) - len(token_ids))
             token_ids = extended
-        reply = tokenizer.encode(teacher_reply(sample, turn, rng), add_special_tokens=False) + [end_of_turn]
+        reply = tokenizer.encode(teacher_reply(sample, turn, rng, untagged, unsorted),
+                                 add_special_tokens=False) + [end_of_turn]
         token_ids = token_ids + reply
         loss_mask += [True] * len(reply)
     n = len(token_ids)
@@ -110,7 +118,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--untagged", type=float, default=TEACHER_UNTAGGED,
+                        help="share of the teacher's turns without the answer tags")
+    parser.add_argument("--unsorted", type=float, default=TEACHER_UNSORTED,
+                        help="share of the teacher's turns with the names in random order")
     args = parser.parse_args()
+    if not (0 <= args.untagged and 0 <= args.unsorted and args.untagged + args.unsorted <= 1):
+        parser.error("--untagged and --unsorted must be >= 0 and add up to at most 1")
 
     env_args = dict(DEMO_ENV_ARGS)
     for text in args.env_args:
@@ -125,7 +139,8 @@ def main() -> None:
     tokenizer = load_tokenizer(args.out_dir)
     model = from_pretrained(args.out_dir, dtype=torch.float32)
     teacher_rng = random.Random(args.seed)
-    episodes = [demonstration(tokenizer, s, teacher_rng) for s in build_dataset(env_config, "train")]
+    episodes = [demonstration(tokenizer, s, teacher_rng, args.untagged, args.unsorted)
+                for s in build_dataset(env_config, "train")]
     print(f"{len(episodes)} demonstrations, {sum(len(e) for e in episodes)} tokens", flush=True)
     train(model, episodes, args.steps, args.batch_size, args.lr, args.seed)
     save_pretrained(model, model.args, args.out_dir)

@@ -92,7 +92,7 @@ class Rollouter:
         return self._play_group(group_id, sample, rollouts)
 
     async def _play_group(self, group_id: str, sample: Any, rollouts: list[Rollout]) -> RolloutGroup:
-        await asyncio.gather(*(self._run_rollout(r) for r in rollouts))
+        await asyncio.gather(*(self.run_rollout(r) for r in rollouts))
 
         rewards = [r.reward for r in rollouts]
         for rollout, advantage in zip(rollouts, group_advantages(rewards, self.config.advantage)):
@@ -106,12 +106,14 @@ class Rollouter:
         return RolloutGroup(group_id=group_id, sample=sample, rollouts=rollouts,
                             zero_variance=zero_variance, dropped=dropped, episodes=episodes)
 
-    async def _run_rollout(self, rollout: Rollout) -> None:
-        """Plays one rollout and sets its turns, status, reward components and reward."""
+    async def run_rollout(self, rollout: Rollout, temperature: float | None = None) -> None:
+        """Plays one rollout and sets its turns, status, reward components and reward. It samples
+        with the rollout config's temperature, top-p and top-k, or, given `temperature` (0 is
+        greedy), at that temperature with top-p and top-k off (evaluation)."""
         cfg = self.config
         try:
             env = self.env.clone()
-            rollout.status = await self._play(env, rollout)
+            rollout.status = await self._play(env, rollout, temperature)
             rollout.reward_components = _turn_reward_sums(rollout)
             scores = await self._env_call(env.rubric.score(rollout), "rubric.score")
             rollout.reward_components.update(self._checked(check_reward_scores, scores, "rubric.score"))
@@ -133,8 +135,10 @@ class Rollouter:
             rollout.reward = self.config.error_reward
             rollout.reward_components = _turn_reward_sums(rollout)  # what its turns earned, for the logs
 
-    async def _play(self, env: TokenEnv, rollout: Rollout) -> RolloutStatus:
+    async def _play(self, env: TokenEnv, rollout: Rollout, temperature: float | None) -> RolloutStatus:
         cfg = self.config
+        top_p, top_k = (cfg.top_p, cfg.top_k) if temperature is None else (1.0, 0)
+        temperature = cfg.temperature if temperature is None else temperature
         obs = self._checked(check_observation, await self._env_call(env.reset(rollout.sample), "reset"), "reset")
         prompt = obs.prompt_token_ids
         rollout.info.update(obs.info)
@@ -143,8 +147,8 @@ class Rollouter:
             if room < 1:
                 return RolloutStatus.TRUNCATED_CONTEXT
             sampling = SamplingParams(
-                max_tokens=min(cfg.max_tokens_per_turn, room), temperature=cfg.temperature,
-                top_p=cfg.top_p, top_k=cfg.top_k, stop_token_ids=env.stop_token_ids,
+                max_tokens=min(cfg.max_tokens_per_turn, room), temperature=temperature,
+                top_p=top_p, top_k=top_k, stop_token_ids=env.stop_token_ids,
                 seed=rollout.seed * cfg.max_turns + k)
             completion = await self._generate(prompt, sampling, f"{rollout.session_id}/t{k}", rollout.session_id)
             turn = Turn(prompt_token_ids=prompt, token_ids=list(completion.token_ids),

@@ -31,9 +31,11 @@ def cli_env() -> dict[str, str]:
 
 def small_run_overrides(ckpt: Path, run_dir: Path, *extra: str) -> list[str]:
     """A controller run that takes seconds on 2 CPU cores: 1 trainer rank, 1 replica, one short
-    turn of FaultyEnv (faults off unless `extra` sets env.args)."""
+    turn of FaultyEnv (faults off unless `extra` sets env.args), no evaluation (the CPU demo
+    config's evals would share the replicas with the faults under test)."""
     return [f'model.path="{ckpt}"', f'controller.run_dir="{run_dir}"', "controller.steps=3",
-            "controller.checkpoint_every=1", "controller.log_samples=false", "trainer.ranks=1",
+            "controller.checkpoint_every=1", "controller.eval_every=0", "controller.log_samples=false",
+            "trainer.ranks=1",
             "trainer.lr=1e-3", "generator.replicas=1", "generator.max_model_len=256",
             "generator.kv_cache_tokens=4096", "rollout.prompts_per_step=2", "rollout.group_size=2",
             "rollout.max_turns=1", "rollout.max_tokens_per_turn=8", "rollout.max_total_tokens=256",

@@ -1,0 +1,76 @@
+"""A run's learning curve as Markdown: every held-out eval, and the training reward in windows of
+steps, from its metrics.jsonl; appended to a results file with the machine, date and command.
+
+    python benchmarks/learning_curve.py runs/alphabet_sort_1gpu --machine "nvidia-h200 (one H200)" \\
+        --command "python examples/alphabet_sort/run.py --config configs/alphabet_sort_1gpu.toml" \\
+        --out benchmarks/results/alphabet_sort_1gpu_learning.md
+
+Without --out it prints the section. The run dir's reward_curve.png is the same curve, drawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+from pathlib import Path
+
+from rlactors.metrics import EVAL_REWARD_MEAN, REWARD_MEAN, read_metrics
+
+
+def learning_curve(run_dir: Path, machine: str, command: str, window: int) -> str:
+    records = read_metrics(run_dir)
+    steps = [r for r in records if REWARD_MEAN in r]
+    evals = sorted((r for r in records if EVAL_REWARD_MEAN in r), key=lambda r: r["step"])
+    lines = [f"## {run_dir.name}, {datetime.date.today().isoformat()}", "",
+             f"Machine: {machine}. Command: `{command}`.", ""]
+    if evals:
+        first, last = evals[0], evals[-1]
+        best = max(evals, key=lambda r: r[EVAL_REWARD_MEAN])
+        gain = last[EVAL_REWARD_MEAN] - first[EVAL_REWARD_MEAN]
+        lines += [f"Held-out eval reward {first[EVAL_REWARD_MEAN]:.3f} at step {first['step']} -> "
+                  f"{last[EVAL_REWARD_MEAN]:.3f} at step {last['step']} ({gain:+.3f}; "
+                  f"best {best[EVAL_REWARD_MEAN]:.3f} at step {best['step']}), {last['eval/samples']:.0f} samples, "
+                  f"{last['eval/rollouts'] / last['eval/samples']:.0f} rollout(s) each.", "",
+                  "| step | eval reward | pass@1 | policy version | eval s | wall s since step 1 |",
+                  "|---|---|---|---|---|---|"]
+        start = next((r["time"] - r.get("time/step_s", 0.0) for r in steps), evals[0]["time"])
+        for r in evals:
+            versions = f"{r['eval/policy_version']:.0f}"
+            if r["eval/policy_version_max"] != r["eval/policy_version"]:
+                versions += f"-{r['eval/policy_version_max']:.0f}"
+            lines.append(f"| {r['step']} | {r[EVAL_REWARD_MEAN]:.3f} | {r['eval/pass@1']:.3f} | {versions} | "
+                         f"{r['eval/time_s']:.1f} | {max(0.0, r['time'] - start):.0f} |")
+        lines.append("")
+    if steps:
+        step_s = statistics.median(r["time/step_s"] for r in steps)
+        lines += [f"Training reward (sampled), mean over windows of {window} steps; median {step_s:.2f} s/step:", "",
+                  "| steps | reward |", "|---|---|"]
+        for i in range(0, len(steps), window):
+            chunk = steps[i:i + window]
+            mean = statistics.fmean(r[REWARD_MEAN] for r in chunk)
+            lines.append(f"| {chunk[0]['step']}-{chunk[-1]['step']} | {mean:.3f} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--machine", required=True)
+    parser.add_argument("--command", required=True)
+    parser.add_argument("--window", type=int, default=10)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    section = learning_curve(args.run_dir, args.machine, args.command, args.window)
+    if args.out is None:
+        print(section, end="")
+        return
+    separator = "\n" if args.out.exists() and args.out.stat().st_size else ""
+    with args.out.open("a") as f:
+        f.write(separator + section)
+    print(f"appended to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

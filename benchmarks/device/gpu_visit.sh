@@ -19,8 +19,8 @@
 #                                                #   of the router path
 #   bash benchmarks/device/gpu_visit.sh final_a    # nvidia-h200: every gpu test that fits one GPU, then 40
 #                                                #   async steps of true on-policy with vLLM (1-GPU config)
-#   bash benchmarks/device/gpu_visit.sh final_b    # nvidia-h200: the 1-GPU config's learning run with eval,
-#                                                #   router vs raw vLLM (3 runs), trainer throughput at 1.7B
+#   bash benchmarks/device/gpu_visit.sh final_c    # nvidia-h200: trainer throughput at 1.7B, router vs raw
+#                                                #   vLLM (3 runs, 0.6B shape)
 # Expects vLLM and Monarch importable (PYTHONPATH), as staged by ../shared/device/README.md.
 # Jobs confined by CUDA_VISIBLE_DEVICES run side by side on disjoint GPUs.
 set -u
@@ -114,23 +114,18 @@ onpolicy2)
 final_a)
   step gpu_tests 420 0 python -m pytest -m gpu tests -q -p no:cacheprovider --tb=short --ignore=tests/test_hosts.py
   step onpolicy_e2e 170 0 python examples/alphabet_sort/run.py --config configs/alphabet_sort_1gpu.toml \
-      model.true_on_policy=true controller.steps=40 controller.checkpoint_every=0 \
+      model.true_on_policy=true controller.steps=40 controller.checkpoint_every=0 controller.eval_every=0 \
       'controller.run_dir="runs/onpolicy_1gpu"'
   python -c "import json; m = [json.loads(l) for l in open('runs/onpolicy_1gpu/metrics.jsonl')]; \
-d = [r.get('loss/logprob_diff/max') for r in m if 'step' in r]; print('steps', len(d), 'logprob_diff/max over steps:', max(x for x in d if x is not None), 'steps without it:', sum(x is None for x in d))" \
+d = [r.get('loss/logprob_diff/max') for r in m if 'loss/loss' in r]; print('steps', len(d), 'logprob_diff/max over steps:', max(x for x in d if x is not None), 'steps without it:', sum(x is None for x in d))" \
       | tee -a "$OUT/summary.txt"
   for f in runs/onpolicy_1gpu/metrics.jsonl runs/onpolicy_1gpu/reward_curve.png; do cp "$f" "$OUT/onpolicy_1gpu_$(basename $f)"; done
   ;;
-final_b)
-  step learn 600 0 python examples/alphabet_sort/run.py --config configs/alphabet_sort_1gpu.toml \
-      'controller.run_dir="runs/learn_1gpu"'
-  for f in runs/learn_1gpu/metrics.jsonl runs/learn_1gpu/reward_curve.png; do cp "$f" "$OUT/learn_1gpu_$(basename $f)"; done
-  ;;
 final_c)
   python -m rlactors.models.tiny /tmp/ck06 --size 0.6b > /dev/null
-  step generator 330 0 python benchmarks/generator_throughput.py --device cuda --checkpoint /tmp/ck06 --size 0.6b
   step trainer 240 0 python benchmarks/trainer_throughput.py --device cuda --sizes 1.7b --ckpt-root /tmp/ck \
       --out "$OUT/trainer_throughput_h200.md"
+  step generator 330 0 python benchmarks/generator_throughput.py --device cuda --checkpoint /tmp/ck06 --size 0.6b
   ;;
 profile1)
   python -m rlactors.models.tiny /tmp/ck06 --size 0.6b > /dev/null

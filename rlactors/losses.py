@@ -113,11 +113,18 @@ class LossStats:
         out = {"loss": sums.get("loss", 0.0), "tokens": tokens}
         if "nonfinite_logprob_tokens" in sums:
             out["nonfinite_logprob_tokens"] = sums["nonfinite_logprob_tokens"]
-        means = {"entropy": "entropy/mean", "ratio": "ratio/mean", "clipped": "clip_fraction",
-                 "logprob_diff": "logprob_diff/mean", "mismatch_kl": "mismatch_kl/mean"}
+        means = {"entropy": "entropy/mean", "ratio": "ratio/mean", "clipped": "clip_fraction"}
         for key, name in means.items():
             if key in sums:
                 out[name] = sums[key] / tokens if tokens else 0.0
+        if "current_policy_tokens" in sums:
+            # The mismatch means are over the tokens the trainer's own policy generated, the lag's
+            # over the rest (async mode: tokens of older versions).
+            current = out["current_policy_tokens"] = sums["current_policy_tokens"]
+            older = tokens - current
+            for key in ("logprob_diff", "mismatch_kl"):
+                out[f"{key}/mean"] = sums[key] / current if current else 0.0
+            out["lag_logprob_diff/mean"] = sums["lag_logprob_diff"] / older if older else 0.0
         for key, value in self.maxes.items():
             out[f"{key}/max"] = float(value)
         return out
@@ -131,14 +138,19 @@ def compute_loss(
     advantages: torch.Tensor,
     generator_logprobs: torch.Tensor,
     entropy: torch.Tensor | None = None,
+    current_policy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """This microbatch's share of the step loss, and its stats.
 
     `logprobs` are the trainer's (with grad); the other tensors have its shape. `entropy`, when
-    given, is only averaged into the stats.
+    given, is only averaged into the stats. `current_policy` marks the tokens that the trainer's
+    present weights generated (None: every token): the trainer/generator mismatch stats
+    (`logprob_diff`, `mismatch_kl`) cover those, and `lag_logprob_diff` the others, whose
+    difference is the policy's change since their version.
     """
     for name, tensor in (("loss_mask", loss_mask), ("advantages", advantages),
-                         ("generator_logprobs", generator_logprobs), ("entropy", entropy)):
+                         ("generator_logprobs", generator_logprobs), ("entropy", entropy),
+                         ("current_policy", current_policy)):
         if tensor is not None and tensor.shape != logprobs.shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logprobs {tuple(logprobs.shape)}")
     used = loss_tokens(config.name, loss_mask, generator_logprobs)
@@ -147,7 +159,10 @@ def compute_loss(
     if config.name == "sft":
         per_token = -logprobs
     else:
-        per_token, stats = _clipped_policy_loss(config, logprobs, advantages, generator_logprobs, used)
+        if current_policy is None:
+            current_policy = torch.ones_like(used)
+        per_token, stats = _clipped_policy_loss(config, logprobs, advantages, generator_logprobs, used,
+                                                current_policy.bool())
         dropped = loss_mask.bool() & ~torch.isfinite(generator_logprobs)
         stats.sums["nonfinite_logprob_tokens"] = dropped.sum().double()
     loss = torch.where(used, per_token, 0.0).sum() / denominator
@@ -164,6 +179,7 @@ def _clipped_policy_loss(
     advantages: torch.Tensor,
     generator_logprobs: torch.Tensor,
     used: torch.Tensor,
+    current_policy: torch.Tensor,
 ) -> tuple[torch.Tensor, LossStats]:
     """PPO-clipped surrogate per token: -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A).
 
@@ -188,17 +204,25 @@ def _clipped_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
     per_token = torch.maximum(unclipped, clipped) * weight
-    diff = torch.where(used, (current - generator).abs(), 0.0)
+    mismatched, lagged = used & current_policy, used & ~current_policy
+    diff = torch.where(mismatched, (current - generator).abs(), 0.0)
+    lag_diff = torch.where(lagged, (current - generator).abs(), 0.0)
     # KL(generator || trainer) per sampled token, k3 estimator: r - 1 - log r with r = p_trainer / p_generator.
     log_r = (current - generator).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    mismatch_kl = torch.where(used, torch.exp(log_r) - 1 - log_r, 0.0)
+    mismatch_kl = torch.where(mismatched, torch.exp(log_r) - 1 - log_r, 0.0)
     stats = LossStats(
         sums={
             "ratio": torch.where(used, ratio.detach(), 0.0).sum().double(),
             "clipped": (used & (clipped > unclipped)).sum().double(),
+            "current_policy_tokens": mismatched.sum().double(),
             "logprob_diff": diff.sum().double(),
             "mismatch_kl": mismatch_kl.sum().double(),
+            "lag_logprob_diff": lag_diff.sum().double(),
         },
-        maxes={"logprob_diff": diff.max().double() if diff.numel() else diff.new_zeros((), dtype=torch.float64)},
+        maxes={"logprob_diff": _max(diff), "lag_logprob_diff": _max(lag_diff)},
     )
     return per_token, stats
+
+
+def _max(values: torch.Tensor) -> torch.Tensor:
+    return values.max().double() if values.numel() else values.new_zeros((), dtype=torch.float64)

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,8 @@ from rlactors.controller import Controller
 from rlactors.metrics import read_metrics
 from rlactors.models import load_tokenizer
 from rlactors.rollout.types import Rollout, RolloutGroup, RolloutStatus, Turn
+
+WARM_CHECKPOINT = Path(__file__).resolve().parents[1] / "examples" / "alphabet_sort" / "warm_checkpoint"
 
 
 def _config(ckpt, run_dir, *extra):
@@ -56,6 +59,21 @@ def test_training_steps_update_the_policy_and_the_generators(tiny_ckpt, tmp_path
         assert first["prompt"].startswith("<|im_start|>user\n") and first["prompt"].endswith("<|im_start|>assistant\n")
         assert first["completion"] and sample["error"] is None
     assert (tmp_path / "checkpoints" / "step_00000003" / "hf" / "model.safetensors").is_file()
+
+
+def test_true_on_policy_async_training_has_no_mismatch_on_any_step(tmp_path):
+    """The tokens the trainer's own policy generated score bit for bit what the engine sampled
+    them with, on every step; tokens of the previous version differ by the policy's change. (The
+    demo's warm checkpoint: its rewards vary, so every step changes the policy.)"""
+    history = _run(_config(WARM_CHECKPOINT, tmp_path, "model.true_on_policy=true", "controller.mode=async",
+                           "controller.max_staleness=1", "controller.steps=4", "trainer.ranks=1"))
+    assert [m["policy/version"] for m in history] == [1.0, 2.0, 3.0, 4.0]
+    for m in history:
+        assert m["loss/logprob_diff/max"] == 0.0 and m["loss/mismatch_kl/mean"] == 0.0, m
+        older = m["loss/tokens"] - m["loss/current_policy_tokens"]
+        assert (older > 0) == (m["policy/age_max"] > 0), m
+        assert (m["loss/lag_logprob_diff/max"] > 0) == (older > 0), m
+    assert any(m["policy/age_max"] > 0 for m in history)  # async: some tokens came from the older policy
 
 
 def test_weights_by_broadcast_train_like_weights_by_messages(tiny_ckpt, tmp_path):

@@ -86,6 +86,23 @@ def test_truncated_importance_sampling_weights_by_capped_trainer_generator_ratio
     assert m["ratio/mean"] == 1.0 and m["clip_fraction"] == 0.0
 
 
+def test_mismatch_stats_cover_the_current_policys_tokens_and_the_lag_the_older_ones():
+    # Token 1 came from an older policy version (async): its difference is the policy's change.
+    logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
+    current_policy = torch.tensor([False, True, True, True])
+    _, stats = compute_loss(LossConfig(name="grpo"), LossNorm(num_tokens=3), logp, torch.tensor(MASK),
+                            torch.tensor(ADV, dtype=torch.float64), torch.tensor(GEN, dtype=torch.float64),
+                            current_policy=current_policy)
+    m = stats.metrics()
+    r3 = math.exp(-1.0)
+    assert m["tokens"] == 3 and m["current_policy_tokens"] == 2
+    assert m["logprob_diff/mean"] == pytest.approx((0 + 1.0) / 2) and m["logprob_diff/max"] == pytest.approx(1.0)
+    assert m["mismatch_kl/mean"] == pytest.approx((0 + (r3 - 1 + 1.0)) / 2)
+    assert m["lag_logprob_diff/mean"] == pytest.approx(0.2) and m["lag_logprob_diff/max"] == pytest.approx(0.2)
+    # The loss itself covers every token, whichever policy generated it.
+    assert m["ratio/mean"] == pytest.approx((math.exp(0.2) + 1 + r3) / 3)
+
+
 def test_nonfinite_generator_logprobs_leave_numerator_and_are_counted():
     gen = [NAN, -0.5, -INF, INF]
     loss, grad, m = run(LossConfig(name="grpo"), LossNorm(num_tokens=1), gen=gen, mask=[1, 1, 1, 1])

@@ -157,7 +157,7 @@ class PolicyTrainerCore:
         logprobs, entropy = self._token_logprobs(mb, with_entropy=True)
         value, stats = compute_loss(
             loss, norm, logprobs, mb.loss_mask.reshape(-1), mb.advantages.reshape(-1),
-            mb.generator_logprobs.reshape(-1), entropy.detach(),
+            mb.generator_logprobs.reshape(-1), entropy.detach(), current_policy=mb.versions.reshape(-1) == self.version,
         )
         value.backward()
         self._stats = self._stats.merge(stats)

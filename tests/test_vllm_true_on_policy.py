@@ -1,10 +1,12 @@
 """True on-policy with vLLM: every logprob vLLM samples with equals the trainer's, bit for bit.
 
-vLLM runs our model (rlactors.engines.vllm_model) in true on-policy mode with prefix caching, CUDA
-graphs and chunked prefill (a 512-token step budget against prompts of 16-1024 tokens); the
-scenarios run in one engine in a process of its own (tests/vllm_scenarios.py). The trainer core
-(true_on_policy, vLLM's kernels) then scores every generated token, packed in rows of two sizes.
-Needs CUDA and vLLM.
+vLLM runs our model (rlactors.engines.vllm_model) in true on-policy mode with prefix caching and
+CUDA graphs; the scenarios run in one engine in a process of its own (tests/vllm_scenarios.py). The
+trainer core (true_on_policy, vLLM's kernels) then scores every generated token, packed in rows of
+two sizes. Two models: the Qwen3-0.6B shape (random bf16 weights) with chunked prefill (a
+512-token step budget against prompts of 16-1024 tokens), and the GPU demo's checkpoint (fp32 on
+disk, head_dim 32) with the demo config's engine settings (configs/alphabet_sort_1gpu.toml: 512
+sequences, 8192 tokens a step). Needs CUDA and vLLM.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ pytestmark = [
 ]
 
 TESTS = Path(__file__).resolve().parent
+DEMO_CHECKPOINT = TESTS.parent / "examples" / "alphabet_sort" / "warm_checkpoint_gpu"
+# model -> the engine's max_num_seqs and max_num_tokens
+ENGINE_SETTINGS = {"0.6b": (256, 512), "demo": (512, 8192)}
 
 
 @contextlib.contextmanager
@@ -51,10 +56,14 @@ def one_rank(device_type: str):
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """The Qwen3-0.6B shape with random weights, and the same weights moved a little (the update)."""
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), size="0.6b", seed=0, dtype="bfloat16")
+@pytest.fixture(scope="module", params=sorted(ENGINE_SETTINGS))
+def checkpoints(request, tmp_path_factory):
+    """The model (the Qwen3-0.6B shape with random weights, or the demo's), and the same weights
+    moved a little (the update)."""
+    if request.param == "demo":
+        ckpt = DEMO_CHECKPOINT
+    else:
+        ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), size="0.6b", seed=0, dtype="bfloat16")
     g = torch.Generator().manual_seed(1)
     moved = {name: (t.float() * (1 + 0.01 * torch.randn(t.shape, generator=g))).to(torch.bfloat16)
              for name, t in load_state_dict(ckpt, "cpu").items()}
@@ -62,15 +71,16 @@ def checkpoints(tmp_path_factory):
     save_pretrained(moved, load_args(ckpt), updated)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (updated / name).write_bytes((ckpt / name).read_bytes())
-    return ckpt, updated
+    return request.param, ckpt, updated
 
 
 @pytest.fixture(scope="module")
 def scenarios(checkpoints, tmp_path_factory):
-    ckpt, updated = checkpoints
+    model, ckpt, updated = checkpoints
     out = tmp_path_factory.mktemp("out") / "scenarios.json"
-    done = subprocess.run([sys.executable, str(TESTS / "vllm_scenarios.py"), str(ckpt), str(updated), str(out)],
-                          capture_output=True, text=True, timeout=900)
+    settings = [str(n) for n in ENGINE_SETTINGS[model]]
+    done = subprocess.run([sys.executable, str(TESTS / "vllm_scenarios.py"), str(ckpt), str(updated), str(out),
+                           *settings], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -105,16 +115,18 @@ def assert_bitwise(core, completions: list[dict], name: str) -> None:
 
 
 def test_trainer_logprobs_equal_vllm_logprobs_bit_for_bit(checkpoints, scenarios):
-    ckpt, updated = checkpoints
+    _, ckpt, updated = checkpoints
     assert len(scenarios["t1"]) == 256 and len(scenarios["among_256"]) == 256
     prompt_lengths = [len(c["prompt"]) for c in scenarios["t1"].values()]
-    assert min(prompt_lengths) < 64 and max(prompt_lengths) > 900  # chunked at 512 tokens per step
+    assert min(prompt_lengths) < 64 and max(prompt_lengths) > 900  # chunked where the budget is 512 tokens
+    reasons = [c["finish_reason"] for c in scenarios["stops"].values()]
+    assert len(reasons) == 512 and 0 < reasons.count("stop") < 512
     mine_alone, mine_among = scenarios["alone"]["mine"], scenarios["among_256"]["mine"]
     assert mine_alone["tokens"] == mine_among["tokens"] and mine_alone["logprobs"] == mine_among["logprobs"]
     with one_rank("cuda") as device:
         core = PolicyTrainerCore(ModelConfig(path=str(ckpt), dtype="bfloat16", true_on_policy=True),
                                  TrainerConfig(ranks=1), device, generator_engine="vllm")
-        for name in ("t1", "t07", "alone", "among_256", "turn2"):
+        for name in ("t1", "t07", "alone", "among_256", "turn2", "stops"):
             assert_bitwise(core, list(scenarios[name].values()), name)
         del core
         assert all(c["versions"] == [1] * len(c["tokens"]) for c in scenarios["updated"].values())

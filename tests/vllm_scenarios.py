@@ -1,9 +1,10 @@
 """Generation scenarios for tests/test_vllm_true_on_policy.py, in one true on-policy vLLM engine.
 
 Runs in a process of its own (vLLM sets up its own process group and reads its environment at
-import): ``python tests/vllm_scenarios.py CKPT UPDATED_CKPT OUT_JSON``. Writes, per scenario, every
-completion's prompt, tokens and logprobs. The engine runs with prefix caching, CUDA graphs and a
-512-token step budget, so prompts of up to 1024 tokens are prefilled in chunks.
+import): ``python tests/vllm_scenarios.py CKPT UPDATED_CKPT OUT_JSON MAX_NUM_SEQS MAX_NUM_TOKENS``.
+Writes, per scenario, every completion's prompt, tokens, logprobs and finish reason. The engine
+runs with prefix caching and CUDA graphs; with a step budget of 512 tokens, prompts of up to 1024
+tokens are prefilled in chunks.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.vllm_engine import VLLMEngine
 from rlactors.types import SamplingParams
 
-CONFIG = GeneratorConfig(engine="vllm", replicas=1, max_num_seqs=256, max_num_tokens=512, max_model_len=2048,
-                         gpu_memory_utilization=0.35)
 NEW_TOKENS = 24
 
 
@@ -30,14 +29,17 @@ def run(engine: VLLMEngine, requests: dict[str, tuple[list[int], SamplingParams]
     done = {}
     while engine.has_unfinished():
         for c in engine.step():
-            assert c.finish_reason == "length", (c.request_id, c.finish_reason)
+            assert c.finish_reason in ("length", "stop"), (c.request_id, c.finish_reason)
             done[c.request_id] = {"prompt": list(c.prompt_token_ids), "tokens": list(c.token_ids),
-                                  "logprobs": list(c.logprobs), "versions": list(c.versions)}
+                                  "logprobs": list(c.logprobs), "versions": list(c.versions),
+                                  "finish_reason": c.finish_reason}
     return done
 
 
-def main(ckpt: str, updated_ckpt: str, out: str) -> None:
-    engine = VLLMEngine.from_config(CONFIG, ModelConfig(path=ckpt, dtype="bfloat16", true_on_policy=True))
+def main(ckpt: str, updated_ckpt: str, out: str, max_num_seqs: str, max_num_tokens: str) -> None:
+    config = GeneratorConfig(engine="vllm", replicas=1, max_num_seqs=int(max_num_seqs),
+                             max_num_tokens=int(max_num_tokens), max_model_len=2048, gpu_memory_utilization=0.35)
+    engine = VLLMEngine.from_config(config, ModelConfig(path=ckpt, dtype="bfloat16", true_on_policy=True))
     vocab = engine.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -61,6 +63,11 @@ def main(ckpt: str, updated_ckpt: str, out: str) -> None:
         turns[f"turn2/{request_id}"] = (c["prompt"] + c["tokens"] + env_tokens,
                                         SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=i))
     scenarios["turn2"] = run(engine, turns)
+    # Completions that end on a stop token (an env's end-of-turn), 16 to a prompt, all at once.
+    stops = tuple(range(3, vocab, 24))  # one token id in 24
+    scenarios["stops"] = run(engine, {f"stops/{i}/{j}": (p, SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0,
+                                                                           seed=100 * i + j, stop_token_ids=stops))
+                                      for i, p in enumerate(prompt() for _ in range(32)) for j in range(16)})
     updated = {name: tensor.cuda() for name, tensor in load_file(Path(updated_ckpt) / "model.safetensors").items()}
     engine.load_weights(updated, version=1)
     scenarios["updated"] = run(engine, groups(32, 2, 1.0, "updated/"))
@@ -69,4 +76,4 @@ def main(ckpt: str, updated_ckpt: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:6])

@@ -17,8 +17,8 @@
 #                                                #   on-policy test, its cost at 0.6B
 #   bash benchmarks/device/gpu_visit.sh profile1   # nvidia-h200: router vs raw vLLM, and a py-spy profile
 #                                                #   of the router path
-#   bash benchmarks/device/gpu_visit.sh final_a    # nvidia-h200: every gpu test that fits one GPU, then 40
-#                                                #   async steps of true on-policy with vLLM (1-GPU config)
+#   bash benchmarks/device/gpu_visit.sh final_a    # nvidia-h200: the vLLM true on-policy test (0.6B shape and
+#                                                #   the demo's model), then 40 async steps of it (1-GPU config)
 #   bash benchmarks/device/gpu_visit.sh final_c    # nvidia-h200: trainer throughput at 1.7B, router vs raw
 #                                                #   vLLM (3 runs, 0.6B shape)
 # Expects vLLM and Monarch importable (PYTHONPATH), as staged by ../shared/device/README.md.
@@ -112,7 +112,7 @@ onpolicy2)
       --method raw --checkpoint /tmp/ck06
   ;;
 final_a)
-  step gpu_tests 420 0 python -m pytest -m gpu tests -q -p no:cacheprovider --tb=short --ignore=tests/test_hosts.py
+  step onpolicy_tests 400 0 python -m pytest -q -p no:cacheprovider --tb=short -rA tests/test_vllm_true_on_policy.py
   step onpolicy_e2e 170 0 python examples/alphabet_sort/run.py --config configs/alphabet_sort_1gpu.toml \
       model.true_on_policy=true controller.steps=40 controller.checkpoint_every=0 controller.eval_every=0 \
       'controller.run_dir="runs/onpolicy_1gpu"'

@@ -36,6 +36,9 @@ step() {  # step NAME SECONDS GPUS CMD...: runs CMD on GPUS with a time limit, l
   tail -n 6 "$OUT/$name.log"
 }
 START=$(mktemp)  # its time marks the results this visit writes
+# The examples' envs are imported as rlactors_examples (pyproject's package-dir); without an install, a link.
+python -c "import rlactors_examples" 2>/dev/null || {
+  mkdir -p /tmp/pkgs && ln -sfn "$PWD/examples" /tmp/pkgs/rlactors_examples && export PYTHONPATH="${PYTHONPATH:-}:/tmp/pkgs"; }
 nvidia-smi -L | tee -a "$OUT/summary.txt"
 python -c "import torch, vllm, monarch; print('torch', torch.__version__, 'vllm', vllm.__version__)" | tee -a "$OUT/summary.txt"
 case "${1:-single}" in

@@ -47,7 +47,7 @@ def test_bitwise_tests_pass_under(name):
 
 GENERATE = """
 import sys, torch
-from test_true_on_policy import generate, prompts, requests_with
+from support.true_on_policy import generate, prompts, requests_with
 from rlactors.types import SamplingParams
 mine = (prompts(1, seed=7)[0], SamplingParams(max_tokens=30, temperature=1.0, seed=3))
 torch.save(generate(sys.argv[1], True, requests_with(mine, 16, seed=8), max_num_tokens=96), sys.argv[2])
@@ -55,8 +55,8 @@ torch.save(generate(sys.argv[1], True, requests_with(mine, 16, seed=8), max_num_
 
 SCORE = """
 import sys, torch
-from test_true_on_policy import episode, make_core, trainer_and_generator_logprobs
-from trainer_inputs import one_rank_process_group
+from support.trainer_inputs import one_rank_process_group
+from support.true_on_policy import episode, make_core, trainer_and_generator_logprobs
 completions = torch.load(sys.argv[2], weights_only=False)
 with one_rank_process_group("cpu") as device:
     core = make_core(sys.argv[1], device, true_on_policy=True)

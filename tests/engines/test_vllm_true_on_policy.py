@@ -2,7 +2,7 @@
 
 vLLM runs our model (rlactors.engines.vllm_model) in true on-policy mode with prefix caching, CUDA
 graphs and chunked prefill (a 512-token step budget against prompts of 16-1024 tokens); the
-scenarios run in one engine in a process of its own (tests/vllm_scenarios.py). The trainer core
+scenarios run in one engine in a process of its own (tests/support/vllm_scenarios.py). The trainer core
 (true_on_policy, vLLM's kernels) then scores every generated token, packed in rows of two sizes.
 Needs CUDA and vLLM.
 """
@@ -35,7 +35,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
 ]
 
-TESTS = Path(__file__).resolve().parent
+SCENARIOS = Path(__file__).resolve().parents[1] / "support" / "vllm_scenarios.py"
 
 
 @contextlib.contextmanager
@@ -69,7 +69,7 @@ def checkpoints(tmp_path_factory):
 def scenarios(checkpoints, tmp_path_factory):
     ckpt, updated = checkpoints
     out = tmp_path_factory.mktemp("out") / "scenarios.json"
-    done = subprocess.run([sys.executable, str(TESTS / "vllm_scenarios.py"), str(ckpt), str(updated), str(out)],
+    done = subprocess.run([sys.executable, str(SCENARIOS), str(ckpt), str(updated), str(out)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())

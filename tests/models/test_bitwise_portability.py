@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
-BITWISE_TESTS = ["test_batch_invariant.py", "test_true_on_policy.py",
-                 "test_model.py::test_chunked_token_logprobs_and_entropy_are_the_full_ones"]
+TESTS = Path(__file__).resolve().parents[1]
+BITWISE_TESTS = ["models/test_batch_invariant.py", "engines/test_true_on_policy.py",
+                 "models/test_model.py::test_chunked_token_logprobs_and_entropy_are_the_full_ones"]
 SETTINGS = {
     "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "mkl-avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512"},

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
-BITWISE_TESTS = ["models/test_batch_invariant.py", "engines/test_true_on_policy.py",
+BITWISE_TESTS = ["models/test_batch_invariant.py", "attention/test_invariant_attention.py",
+                 "engines/test_true_on_policy.py",
                  "models/test_model.py::test_chunked_token_logprobs_and_entropy_are_the_full_ones"]
 SETTINGS = {
     "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},

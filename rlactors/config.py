@@ -94,7 +94,7 @@ class GeneratorConfig(_Section):
     restart_dead: bool = True
     # How weights reach the replicas: "messages" (full tensors over Monarch; a dead replica is
     # restarted at the current version) or "broadcast" (one packed buffer from trainer rank 0:
-    # NCCL on GPUs, gloo on CPU; faster, but the group is fixed, so a dead replica stops the run).
+    # NCCL on GPUs, gloo on CPU; faster; its group is formed again after a replica dies or restarts).
     # "auto": broadcast for vLLM replicas on GPUs of their own (NCCL cannot join two ranks on one
     # GPU), messages otherwise; resolved when the Config is made, so only those two go further.
     weight_sync: Literal["auto", "messages", "broadcast"] = "auto"

@@ -10,7 +10,8 @@ import importlib.util
 import json
 
 import pytest
-from eval_envs import SplitEnv
+from support.eval_envs import SplitEnv
+from support.metric_sinks import tensorboard_scalars, wandb_history
 
 from rlactors.config import ConfigError, load_config
 from rlactors.controller import Controller
@@ -25,7 +26,7 @@ def _config(ckpt, run_dir, *extra):
         "generator.max_model_len=256", "generator.kv_cache_tokens=4096", "rollout.prompts_per_step=2",
         "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_tokens_per_turn=8",
         "rollout.max_total_tokens=256", "rollout.keep_zero_variance_groups=true", "batcher.row_tokens=256",
-        'env.name="eval_envs:SplitEnv"', "eval.samples=4", *extra])
+        'env.name="support.eval_envs:SplitEnv"', "eval.samples=4", *extra])
 
 
 def _run(config, resume=False):
@@ -68,13 +69,11 @@ def test_sync_evals_at_step_0_every_n_steps_and_the_end_each_on_its_steps_policy
     assert [line.split(":")[0] for line in out if line.startswith("eval of step")] == [
         "eval of step 0", "eval of step 2", "eval of step 3"]
     assert (run_dir / "reward_curve.png").is_file()
-    from test_evaluation import _tensorboard_scalars, _wandb_history
-
-    tensorboard = _tensorboard_scalars(run_dir)
+    tensorboard = tensorboard_scalars(run_dir)
     assert [(step, round(v, 6)) for step, v in tensorboard[EVAL_REWARD_MEAN]] == [
         (r["step"], round(r[EVAL_REWARD_MEAN], 6)) for r in evals]
     if wandb:
-        rows = _wandb_history(run_dir)
+        rows = wandb_history(run_dir)
         assert rows == [{k: v for k, v in r.items() if k != "time"} for r in read_metrics(run_dir)]
 
 

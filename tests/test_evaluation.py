@@ -5,12 +5,12 @@ checkpoint and config lookup."""
 import asyncio
 import json
 import shutil
-import struct
 import sys
 import types
 
 import pytest
-from eval_envs import VOCAB, SplitEnv
+from support.eval_envs import VOCAB, SplitEnv
+from support.metric_sinks import tensorboard_scalars, wandb_history
 
 from rlactors.config import ConfigError, EnvConfig, EvalConfig, RolloutConfig, load_config
 from rlactors.evaluate import load_eval_config, resolve_checkpoint
@@ -49,7 +49,7 @@ def _evaluator(generate, **eval_args):
     config = EvalConfig(**eval_args)
     rollout = RolloutConfig(group_size=4, max_turns=2, max_total_tokens=64, max_tokens_per_turn=6,
                             temperature=0.9, top_p=0.5, top_k=7)
-    return Evaluator(env, generate, rollout, config, eval_samples(env, "eval_envs:SplitEnv", config))
+    return Evaluator(env, generate, rollout, config, eval_samples(env, "support.eval_envs:SplitEnv", config))
 
 
 def test_evaluator_scores_the_first_eval_samples_with_fixed_seeds_and_ids_of_its_own():
@@ -167,14 +167,6 @@ EVAL_METRICS = {"eval/reward_mean": 0.25, "eval/pass@1": 0.125, "eval/pass@4": 0
                 "eval/policy_version_max": 4.0, "eval/time_s": 2.25}
 
 
-def _tensorboard_scalars(run_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tensorboard"))
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-
-
 def test_eval_records_reach_jsonl_tensorboard_console_and_the_plot(tmp_path, capsys):
     logger = MetricsLogger(tmp_path, total_steps=4)
     logger.log_eval(0, {**EVAL_METRICS, EVAL_REWARD_MEAN: 0.1})
@@ -185,7 +177,7 @@ def test_eval_records_reach_jsonl_tensorboard_console_and_the_plot(tmp_path, cap
     records = read_metrics(tmp_path)
     assert [(r["step"], EVAL_REWARD_MEAN in r) for r in records] == [(0, True), (1, False), (2, False), (1, True)]
     assert {k: v for k, v in records[3].items() if k not in ("step", "time")} == EVAL_METRICS
-    scalars = _tensorboard_scalars(tmp_path)
+    scalars = tensorboard_scalars(tmp_path)
     assert scalars[EVAL_REWARD_MEAN] == [(0, pytest.approx(0.1)), (1, pytest.approx(0.25))]
     assert scalars["eval/pass@4"] == [(0, 0.5), (1, 0.5)] and scalars[REWARD_MEAN] == [(1, pytest.approx(0.2)),
                                                                              (2, pytest.approx(0.3))]
@@ -242,7 +234,7 @@ def test_the_wandb_sink_gets_what_tensorboard_gets_against_the_run_step(tmp_path
                         "id": None, "resume": None}
     assert run.metrics == [("step", None), ("*", "step")] and run.finished
     assert run.logged == [{"step": 1, REWARD_MEAN: 0.5}, {"step": 0, EVAL_REWARD_MEAN: 0.25}]
-    scalars = _tensorboard_scalars(tmp_path)
+    scalars = tensorboard_scalars(tmp_path)
     assert {k: v for k, v in scalars.items()} == {REWARD_MEAN: [(1, 0.5)], EVAL_REWARD_MEAN: [(0, 0.25)]}
     # A resumed run logs into the W&B run it started; a new run in another dir starts its own.
     WandbSink(tmp_path, "proj", "named", {}, resume=True)
@@ -261,31 +253,6 @@ def test_a_missing_wandb_package_is_named_before_the_run_starts(tiny_ckpt, tmp_p
         asyncio.run(Controller(config).run())
 
 
-def _wandb_history(run_dir):
-    """History rows of the offline run under run_dir/wandb, read from its transaction log: a
-    7-byte header, then LevelDB-style records (crc32c, length, type) in 32 KiB blocks."""
-    from wandb.proto import wandb_internal_pb2
-
-    (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    data, rows, pending, offset = path.read_bytes(), [], b"", 7
-    while offset + 7 <= len(data):
-        if 32768 - offset % 32768 < 7:  # a block's tail too short for a header is padding
-            offset += 32768 - offset % 32768
-            continue
-        _, length, kind = struct.unpack("<IHB", data[offset:offset + 7])
-        pending += data[offset + 7:offset + 7 + length]
-        offset += 7 + length
-        if kind in (1, 4):  # a full record, or the last piece of one
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            if record.WhichOneof("record_type") == "history":
-                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item}
-                rows.append({key: value for key, value in items.items() if not key.startswith("_")})
-    return rows
-
-
 def test_an_offline_wandb_run_records_the_metrics_jsonl_records(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -298,14 +265,14 @@ def test_an_offline_wandb_run_records_the_metrics_jsonl_records(tmp_path, monkey
     logger.log_eval(2, {EVAL_REWARD_MEAN: 0.375, "eval/pass@1": 0.5})
     logger.close()
     expected = [{k: v for k, v in r.items() if k != "time"} for r in read_metrics(tmp_path)]
-    assert _wandb_history(tmp_path) == expected
+    assert wandb_history(tmp_path) == expected
     assert (tmp_path / "wandb_run_id").read_text() in str(next((tmp_path / "wandb").glob("offline-run-*")))
 
 
 def test_the_evaluate_command_finds_the_hf_dir_step_and_run_config_of_any_checkpoint(tiny_ckpt, tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "config.toml").parent.mkdir()
-    (run_dir / "config.toml").write_text('[controller]\nsteps = 3\n[env]\nname = "eval_envs:SplitEnv"\n')
+    (run_dir / "config.toml").write_text('[controller]\nsteps = 3\n[env]\nname = "support.eval_envs:SplitEnv"\n')
     for step, complete in ((2, True), (3, True), (4, False)):  # step 4's save did not finish
         step_dir = run_dir / "checkpoints" / f"step_{step:08d}"
         shutil.copytree(tiny_ckpt, step_dir / "hf")
@@ -321,7 +288,8 @@ def test_the_evaluate_command_finds_the_hf_dir_step_and_run_config_of_any_checkp
     assert (bare.hf_dir, bare.run_config, bare.step, bare.policy_version) == (tiny_ckpt, None, 0, 0)
 
     config = load_eval_config(resolve_checkpoint(run_dir), None, ["eval.samples=2"])
-    assert (config.model.path, config.env.name, config.eval.samples) == (str(newest / "hf"), "eval_envs:SplitEnv", 2)
+    assert (config.model.path, config.env.name, config.eval.samples) == (
+        str(newest / "hf"), "support.eval_envs:SplitEnv", 2)
     with pytest.raises(ConfigError, match=r"^--config: .* is not in a run dir \(no config\.toml to read the env and "
                                           r"generator settings from\); name a run config with --config$"):
         load_eval_config(bare, None, [])

@@ -75,8 +75,8 @@ system2)
   cp runs/reward_2gpu/metrics.jsonl runs/reward_2gpu/*.png "$OUT"/ 2>/dev/null
   ;;
 single1)
-  # tests/test_hosts.py imports monarch.job, whose dashboard needs flask: not among the staged wheels
-  step gpu_tests 330 0 python -m pytest -m gpu tests -q -p no:cacheprovider --tb=short --ignore=tests/test_hosts.py
+  # tests/test_placement.py imports monarch.job, whose dashboard needs flask: not among the staged wheels
+  step gpu_tests 330 0 python -m pytest -m gpu tests -q -p no:cacheprovider --tb=short --ignore=tests/test_placement.py
   step trainer 240 0 python benchmarks/trainer_throughput.py --device cuda --sizes 1.7b --ckpt-root /tmp/ck \
       --out "$OUT/trainer_throughput_h200.md"
   ;;
@@ -99,7 +99,7 @@ learn1)
   ;;
 onpolicy1)
   step matmul 200 0 python benchmarks/batch_invariant_matmul.py --configs sweep --out "$OUT/matmul.md"
-  step vllm_true_test 420 0 python -m pytest -q -x -p no:cacheprovider --tb=short tests/test_vllm_true_on_policy.py
+  step vllm_true_test 420 0 python -m pytest -q -x -p no:cacheprovider --tb=short tests/engines/test_vllm_true_on_policy.py
   ;;
 onpolicy_cost1)
   step on_policy_cost 560 0 python benchmarks/on_policy_cost.py --device cuda --engines vllm --repeats 1 \
@@ -107,7 +107,7 @@ onpolicy_cost1)
   ;;
 onpolicy2)
   step matmul 150 0 python benchmarks/batch_invariant_matmul.py --configs sweep --out "$OUT/matmul.md"
-  step vllm_true_test 300 0 python -m pytest -q -x -p no:cacheprovider --tb=short tests/test_vllm_true_on_policy.py
+  step vllm_true_test 300 0 python -m pytest -q -x -p no:cacheprovider --tb=short tests/engines/test_vllm_true_on_policy.py
   step on_policy_cost 330 0 python benchmarks/on_policy_cost.py --device cuda --engines vllm --repeats 1 \
       --train-steps 2 --out "$OUT/on_policy_cost_gpu.md"
   python -m rlactors.models.tiny /tmp/ck06 --size 0.6b > /dev/null
@@ -115,7 +115,7 @@ onpolicy2)
       --method raw --checkpoint /tmp/ck06
   ;;
 final_a)
-  step onpolicy_tests 400 0 python -m pytest -q -p no:cacheprovider --tb=short -rA tests/test_vllm_true_on_policy.py
+  step onpolicy_tests 400 0 python -m pytest -q -p no:cacheprovider --tb=short -rA tests/engines/test_vllm_true_on_policy.py
   step onpolicy_e2e 170 0 python examples/alphabet_sort/run.py --config configs/alphabet_sort_1gpu.toml \
       model.true_on_policy=true controller.steps=40 controller.checkpoint_every=0 controller.eval_every=0 \
       'controller.run_dir="runs/onpolicy_1gpu"'

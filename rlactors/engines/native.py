@@ -2,8 +2,9 @@
 plain PyTorch.
 
 One `step()` = schedule (scheduler.py) -> one packed forward over every scheduled chunk, decodes
-and prefills mixed, through the paged KV-cache attention (kv_cache.py) -> sample the sequences
-whose chunk reached their last token (sampling.py) -> report the ones that finished.
+and prefills mixed, attending over the paged KV cache (kv_cache.py, read by
+rlactors.attention.paged) -> sample the sequences whose chunk reached their last token
+(sampling.py) -> report the ones that finished.
 """
 
 from __future__ import annotations

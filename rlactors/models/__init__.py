@@ -1,4 +1,5 @@
-"""The decoder (Qwen3, Qwen2/2.5, Llama 3.x), packed attention, HF checkpoints, tokenizer helpers.
+"""The decoder (Qwen3, Qwen2/2.5, Llama 3.x), HF checkpoints, tokenizer helpers, and the trainer's packed
+attention (``VarlenAttention``, from ``rlactors.attention``).
 
 Random-init test checkpoints: ``rlactors.models.tiny`` (kept out of this namespace so that
 ``python -m rlactors.models.tiny`` runs cleanly)."""

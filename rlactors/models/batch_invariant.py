@@ -7,7 +7,7 @@ number in the generator (a decode step among whatever the engine was running, or
 chunk) and in the trainer (a packed microbatch), and the on-policy update is really on-policy.
 
 What breaks it with the default ops, and the fix (measured on CPU with torch 2.13 + MKL and on
-an H200; pinned by tests/test_batch_invariant.py):
+an H200; pinned by tests/models/test_batch_invariant.py):
 
 - matmul: the BLAS picks its kernel, its blocking of K and its thread split from the whole
   shape, and on CPU also from the CPU's vendor and instruction set, so a row's dot products are

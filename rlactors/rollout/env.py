@@ -227,7 +227,7 @@ class SampleStream:
         return batch
 
     def __iter__(self) -> Iterator[Any]:
-        """One sample at a time, forever (for `Rollouter.stream`)."""
+        """One sample at a time, forever."""
         while True:
             yield from self.next(1)
 

@@ -1,4 +1,5 @@
-"""Data passed along the rollout path: env I/O, turns, rollouts, episodes, microbatches."""
+"""Data passed along the rollout path: env I/O, turns, rollouts, episodes (the Batcher packs episodes
+into the trainer's microbatches, rlactors.trainer.batch)."""
 
 from __future__ import annotations
 

@@ -3,10 +3,10 @@
 On GPUs the group is vLLM's stateless NCCL group (a TCP rendezvous plus a PyNcclCommunicator);
 on CPU it is a gloo group of its own (a TCPStore rendezvous). Either way it lives beside the
 trainer's torch.distributed world (and vLLM's TP group). The trainer is rank 0; replica r's TP
-worker t is rank 1 + r * tp + t. Both sides must join at the same time (the controller calls them
-together), and every broadcast likewise. A group's members are fixed when it is formed; when a
-replica dies (or a restarted one is ready) the controller forms a new group on a new port, and
-each member keeps its buffer across groups, so a version received but not yet loaded stays valid.
+worker t is rank 1 + r * tp + t. Both sides must join at the same time, and every broadcast
+likewise (`rlactors.weight_sync.sync` calls them together). A group's members are fixed when it
+is formed; when a replica dies (or a restarted one is ready) a new group is formed on a new port,
+and each member keeps its buffer across groups, so a version received but not yet loaded stays valid.
 
 A receiver stages each broadcast in its own buffer (on GPU, on a side stream) and checks its
 checksum before loading anything: on a mismatch the replica keeps serving its current weights

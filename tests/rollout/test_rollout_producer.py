@@ -4,7 +4,7 @@ rollout task left running once it stops, nor once the controller's training loop
 import asyncio
 
 import pytest
-from test_rollout_rollouter import FakeGenerate, LengthRewardEnv, rollouter
+from support.rollouts import FakeGenerate, LengthRewardEnv, rollouter
 
 from rlactors.config import load_config
 from rlactors.controller import Controller, TrainingError

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 from monarch.actor import ActorError, this_host
-from trainer_inputs import cat, rows
+from support.trainer_inputs import cat, rows
 
 from rlactors.actors.trainer import spawn_trainer
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig

@@ -1,6 +1,6 @@
 """The trainer's side of true on-policy with vLLM, on CPU: where PagedFlashAttention puts each
 packed token in vLLM's page layout, and the model's hook for the generator's own logprob kernel.
-(vLLM itself is exercised on a GPU: tests/test_vllm_true_on_policy.py.)"""
+(vLLM itself is exercised on a GPU: tests/engines/test_vllm_true_on_policy.py.)"""
 
 import torch
 

@@ -1,7 +1,7 @@
-"""Generation scenarios for tests/test_vllm_true_on_policy.py, in one true on-policy vLLM engine.
+"""Generation scenarios for tests/engines/test_vllm_true_on_policy.py, in one true on-policy vLLM engine.
 
 Runs in a process of its own (vLLM sets up its own process group and reads its environment at
-import): ``python tests/vllm_scenarios.py CKPT UPDATED_CKPT OUT_JSON MAX_NUM_SEQS MAX_NUM_TOKENS``.
+import): ``python tests/support/vllm_scenarios.py CKPT UPDATED_CKPT OUT_JSON MAX_NUM_SEQS MAX_NUM_TOKENS``.
 Writes, per scenario, every completion's prompt, tokens, logprobs and finish reason. The engine
 runs with prefix caching and CUDA graphs; with a step budget of 512 tokens, prompts of up to 1024
 tokens are prefilled in chunks.

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
-BITWISE_TESTS = ["test_batch_invariant.py", "test_true_on_policy.py",
-                 "test_model.py::test_chunked_token_logprobs_and_entropy_are_the_full_ones"]
+TESTS = Path(__file__).resolve().parents[1]
+BITWISE_TESTS = ["models/test_batch_invariant.py", "attention/test_invariant_attention.py",
+                 "engines/test_true_on_policy.py",
+                 "models/test_model.py::test_chunked_token_logprobs_and_entropy_are_the_full_ones"]
 SETTINGS = {
     "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "mkl-avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512"},
@@ -47,7 +48,7 @@ def test_bitwise_tests_pass_under(name):
 
 GENERATE = """
 import sys, torch
-from test_true_on_policy import generate, prompts, requests_with
+from support.true_on_policy import generate, prompts, requests_with
 from rlactors.types import SamplingParams
 mine = (prompts(1, seed=7)[0], SamplingParams(max_tokens=30, temperature=1.0, seed=3))
 torch.save(generate(sys.argv[1], True, requests_with(mine, 16, seed=8), max_num_tokens=96), sys.argv[2])
@@ -55,8 +56,8 @@ torch.save(generate(sys.argv[1], True, requests_with(mine, 16, seed=8), max_num_
 
 SCORE = """
 import sys, torch
-from test_true_on_policy import episode, make_core, trainer_and_generator_logprobs
-from trainer_inputs import one_rank_process_group
+from support.trainer_inputs import one_rank_process_group
+from support.true_on_policy import episode, make_core, trainer_and_generator_logprobs
 completions = torch.load(sys.argv[2], weights_only=False)
 with one_rank_process_group("cpu") as device:
     core = make_core(sys.argv[1], device, true_on_policy=True)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from trainer_inputs import cat, one_rank_process_group, rows
+from support.trainer_inputs import cat, one_rank_process_group, rows
 
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm, compute_loss

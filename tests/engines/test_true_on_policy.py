@@ -10,16 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_inputs import one_rank_process_group
+from support.trainer_inputs import one_rank_process_group
+from support.true_on_policy import episode, generate, make_core, prompts, requests_with, trainer_and_generator_logprobs
 
-from rlactors.config import BatcherConfig, GeneratorConfig, ModelConfig, TrainerConfig
-from rlactors.engines.native import NativeEngine
-from rlactors.rollout.batcher import Batcher
-from rlactors.rollout.types import Episode, RolloutStatus
-from rlactors.trainer.core import PolicyTrainerCore
 from rlactors.types import SamplingParams
-
-VOCAB = 1024  # the tiny checkpoint's
 
 
 @pytest.fixture(scope="module")
@@ -27,62 +21,6 @@ def device():
     """A one-rank gloo process group for the trainer core in this process."""
     with one_rank_process_group("cpu") as device:
         yield device
-
-
-def prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, 50, (n,), generator=g)
-    return [torch.randint(3, VOCAB, (int(k),), generator=g).tolist() for k in lengths]
-
-
-def generate(ckpt, true_on_policy: bool, requests: dict[str, tuple[list[int], SamplingParams]],
-             max_num_tokens: int = 128) -> dict:
-    """Runs the requests to completion in one fresh engine (chunked prefill under a small budget)."""
-    generator = GeneratorConfig(max_num_seqs=32, max_num_tokens=max_num_tokens, kv_cache_tokens=4096,
-                                block_size=16, max_model_len=512)
-    engine = NativeEngine.from_config(generator, ModelConfig(path=str(ckpt), true_on_policy=true_on_policy),
-                                      device="cpu")
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished():
-        done.update((c.request_id, c) for c in engine.step())
-    return done
-
-
-def episode(completion) -> Episode:
-    prompt, tokens = list(completion.prompt_token_ids), list(completion.token_ids)
-    return Episode(token_ids=prompt + tokens, loss_mask=[False] * len(prompt) + [True] * len(tokens),
-                   generator_logprobs=[0.0] * len(prompt) + list(completion.logprobs),
-                   advantages=[0.0] * len(prompt) + [1.0] * len(tokens),
-                   versions=[-1] * len(prompt) + [0] * len(tokens),
-                   group_id=completion.request_id, rollout_index=0, branch=0, reward=0.0,
-                   status=RolloutStatus.COMPLETED)
-
-
-def trainer_and_generator_logprobs(core: PolicyTrainerCore, episodes: list[Episode],
-                                   row_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(trainer, generator) logprobs of every generated token, packed by the Batcher into rows of
-    `row_tokens`; tokens come out in packing order, so both tensors are sorted by the pair."""
-    packed = Batcher(BatcherConfig(row_tokens=row_tokens, rows_per_microbatch=3)).pack(episodes)
-    trainer, generator = [], []
-    for mb in packed.per_rank[0]:
-        logprobs = core.compute_logprobs([mb])
-        trainer.append(logprobs[mb.loss_mask])
-        generator.append(mb.generator_logprobs[mb.loss_mask])
-    return torch.cat(trainer), torch.cat(generator)
-
-
-def make_core(ckpt, device, true_on_policy: bool) -> PolicyTrainerCore:
-    return PolicyTrainerCore(ModelConfig(path=str(ckpt), true_on_policy=true_on_policy),
-                             TrainerConfig(ranks=1, logprob_chunk_tokens=100), device)
-
-
-def requests_with(mine: tuple[list[int], SamplingParams], others: int, seed: int) -> dict:
-    out = {"mine": mine}
-    for i, prompt in enumerate(prompts(others, seed)):
-        out[f"other{i}"] = (prompt, SamplingParams(max_tokens=4 + 2 * i, temperature=1.0, seed=100 + i))
-    return out
 
 
 @pytest.fixture(scope="module")

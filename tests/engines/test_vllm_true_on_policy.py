@@ -1,7 +1,7 @@
 """True on-policy with vLLM: every logprob vLLM samples with equals the trainer's, bit for bit.
 
 vLLM runs our model (rlactors.engines.vllm_model) in true on-policy mode with prefix caching and
-CUDA graphs; the scenarios run in one engine in a process of its own (tests/vllm_scenarios.py). The
+CUDA graphs; the scenarios run in one engine in a process of its own (tests/support/vllm_scenarios.py). The
 trainer core (true_on_policy, vLLM's kernels) then scores every generated token, packed in rows of
 two sizes. Two models: the Qwen3-0.6B shape (random bf16 weights) with chunked prefill (a
 512-token step budget against prompts of 16-1024 tokens), and the GPU demo's checkpoint (fp32 on
@@ -37,8 +37,8 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
 ]
 
-TESTS = Path(__file__).resolve().parent
-DEMO_CHECKPOINT = TESTS.parent / "examples" / "alphabet_sort" / "warm_checkpoint_gpu"
+SCENARIOS = Path(__file__).resolve().parents[1] / "support" / "vllm_scenarios.py"
+DEMO_CHECKPOINT = Path(__file__).resolve().parents[2] / "examples" / "alphabet_sort" / "warm_checkpoint_gpu"
 # model -> the engine's max_num_seqs and max_num_tokens
 ENGINE_SETTINGS = {"0.6b": (256, 512), "demo": (512, 8192)}
 
@@ -79,7 +79,7 @@ def scenarios(checkpoints, tmp_path_factory):
     model, ckpt, updated = checkpoints
     out = tmp_path_factory.mktemp("out") / "scenarios.json"
     settings = [str(n) for n in ENGINE_SETTINGS[model]]
-    done = subprocess.run([sys.executable, str(TESTS / "vllm_scenarios.py"), str(ckpt), str(updated), str(out),
+    done = subprocess.run([sys.executable, str(SCENARIOS), str(ckpt), str(updated), str(out),
                            *settings], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())

@@ -1,5 +1,5 @@
-"""An env for the evaluation tests, loaded by name (`env.name = "eval_envs:SplitEnv"`; tests/ is on
-sys.path under pytest).
+"""An env for the evaluation tests, loaded by name (`env.name = "support.eval_envs:SplitEnv"`;
+tests/ is on sys.path under pytest).
 
 SplitEnv is a one-turn TokenEnv over two disjoint splits of random prompts. Its reward is the
 share of low token ids in the reply, which a random tiny model spreads over [0, 1], so groups vary

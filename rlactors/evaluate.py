@@ -26,16 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlactors.config import Config, ConfigError, load_config
+from rlactors.evaluation import Evaluator, eval_samples
+from rlactors.metrics import eval_line
+from rlactors.placement import gpu_layout
 from rlactors.supervision import use_fast_supervision
-
-use_fast_supervision()  # notice a dead replica within about a second; before Monarch starts
-
-from rlactors.config import Config, ConfigError, load_config  # noqa: E402
-from rlactors.evaluation import Evaluator, eval_samples  # noqa: E402
-from rlactors.metrics import eval_line  # noqa: E402
-from rlactors.placement import gpu_layout  # noqa: E402
-from rlactors.trainer.checkpoint import HF_DIR, is_complete, latest_checkpoint, read_state  # noqa: E402
-from rlactors.types import Completion, SamplingParams  # noqa: E402
+from rlactors.trainer.checkpoint import HF_DIR, is_complete, latest_checkpoint, read_state
+from rlactors.types import Completion, SamplingParams
 
 RUN_CONFIG = "config.toml"  # written into every run dir by the controller
 
@@ -129,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. eval.samples=64")
     args = parser.parse_intermixed_args(argv)  # options may come between CHECKPOINT and the overrides
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    use_fast_supervision()  # notice a dead replica within about a second; before Monarch starts
     try:
         checkpoint = resolve_checkpoint(args.checkpoint)
         config = load_eval_config(checkpoint, args.config, args.overrides)

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from support.vllm_checks import LOGPROB_ATOL, max_logprob_error, prompts, run
 
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.models.checkpoint import from_pretrained
@@ -21,8 +22,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
 ]
 
-# bf16 generator against an fp32 reference of the same weights: logprobs agree to bf16 rounding.
-LOGPROB_ATOL = 0.1
 CONFIG = GeneratorConfig(engine="vllm", replicas=1, max_num_seqs=64, max_num_tokens=2048, max_model_len=512,
                          gpu_memory_utilization=0.3)
 
@@ -39,31 +38,6 @@ def engine(ckpt):
     engine = VLLMEngine.from_config(CONFIG, ModelConfig(path=str(ckpt), dtype="bfloat16"))
     yield engine
     engine.close()
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 1024, (int(k),), generator=g).tolist() for k in torch.randint(4, 100, (n,), generator=g)]
-
-
-def run(engine, requests: dict) -> dict:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished():
-        done.update({c.request_id: c for c in engine.step()})
-    return done
-
-
-def max_logprob_error(model, completions) -> float:
-    worst = 0.0
-    for c in completions:
-        ids = torch.tensor(c.prompt_token_ids + c.token_ids, device="cuda")
-        with torch.no_grad():
-            hidden = model.forward_packed(ids, torch.arange(len(ids), device="cuda"), backend="sdpa")
-            ref = model.token_logprobs(hidden[:-1], ids[1:])[len(c.prompt_token_ids) - 1:].cpu()
-        worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
-    return worst
 
 
 def test_generates_with_raw_logprobs_seeds_and_stops(engine, ckpt):

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support.vllm_checks import LOGPROB_ATOL, max_logprob_error, prompts, run
 
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.models.checkpoint import from_pretrained, load_state_dict
@@ -25,36 +26,18 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
 ]
 
-# bf16 generator against an fp32 reference of the same weights: logprobs agree to bf16 rounding.
-LOGPROB_ATOL = 0.1
 CONFIG = GeneratorConfig(engine="vllm", replicas=1, max_num_seqs=32, max_num_tokens=2048, max_model_len=512,
                          gpu_memory_utilization=0.3)
 
 
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 1024, (int(k),), generator=g).tolist() for k in torch.randint(4, 100, (n,), generator=g)]
-
-
 def generate(engine, batch: list[list[int]]) -> list:
-    for i, prompt in enumerate(batch):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=i))
-    done = {}
-    while engine.has_unfinished():
-        done.update({c.request_id: c for c in engine.step()})
+    sampling = [SamplingParams(max_tokens=16, temperature=1.0, seed=i) for i in range(len(batch))]
+    done = run(engine, {f"r{i}": (p, sampling[i]) for i, p in enumerate(batch)})
     return [done[f"r{i}"] for i in range(len(batch))]
 
 
-def max_logprob_error(ckpt, completions) -> float:
-    model = from_pretrained(ckpt, dtype="float32", device="cuda")
-    worst = 0.0
-    for c in completions:
-        ids = torch.tensor(c.prompt_token_ids + c.token_ids, device="cuda")
-        with torch.no_grad():
-            hidden = model.forward_packed(ids, torch.arange(len(ids), device="cuda"), backend="sdpa")
-            ref = model.token_logprobs(hidden[:-1], ids[1:])[len(c.prompt_token_ids) - 1:].cpu()
-        worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
-    return worst
+def ckpt_logprob_error(ckpt, completions) -> float:
+    return max_logprob_error(from_pretrained(ckpt, dtype="float32", device="cuda"), completions)
 
 
 def _receive_into(worker, layout: PackedLayout, buffer: torch.Tensor) -> None:
@@ -72,7 +55,7 @@ def test_vllm_serves_each_family_and_loads_weights_by_the_copy_plan(family, tie,
     engine = VLLMEngine.from_config(CONFIG, ModelConfig(path=str(ckpts[0]), dtype="bfloat16"))
     try:
         batch = prompts(16)
-        assert max_logprob_error(ckpts[0], generate(engine, batch)) < LOGPROB_ATOL
+        assert ckpt_logprob_error(ckpts[0], generate(engine, batch)) < LOGPROB_ATOL
 
         # What the trainer sends: the checkpoint's tensors (a tied head only as the embedding).
         weights = [load_state_dict(ckpt) for ckpt in ckpts[1:]]
@@ -83,13 +66,13 @@ def test_vllm_serves_each_family_and_loads_weights_by_the_copy_plan(family, tie,
         assert engine.load_staged(1)["copy_plan"] == 0.0  # vLLM's load_weights, which proves the plan
         after_first = generate(engine, batch)
         assert all(set(c.versions) == {1} for c in after_first)
-        assert max_logprob_error(ckpts[1], after_first) < LOGPROB_ATOL
+        assert ckpt_logprob_error(ckpts[1], after_first) < LOGPROB_ATOL
 
         layout.pack(weights[1], buffer)  # the next version arrives in the same buffer
         assert engine.load_staged(2)["copy_plan"] == 1.0  # copied by the plan
         after_second = generate(engine, batch)
         assert all(set(c.versions) == {2} for c in after_second)
-        assert max_logprob_error(ckpts[2], after_second) < LOGPROB_ATOL
+        assert ckpt_logprob_error(ckpts[2], after_second) < LOGPROB_ATOL
         assert any(a.token_ids != b.token_ids for a, b in zip(after_first, after_second))
     finally:
         engine.close()

@@ -11,25 +11,22 @@ sequences, 8192 tokens a step). Needs CUDA and vLLM.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from support.trainer_inputs import one_rank_process_group
+from support.true_on_policy import trainer_and_generator_logprobs
 
-from rlactors.config import BatcherConfig, ModelConfig, TrainerConfig
+from rlactors.config import ModelConfig, TrainerConfig
 from rlactors.models.checkpoint import load_args, load_state_dict, save_pretrained
 from rlactors.models.tiny import make_tiny_checkpoint
-from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.types import Episode, RolloutStatus
 from rlactors.trainer.core import PolicyTrainerCore
-from rlactors.trainer.parallel import init_distributed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,19 +38,6 @@ SCENARIOS = Path(__file__).resolve().parents[1] / "support" / "vllm_scenarios.py
 DEMO_CHECKPOINT = Path(__file__).resolve().parents[2] / "examples" / "alphabet_sort" / "warm_checkpoint_gpu"
 # model -> the engine's max_num_seqs and max_num_tokens
 ENGINE_SETTINGS = {"0.6b": (256, 512), "demo": (512, 8192)}
-
-
-@contextlib.contextmanager
-def one_rank(device_type: str):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(port)}.items():
-            mp.setenv(key, value)
-        yield init_distributed(device_type)
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module", params=sorted(ENGINE_SETTINGS))
@@ -93,21 +77,10 @@ def episode(c: dict) -> Episode:
                    status=RolloutStatus.COMPLETED)
 
 
-def trainer_and_generator(core: PolicyTrainerCore, completions: list[dict], row_tokens: int):
-    packed = Batcher(BatcherConfig(row_tokens=row_tokens, rows_per_microbatch=4)).pack(
-        [episode(c) for c in completions])
-    trainer, generator = [], []
-    for mb in packed.per_rank[0]:
-        logprobs = core.compute_logprobs([mb])
-        trainer.append(logprobs[mb.loss_mask])
-        generator.append(mb.generator_logprobs[mb.loss_mask])
-    return torch.cat(trainer), torch.cat(generator)
-
-
 def assert_bitwise(core, completions: list[dict], name: str) -> None:
     expected = sum(len(c["tokens"]) for c in completions)
     for row_tokens in (2048, 8192):  # the same tokens packed two ways
-        trainer, generator = trainer_and_generator(core, completions, row_tokens)
+        trainer, generator = trainer_and_generator_logprobs(core, [episode(c) for c in completions], row_tokens)
         assert trainer.numel() == expected, name
         mismatched = int((trainer != generator).sum())
         assert mismatched == 0, (f"{name}, rows of {row_tokens}: {mismatched} of {expected} logprobs differ, "
@@ -123,7 +96,7 @@ def test_trainer_logprobs_equal_vllm_logprobs_bit_for_bit(checkpoints, scenarios
     assert len(reasons) == 512 and 0 < reasons.count("stop") < 512
     mine_alone, mine_among = scenarios["alone"]["mine"], scenarios["among_256"]["mine"]
     assert mine_alone["tokens"] == mine_among["tokens"] and mine_alone["logprobs"] == mine_among["logprobs"]
-    with one_rank("cuda") as device:
+    with one_rank_process_group("cuda") as device:
         core = PolicyTrainerCore(ModelConfig(path=str(ckpt), dtype="bfloat16", true_on_policy=True),
                                  TrainerConfig(ranks=1), device, generator_engine="vllm")
         for name in ("t1", "t07", "alone", "among_256", "turn2", "stops"):

@@ -44,10 +44,11 @@ def cat(mbs):
 
 @contextlib.contextmanager
 def one_rank_process_group(device_type: str):
-    """A one-rank process group for the trainer core in this test process; yields the CPU device."""
+    """A one-rank process group for the trainer core in this test process (gloo; with CUDA, NCCL for
+    CUDA tensors); yields this rank's device."""
     if dist.is_initialized():
         assert dist.get_world_size() == 1
-        yield torch.device("cpu")
+        yield init_distributed(device_type)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,6 +57,5 @@ def one_rank_process_group(device_type: str):
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(port)}.items():
             mp.setenv(key, value)
-        init_distributed(device_type)
-        yield torch.device("cpu")
+        yield init_distributed(device_type)
     dist.destroy_process_group()

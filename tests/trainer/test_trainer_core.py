@@ -22,9 +22,10 @@ VOCAB = 1024  # the tiny checkpoint's
 
 @pytest.fixture(scope="module")
 def device():
-    """A one-rank process group for this test process (gloo; with CUDA, NCCL for CUDA tensors)."""
-    with one_rank_process_group("cuda" if torch.cuda.is_available() else "cpu") as device:
-        yield device
+    """The CPU device the cores run on (the GPU tests' reference), in a one-rank process group for
+    this test process (gloo; with CUDA, NCCL for CUDA tensors)."""
+    with one_rank_process_group("cuda" if torch.cuda.is_available() else "cpu"):
+        yield torch.device("cpu")
 
 
 def make_core(ckpt, device, **trainer):

@@ -1,0 +1,36 @@
+"""What the vLLM engine tests share: random prompts, running requests to the end, and the worst
+difference between vLLM's logprobs and our fp32 model's."""
+
+from __future__ import annotations
+
+import torch
+
+# bf16 generator against an fp32 reference of the same weights: logprobs agree to bf16 rounding.
+LOGPROB_ATOL = 0.1
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 1024, (int(k),), generator=g).tolist() for k in torch.randint(4, 100, (n,), generator=g)]
+
+
+def run(engine, requests: dict) -> dict:
+    """`requests` (request id -> (prompt, sampling)) through `engine` to the end: id -> Completion."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished():
+        done.update({c.request_id: c for c in engine.step()})
+    return done
+
+
+def max_logprob_error(model, completions) -> float:
+    """The largest |vLLM - `model`| logprob over every generated token (`model` on CUDA)."""
+    worst = 0.0
+    for c in completions:
+        ids = torch.tensor(c.prompt_token_ids + c.token_ids, device="cuda")
+        with torch.no_grad():
+            hidden = model.forward_packed(ids, torch.arange(len(ids), device="cuda"), backend="sdpa")
+            ref = model.token_logprobs(hidden[:-1], ids[1:])[len(c.prompt_token_ids) - 1:].cpu()
+        worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
+    return worst

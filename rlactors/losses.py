@@ -204,17 +204,17 @@ def _clipped_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
     per_token = torch.maximum(unclipped, clipped) * weight
-    mismatched, lagged = used & current_policy, used & ~current_policy
-    diff = torch.where(mismatched, (current - generator).abs(), 0.0)
-    lag_diff = torch.where(lagged, (current - generator).abs(), 0.0)
+    own, older = used & current_policy, used & ~current_policy
+    gap = (current - generator).abs()
+    diff, lag_diff = torch.where(own, gap, 0.0), torch.where(older, gap, 0.0)
     # KL(generator || trainer) per sampled token, k3 estimator: r - 1 - log r with r = p_trainer / p_generator.
     log_r = (current - generator).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    mismatch_kl = torch.where(mismatched, torch.exp(log_r) - 1 - log_r, 0.0)
+    mismatch_kl = torch.where(own, torch.exp(log_r) - 1 - log_r, 0.0)
     stats = LossStats(
         sums={
             "ratio": torch.where(used, ratio.detach(), 0.0).sum().double(),
             "clipped": (used & (clipped > unclipped)).sum().double(),
-            "current_policy_tokens": mismatched.sum().double(),
+            "current_policy_tokens": own.sum().double(),
             "logprob_diff": diff.sum().double(),
             "mismatch_kl": mismatch_kl.sum().double(),
             "lag_logprob_diff": lag_diff.sum().double(),

@@ -21,6 +21,10 @@
 #                                                #   the demo's model), then 40 async steps of it (1-GPU config)
 #   bash benchmarks/device/gpu_visit.sh final_c    # nvidia-h200: trainer throughput at 1.7B, router vs raw
 #                                                #   vLLM (3 runs, 0.6B shape)
+#   bash benchmarks/device/gpu_visit.sh onpolicy_demo  # nvidia-h200: true on-policy gradients on CUDA, the vLLM
+#                                                #   true on-policy test on the demo's model
+#   bash benchmarks/device/gpu_visit.sh onpolicy_e2e   # nvidia-h200: 40 async steps of the 1-GPU demo in true
+#                                                #   on-policy mode, then where trainer and vLLM part (onpolicy_probe.py)
 # Expects vLLM and Monarch importable (PYTHONPATH), as staged by ../shared/device/README.md.
 # Jobs confined by CUDA_VISIBLE_DEVICES run side by side on disjoint GPUs.
 set -u
@@ -123,6 +127,23 @@ final_a)
 d = [r.get('loss/logprob_diff/max') for r in m if 'loss/loss' in r]; print('steps', len(d), 'logprob_diff/max over steps:', max(x for x in d if x is not None), 'steps without it:', sum(x is None for x in d))" \
       | tee -a "$OUT/summary.txt"
   for f in runs/onpolicy_1gpu/metrics.jsonl runs/onpolicy_1gpu/reward_curve.png; do cp "$f" "$OUT/onpolicy_1gpu_$(basename $f)"; done
+  ;;
+onpolicy_demo)
+  step grad_tests 150 0 python -m pytest -q -p no:cacheprovider --tb=short -rA -m gpu tests/models/test_model.py \
+      tests/models/test_batch_invariant.py -k gradients
+  step onpolicy_demo 420 0 python -m pytest -q -p no:cacheprovider --tb=short -rA \
+      tests/engines/test_vllm_true_on_policy.py -k demo
+  ;;
+onpolicy_e2e)
+  rm -rf runs/onpolicy_1gpu
+  step onpolicy_e2e 170 0 python examples/alphabet_sort/run.py --config configs/alphabet_sort_1gpu.toml \
+      model.true_on_policy=true controller.steps=40 controller.checkpoint_every=0 controller.eval_every=0 \
+      'controller.run_dir="runs/onpolicy_1gpu"'
+  python -c "import json; m = [json.loads(l) for l in open('runs/onpolicy_1gpu/metrics.jsonl')]; \
+d = [r.get('loss/logprob_diff/max') for r in m if 'loss/loss' in r]; print('steps', len(d), 'logprob_diff/max per step:', d)" \
+      | tee -a "$OUT/summary.txt"
+  for f in runs/onpolicy_1gpu/metrics.jsonl runs/onpolicy_1gpu/reward_curve.png; do cp "$f" "$OUT/onpolicy_1gpu_$(basename $f)"; done
+  step probe 400 0 python benchmarks/device/onpolicy_probe.py examples/alphabet_sort/warm_checkpoint_gpu ${PROBE_SETTINGS:-512:8192 512:8192:eager}
   ;;
 final_c)
   python -m rlactors.models.tiny /tmp/ck06 --size 0.6b > /dev/null

@@ -245,10 +245,33 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``torch_rms_norm`` with each row reduced on its own, in one fixed order: as it is on CPU,
-    a one-program-per-row Triton kernel on CUDA."""
-    if x.is_cuda:
+    a one-program-per-row Triton kernel on CUDA (whose gradient is ``torch_rms_norm``'s)."""
+    if not x.is_cuda:
+        return torch_rms_norm(x, weight, eps)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps)
+    return _triton().rms_norm(x, weight, eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """``rms_norm``'s Triton values forward; backward differentiates ``torch_rms_norm`` at the
+    same inputs (the kernel's output has no autograd graph of its own)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
         return _triton().rms_norm(x, weight, eps)
-    return torch_rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x, weight = (t.detach().requires_grad_(needed) for t, needed in zip((x, weight), ctx.needs_input_grad))
+            out = torch_rms_norm(x, weight, ctx.eps)
+            wanted = [t for t in (x, weight) if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad))
+        return tuple(next(grads) if needed else None for needed in ctx.needs_input_grad[:2]) + (None,)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

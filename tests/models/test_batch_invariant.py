@@ -232,6 +232,21 @@ def test_rms_norm_is_the_models_and_row_invariant(dtype):
         assert rows_equal_in_every_batch(lambda t: bi.rms_norm(t, norm.weight, norm.eps), x)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_rms_norm_gradients_are_the_default_ones(device):
+    gen = torch.Generator().manual_seed(0)
+    x, weight, grad = (torch.randn(*shape, generator=gen).to(device) for shape in ((50, 128), (128,), (50, 128)))
+    x.requires_grad_(), weight.requires_grad_()
+    bi.rms_norm(x, weight, 1e-6).backward(grad)
+    ours = x.grad.clone(), weight.grad.clone()
+    x.grad = weight.grad = None
+    bi.torch_rms_norm(x, weight, 1e-6).backward(grad)
+    assert weight.grad.abs().max() > 0
+    torch.testing.assert_close(ours[0], x.grad)
+    torch.testing.assert_close(ours[1], weight.grad)
+
+
 @pytest.mark.parametrize("vocab", [1024, 151936])
 def test_log_softmax_rows_are_invariant(vocab):
     logits = torch.randn(120, vocab)

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from rlactors.attention.invariant import BatchInvariantAttention
 from rlactors.attention.varlen import cu_seqlens_from_positions
 from rlactors.models import DecoderForCausalLM, ModelArgs, VarlenAttention, from_pretrained
 from rlactors.models.args import FAMILIES
@@ -65,6 +66,34 @@ def test_packed_logits_and_gradients_match_hf_transformers_per_document(family, 
     for name, grad in expected_grads.items():
         assert grad.abs().max() > 0, name
         assert relative_error(grads[name], grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_true_on_policy_gradients_match_hf_transformers(family, device, family_ckpt):
+    """The batch-invariant forward (CPU: exact matmuls; CUDA: Triton kernels, whose outputs have
+    no autograd graph of their own) still gives every parameter HF's gradient."""
+    ckpt = family_ckpt(family, False)
+    ours = from_pretrained(ckpt, dtype=torch.float32, device=device)
+    ours.set_batch_invariant(True)
+    ref = hf_model(ckpt)
+    lengths = [37, 5, 20]
+    docs, input_ids, positions = random_docs(lengths, ours.args.vocab_size, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    targets = torch.randint(0, ours.args.vocab_size, input_ids.shape, generator=gen)
+    upstream = torch.randn(input_ids.shape, generator=gen)
+    input_ids, positions = input_ids.to(device), positions.to(device)
+    hidden = ours(input_ids, positions, BatchInvariantAttention.from_positions(positions))
+    (ours.token_logprobs(hidden, targets.to(device), chunk_size=16) * upstream.to(device)).sum().backward()
+    for doc, doc_targets, doc_upstream in zip(docs, targets.split(lengths), upstream.split(lengths)):
+        logprobs = ref(doc[None]).logits[0].log_softmax(-1).gather(-1, doc_targets[:, None]).squeeze(-1)
+        (logprobs * doc_upstream).sum().backward()
+    grads = {name: p.grad for name, p in ours.named_parameters()}
+    for name, expected in ref.named_parameters():
+        assert grads[name] is not None, name
+        assert expected.grad.abs().max() > 0, name
+        assert relative_error(grads[name].cpu(), expected.grad) < 1e-4, name
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

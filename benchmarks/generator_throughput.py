@@ -140,8 +140,13 @@ def cpu_benchmark(args) -> str:
 # -- GPU -----------------------------------------------------------------------------------------
 
 
-def raw_vllm_run(ckpt: str, prompt_sets, max_tokens: int, config) -> list[float]:
-    """Seconds of `LLM.generate` on each prompt set (new prompts each time: no prefix-cache hits)."""
+def raw_vllm_run(ckpt: str, prompt_sets, max_tokens: int, config, shard: int = 0,
+                 barrier: Path | None = None) -> list[float]:
+    """Seconds of `LLM.generate` on each prompt set (new prompts each time: no prefix-cache hits).
+
+    With `config.replicas` > 1, this process is replica `shard` of as many running side by side:
+    it generates every `replicas`-th prompt, and each timed run starts once every replica is
+    ready for it (files in the `barrier` dir); a run's time is then the slowest replica's."""
     from vllm import LLM
     from vllm import SamplingParams as VLLMSamplingParams
 
@@ -149,16 +154,20 @@ def raw_vllm_run(ckpt: str, prompt_sets, max_tokens: int, config) -> list[float]
               max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
               max_num_batched_tokens=config.max_num_tokens, enable_prefix_caching=True)
     params = [VLLMSamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True, logprobs=0,
-                                 detokenize=False) for i in range(len(prompt_sets[0]))]
+                                 detokenize=False) for i in range(len(prompt_sets[0]))][shard::config.replicas]
     warm = [{"prompt_token_ids": p[:4]} for p in prompt_sets[0][:8]]
     llm.generate(warm, params[:8], use_tqdm=False)  # warm up
     seconds = []
-    for prompts in prompt_sets:
-        inputs = [{"prompt_token_ids": p} for p in prompts]
+    for run, prompts in enumerate(prompt_sets):
+        inputs = [{"prompt_token_ids": p} for p in prompts[shard::config.replicas]]
+        if barrier is not None:
+            (barrier / f"{run}.{shard}").touch()
+            while len(list(barrier.glob(f"{run}.*"))) < config.replicas:
+                time.sleep(0.01)
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
         seconds.append(time.perf_counter() - start)
-        assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * max_tokens
+        assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(inputs) * max_tokens
     del llm
     return seconds
 
@@ -172,7 +181,8 @@ async def router_vllm_run(ckpt: str, prompt_sets, max_tokens: int, config) -> li
     from rlactors.types import SamplingParams
 
     procs = this_host().spawn_procs(per_host={"gpus": 1})
-    router = procs.spawn("router", GeneratorRouter, config, ModelConfig(path=ckpt, dtype="bfloat16"), [[0]])
+    router = procs.spawn("router", GeneratorRouter, config, ModelConfig(path=ckpt, dtype="bfloat16"),
+                         [[0]] * config.replicas)  # the replicas share GPU 0
     warm = [router.generate.call_one(p[:4], SamplingParams(max_tokens=max_tokens, seed=i), f"w{i}")
             for i, p in enumerate(prompt_sets[0][:8])]
     await asyncio.gather(*warm)
@@ -188,6 +198,16 @@ async def router_vllm_run(ckpt: str, prompt_sets, max_tokens: int, config) -> li
     return seconds
 
 
+def child_result(child: subprocess.Popen) -> list[float]:
+    """The seconds a `--method` child process printed, once it has ended."""
+    import json
+
+    out, _ = child.communicate()
+    if child.returncode != 0:
+        raise RuntimeError(f"{' '.join(child.args)} exited with {child.returncode}")
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[7:])
+
+
 def gpu_benchmark(args) -> str:
     import json
     import statistics
@@ -200,24 +220,30 @@ def gpu_benchmark(args) -> str:
             args.checkpoint = str(make_tiny_checkpoint(Path(tmp) / f"qwen3_{args.size}", size=args.size, seed=0))
             return gpu_benchmark(args)
     ckpt = args.checkpoint
-    config = GeneratorConfig(engine="vllm", replicas=1, max_num_seqs=256, max_num_tokens=8192, max_model_len=2048,
-                             gpu_memory_utilization=0.4)
+    config = GeneratorConfig(engine="vllm", replicas=args.replicas, max_num_seqs=256, max_num_tokens=8192,
+                             max_model_len=2048, gpu_memory_utilization=0.8 / (args.replicas + 1))
     prompt_sets = [make_prompts(args.num_prompts, args.min_prompt, args.max_prompt, 151936, seed=run)
                    for run in range(args.repeats)]
     expected = args.num_prompts * args.max_tokens
     if args.method == "raw":
-        print(f"RESULT {json.dumps(raw_vllm_run(ckpt, prompt_sets, args.max_tokens, config))}")
+        barrier = Path(args.barrier) if args.barrier else None
+        print(f"RESULT {json.dumps(raw_vllm_run(ckpt, prompt_sets, args.max_tokens, config, args.shard, barrier))}")
         return ""
     if args.method == "router":
         print(f"RESULT {json.dumps(asyncio.run(router_vllm_run(ckpt, prompt_sets, args.max_tokens, config)))}")
         return ""
     # Each method in its own process, so that one's GPU memory never limits the other; in each, one
     # engine start and `--repeats` timed runs on new prompts.
-    seconds = {}
-    for method in ("raw", "router"):
-        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--method", method, "--checkpoint", ckpt],
-                             check=True, stdout=subprocess.PIPE, text=True).stdout
-        seconds[method] = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[7:])
+    # With several replicas, raw vLLM is as many LLM processes side by side, each on its share of
+    # the prompts, and a run lasts as long as the slowest.
+    command = [sys.executable, __file__, *sys.argv[1:], "--checkpoint", ckpt]
+    with tempfile.TemporaryDirectory() as barrier:
+        raw = [subprocess.Popen([*command, "--method", "raw", "--shard", str(shard), "--barrier", barrier],
+                                stdout=subprocess.PIPE, text=True) for shard in range(args.replicas)]
+        shards = [child_result(child) for child in raw]
+    seconds = {"raw": [max(run) for run in zip(*shards)],
+               "router": child_result(subprocess.Popen([*command, "--method", "router"], stdout=subprocess.PIPE,
+                                                       text=True))}
     ratios = [raw / router for raw, router in zip(seconds["raw"], seconds["router"])]
     rows = [f"| {run + 1} | {expected / raw:,.0f} | {expected / router:,.0f} | {ratio:.3f} |"
             for run, (raw, router, ratio) in enumerate(zip(seconds["raw"], seconds["router"], ratios))]
@@ -231,6 +257,11 @@ def gpu_benchmark(args) -> str:
         f"{args.max_prompt} tokens; {args.max_tokens} new tokens each, temperature 1, seeded, logprobs of sampled "
         "tokens. Each method in its own process: one engine start, then one timed run per prompt set (new "
         "prompts each run, the same sets for both methods).",
+        *([] if args.replicas == 1 else [
+            "", f"{args.replicas} replicas sharing the one GPU ({config.gpu_memory_utilization:.2f} of its memory "
+            f"each): the router over {args.replicas} Generator(vLLM) replicas against {args.replicas} `LLM` "
+            "processes side by side, each given every "
+            f"{args.replicas}th prompt, timed from a common start to the last one's end."]),
         "",
         "| run | vLLM `LLM.generate` tokens/s | GeneratorRouter -> Generator(vLLM) tokens/s | router / raw |",
         "|---|---|---|---|",
@@ -255,6 +286,9 @@ def main() -> None:
     parser.add_argument("--method", choices=("raw", "router"), help=argparse.SUPPRESS)  # GPU child process
     parser.add_argument("--checkpoint", help="GPU: an existing checkpoint dir instead of a new random one")
     parser.add_argument("--size", choices=("0.6b", "1.7b"), default="0.6b", help="GPU: the random checkpoint's shape")
+    parser.add_argument("--replicas", type=int, default=1, help="GPU: vLLM replicas, all on GPU 0")
+    parser.add_argument("--shard", type=int, default=0, help=argparse.SUPPRESS)  # GPU raw child: its replica
+    parser.add_argument("--barrier", help=argparse.SUPPRESS)  # GPU raw children: where they meet before each run
     args = parser.parse_args()
     on_gpu = args.device == "cuda"
     args.num_prompts = args.num_prompts or (1024 if on_gpu else 64)
@@ -263,7 +297,9 @@ def main() -> None:
     report = gpu_benchmark(args) if on_gpu else cpu_benchmark(args)
     if report:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        out = RESULTS / (f"generator_throughput_gpu_{args.size}.md" if on_gpu else "generator_throughput_cpu.md")
+        replicas = f"_{args.replicas}replicas" if args.replicas > 1 else ""
+        name = f"generator_throughput_gpu_{args.size}{replicas}.md" if on_gpu else "generator_throughput_cpu.md"
+        out = RESULTS / name
         out.write_text(report)
         print(report)
         print(f"wrote {out}")

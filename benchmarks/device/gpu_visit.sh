@@ -25,6 +25,11 @@
 #                                                #   true on-policy test on the demo's model
 #   bash benchmarks/device/gpu_visit.sh onpolicy_e2e   # nvidia-h200: 40 async steps of the 1-GPU demo in true
 #                                                #   on-policy mode, then where trainer and vLLM part (onpolicy_probe.py)
+#   bash benchmarks/device/gpu_visit.sh serving_a  # nvidia-h200: each true on-policy kernel's batch invariance
+#                                                #   (invariance_probe.py), router vs raw vLLM at 1.7B (3 runs)
+#   bash benchmarks/device/gpu_visit.sh serving_b  # nvidia-h200: router vs raw vLLM with 2 replicas on the GPU (0.6B)
+#   bash benchmarks/device/gpu_visit.sh serving_c  # nvidia-h200: the 1-GPU e2e (sync, async) now and before the
+#                                                #   serving-path change (the tree of 1760a73^ in .device/before)
 # Expects vLLM and Monarch importable (PYTHONPATH), as staged by ../shared/device/README.md.
 # Jobs confined by CUDA_VISIBLE_DEVICES run side by side on disjoint GPUs.
 set -u
@@ -144,6 +149,22 @@ d = [r.get('loss/logprob_diff/max') for r in m if 'loss/loss' in r]; print('step
       | tee -a "$OUT/summary.txt"
   for f in runs/onpolicy_1gpu/metrics.jsonl runs/onpolicy_1gpu/reward_curve.png; do cp "$f" "$OUT/onpolicy_1gpu_$(basename $f)"; done
   step probe 400 0 python benchmarks/device/onpolicy_probe.py examples/alphabet_sort/warm_checkpoint_gpu ${PROBE_SETTINGS:-512:8192 512:8192:eager}
+  ;;
+serving_a)
+  step invariance 150 0 python benchmarks/device/invariance_probe.py
+  step generator_17b 420 0 python benchmarks/generator_throughput.py --device cuda --size 1.7b --repeats 3
+  ;;
+serving_b)
+  step generator_2replicas 420 0 python benchmarks/generator_throughput.py --device cuda --size 0.6b --replicas 2
+  ;;
+serving_c)
+  step e2e_now 290 0 python benchmarks/e2e_alphabet_sort.py --config configs/alphabet_sort_1gpu.toml --steps 13
+  cp benchmarks/results/e2e_alphabet_sort.md "$OUT/e2e_alphabet_sort_now.md"
+  BEFORE=/root/before  # .device/before, carried and copied there
+  mkdir -p /tmp/pkgs_before && ln -sfn "$BEFORE/examples" /tmp/pkgs_before/rlactors_examples
+  (cd "$BEFORE" && PYTHONPATH="/tmp/site:/tmp/pkgs_before:$BEFORE" step e2e_before 290 0 python \
+      benchmarks/e2e_alphabet_sort.py --config configs/alphabet_sort_1gpu_now.toml --steps 13)
+  cp "$BEFORE/benchmarks/results/e2e_alphabet_sort.md" "$OUT/e2e_alphabet_sort_before.md"
   ;;
 final_c)
   python -m rlactors.models.tiny /tmp/ck06 --size 0.6b > /dev/null

@@ -10,7 +10,8 @@ Triton kernels of ``rlactors.models.batch_invariant``), except two that vLLM own
   schedule, so a query's keys are folded in fixed blocks from position 0 whatever the batch. The
   trainer's ``PagedFlashAttention`` lays each packed document out in pages of the same size and
   layout as vLLM's cache and makes the same call, so its prefill has the bits of vLLM's decode,
-  chunked prefill and prefix-cache hits.
+  chunked prefill and prefix-cache hits. Heads of 64 dims or fewer run zero-padded to
+  ``attention_head_dim`` on both sides (why: its docstring).
 - the log-probability of the sampled token: vLLM's V2 model runner computes it from our logits
   with a one-program-per-row Triton kernel (``compute_token_logprobs``); the trainer calls that
   same function on the same logits (``vllm_token_logprobs``).
@@ -34,6 +35,26 @@ from rlactors.models.decoder import DecoderForCausalLM
 
 ARCHITECTURE = "RLActorsForCausalLM"
 PAGE_SIZE = 16  # vLLM's KV-cache block size in true on-policy mode; the trainer pages its keys alike
+PADDED_HEAD_DIM = 128
+
+
+def attention_head_dim(head_dim: int) -> int:
+    """The head dim FlashAttention runs at in true on-policy mode, on both sides.
+
+    FlashAttention 3 folds keys in blocks whose size it picks by head dim; at head dims up to 64
+    the block is 128 keys for causal calls and 160 for calls without the causal mask, which is
+    how it runs a step whose queries are all single decode tokens. A token decoded in such a step
+    then has other bits than the same token in a prefill (measured on an H200 at head dim 32:
+    benchmarks/device/invariance_probe.py). Above 64 dims, with a paged cache, the block does not
+    depend on the mask. So smaller heads run zero-padded to ``PADDED_HEAD_DIM``: the zeros add
+    nothing to a score, and the padded output columns are dropped.
+    """
+    return head_dim if head_dim > 64 else PADDED_HEAD_DIM
+
+
+def pad_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``x[T, H, D]`` zero-padded to ``head_dim`` in its last dim (itself when already that wide)."""
+    return x if x.shape[-1] == head_dim else torch.nn.functional.pad(x, (0, head_dim - x.shape[-1]))
 
 
 def register() -> None:
@@ -78,9 +99,11 @@ class VLLMCausalLM(DecoderForCausalLM):
         self.set_batch_invariant(True, weights_frozen=True)
         # On the GPU from the start: a CUDA graph cannot capture the copy rope() would make.
         self.model.inv_freq = self.model.inv_freq.to(self.model.embed_tokens.weight.device)
+        self.attention_head_dim = attention_head_dim(args.head_dim)
         self.paged_attention = nn.ModuleList(
-            Attention(args.num_attention_heads, args.head_dim, args.head_dim ** -0.5, args.num_key_value_heads,
-                      cache_config=vllm_config.cache_config, prefix=f"{prefix}model.layers.{i}.self_attn.attn")
+            Attention(args.num_attention_heads, self.attention_head_dim, args.head_dim ** -0.5,
+                      args.num_key_value_heads, cache_config=vllm_config.cache_config,
+                      prefix=f"{prefix}model.layers.{i}.self_attn.attn")
             for i in range(args.num_hidden_layers))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -91,9 +114,10 @@ class VLLMCausalLM(DecoderForCausalLM):
         return super().forward(input_ids, positions, self._attend)
 
     def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        tokens = q.shape[0]
-        out = self.paged_attention[layer_idx](q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1))
-        return out.view(tokens, -1, self.args.head_dim)
+        tokens, width = q.shape[0], self.attention_head_dim
+        q, k, v = (pad_heads(t, width).reshape(tokens, -1) for t in (q, k, v))
+        out = self.paged_attention[layer_idx](q, k, v)
+        return out.view(tokens, -1, width)[..., :self.args.head_dim]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden_states)
@@ -151,6 +175,8 @@ class PagedFlashAttention:
         position = torch.arange(int(self.cu_seqlens[-1]), device=device) - starts[document]
         self.page = first_page[document] + position // PAGE_SIZE
         self.row = position % PAGE_SIZE
+        # Queries: every token of each document (vLLM's steps query a document's last tokens).
+        self.cu_seqlens_q, self.max_seqlen_q = self.cu_seqlens, max_seqlen
 
     @classmethod
     def from_positions(cls, positions: torch.Tensor, backend: str = "auto") -> PagedFlashAttention:
@@ -166,15 +192,17 @@ class PagedFlashAttention:
         from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        cache = torch.zeros(self.num_pages, num_kv_heads, PAGE_SIZE, 2 * head_dim, dtype=k.dtype, device=k.device)
+        width = attention_head_dim(head_dim)
+        q, k, v = (pad_heads(t, width) for t in (q, k, v))
+        cache = torch.zeros(self.num_pages, num_kv_heads, PAGE_SIZE, 2 * width, dtype=k.dtype, device=k.device)
         cache[self.page, :, self.row] = torch.cat((k, v), dim=-1)
-        key_cache, value_cache = cache.transpose(1, 2).split(head_dim, dim=-1)  # as vLLM's backend views it
+        key_cache, value_cache = cache.transpose(1, 2).split(width, dim=-1)  # as vLLM's backend views it
         out = torch.empty_like(q)
         scale = torch.ones((), dtype=torch.float32, device=q.device).expand(self.lengths.numel(), num_kv_heads)
         flash_attn_varlen_func(
-            q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=self.cu_seqlens, max_seqlen_q=self.max_seqlen,
+            q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=self.cu_seqlens_q, max_seqlen_q=self.max_seqlen_q,
             seqused_k=self.lengths, max_seqlen_k=self.max_seqlen, softmax_scale=head_dim ** -0.5, causal=True,
             alibi_slopes=None, window_size=[-1, -1], block_table=self.block_table, softcap=0.0,
-            scheduler_metadata=None, fa_version=get_flash_attn_version(head_size=head_dim),
+            scheduler_metadata=None, fa_version=get_flash_attn_version(head_size=width),
             q_descale=scale, k_descale=scale, v_descale=scale, num_splits=1)
-        return out
+        return out[..., :head_dim]

@@ -21,8 +21,10 @@ import pytest
 import torch
 from support.trainer_inputs import one_rank_process_group
 from support.true_on_policy import trainer_and_generator_logprobs
+from support.vllm_checks import attention_of_last_queries
 
 from rlactors.config import ModelConfig, TrainerConfig
+from rlactors.engines.vllm_model import PagedFlashAttention
 from rlactors.models.checkpoint import load_args, load_state_dict, save_pretrained
 from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.rollout.types import Episode, RolloutStatus
@@ -85,6 +87,23 @@ def assert_bitwise(core, completions: list[dict], name: str) -> None:
         mismatched = int((trainer != generator).sum())
         assert mismatched == 0, (f"{name}, rows of {row_tokens}: {mismatched} of {expected} logprobs differ, "
                                  f"max {(trainer - generator).abs().max():.3g}")
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+def test_a_token_attends_alike_in_a_decode_step_a_prefill_chunk_and_a_whole_prefill(head_dim):
+    """FlashAttention runs a step of single decode tokens without the causal mask, which at head dims
+    up to 64 changes how it blocks the keys; heads that small run padded (`attention_head_dim`)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    length = 300
+    q = torch.randn(length, 4, head_dim, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(length, 2, head_dim, device="cuda", generator=g).bfloat16() for _ in range(2))
+    whole = PagedFlashAttention.from_positions(torch.arange(length, device="cuda")).forward_values(q, k, v)
+    assert whole.shape == q.shape
+    for t in range(0, length, 13):
+        decoded = attention_of_last_queries(t + 1, 1).forward_values(q[t:t + 1], k[:t + 1], v[:t + 1])
+        assert torch.equal(decoded[0], whole[t]), t
+    chunk = attention_of_last_queries(length, 100).forward_values(q[-100:], k, v)
+    assert torch.equal(chunk, whole[-100:])
 
 
 def test_trainer_logprobs_equal_vllm_logprobs_bit_for_bit(checkpoints, scenarios):

@@ -84,7 +84,8 @@ def test_true_on_policy_gradients_match_hf_transformers(family, device, family_c
     targets = torch.randint(0, ours.args.vocab_size, input_ids.shape, generator=gen)
     upstream = torch.randn(input_ids.shape, generator=gen)
     input_ids, positions = input_ids.to(device), positions.to(device)
-    hidden = ours(input_ids, positions, BatchInvariantAttention.from_positions(positions))
+    # The backward's reference attention: sdpa, which runs fp32 on CUDA too (flash kernels do not).
+    hidden = ours(input_ids, positions, BatchInvariantAttention.from_positions(positions, backend="sdpa"))
     (ours.token_logprobs(hidden, targets.to(device), chunk_size=16) * upstream.to(device)).sum().backward()
     for doc, doc_targets, doc_upstream in zip(docs, targets.split(lengths), upstream.split(lengths)):
         logprobs = ref(doc[None]).logits[0].log_softmax(-1).gather(-1, doc_targets[:, None]).squeeze(-1)

@@ -1,5 +1,6 @@
-"""What the vLLM engine tests share: random prompts, running requests to the end, and the worst
-difference between vLLM's logprobs and our fp32 model's."""
+"""What the vLLM engine tests share: random prompts, running requests to the end, the worst
+difference between vLLM's logprobs and our fp32 model's, and the trainer's paged attention queried
+as a vLLM step queries it."""
 
 from __future__ import annotations
 
@@ -34,3 +35,15 @@ def max_logprob_error(model, completions) -> float:
             ref = model.token_logprobs(hidden[:-1], ids[1:])[len(c.prompt_token_ids) - 1:].cpu()
         worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
     return worst
+
+
+def attention_of_last_queries(length: int, queries: int):
+    """The trainer's `PagedFlashAttention` over one document of `length` tokens, queried only at its
+    last `queries` tokens, as a vLLM step queries a document (a decode step: 1; a prefill chunk:
+    more); `forward_values(q[-queries:], k, v)`."""
+    from rlactors.engines.vllm_model import PagedFlashAttention
+
+    attention = PagedFlashAttention(torch.tensor([0, length], device="cuda"), length)
+    attention.cu_seqlens_q = torch.tensor([0, queries], device="cuda", dtype=torch.int32)
+    attention.max_seqlen_q = queries
+    return attention

@@ -24,7 +24,10 @@
 #   bash benchmarks/device/gpu_visit.sh onpolicy_demo  # nvidia-h200: true on-policy gradients on CUDA, the vLLM
 #                                                #   true on-policy test on the demo's model
 #   bash benchmarks/device/gpu_visit.sh onpolicy_e2e   # nvidia-h200: 40 async steps of the 1-GPU demo in true
-#                                                #   on-policy mode, then where trainer and vLLM part (onpolicy_probe.py)
+#                                                #   on-policy mode; with PROBE_SETTINGS, where trainer and vLLM part
+#                                                #   (onpolicy_probe.py)
+#   bash benchmarks/device/gpu_visit.sh onpolicy_final # nvidia-h200: true on-policy gradients, kernel invariance,
+#                                                #   the vLLM true on-policy tests, then onpolicy_e2e
 #   bash benchmarks/device/gpu_visit.sh serving_a  # nvidia-h200: each true on-policy kernel's batch invariance
 #                                                #   (invariance_probe.py), router vs raw vLLM at 1.7B (3 runs)
 #   bash benchmarks/device/gpu_visit.sh serving_b  # nvidia-h200: router vs raw vLLM with 2 replicas on the GPU (0.6B)
@@ -148,7 +151,16 @@ onpolicy_e2e)
 d = [r.get('loss/logprob_diff/max') for r in m if 'loss/loss' in r]; print('steps', len(d), 'logprob_diff/max per step:', d)" \
       | tee -a "$OUT/summary.txt"
   for f in runs/onpolicy_1gpu/metrics.jsonl runs/onpolicy_1gpu/reward_curve.png; do cp "$f" "$OUT/onpolicy_1gpu_$(basename $f)"; done
-  step probe 400 0 python benchmarks/device/onpolicy_probe.py examples/alphabet_sort/warm_checkpoint_gpu ${PROBE_SETTINGS:-512:8192 512:8192:eager}
+  [ -n "${PROBE_SETTINGS:-}" ] && step probe 400 0 python benchmarks/device/onpolicy_probe.py \
+      examples/alphabet_sort/warm_checkpoint_gpu $PROBE_SETTINGS
+  ;;
+onpolicy_final)
+  step grad_tests 150 0 python -m pytest -q -p no:cacheprovider --tb=short -rA -m gpu tests/models/test_model.py \
+      tests/models/test_batch_invariant.py -k gradients
+  step invariance 150 0 python benchmarks/device/invariance_probe.py
+  step onpolicy_tests 400 0 python -m pytest -q -p no:cacheprovider --tb=short -rA \
+      tests/engines/test_vllm_true_on_policy.py
+  bash "$0" onpolicy_e2e
   ;;
 serving_a)
   step invariance 150 0 python benchmarks/device/invariance_probe.py

@@ -28,6 +28,8 @@
 #                                                #   (onpolicy_probe.py)
 #   bash benchmarks/device/gpu_visit.sh onpolicy_final # nvidia-h200: true on-policy gradients, kernel invariance,
 #                                                #   the vLLM true on-policy tests, then onpolicy_e2e
+#   bash benchmarks/device/gpu_visit.sh cost_06    # nvidia-h200: vLLM true on-policy cost at the 0.6B shape
+#   bash benchmarks/device/gpu_visit.sh cost_17    # nvidia-h200: the same at the 1.7B shape
 #   bash benchmarks/device/gpu_visit.sh serving_a  # nvidia-h200: each true on-policy kernel's batch invariance
 #                                                #   (invariance_probe.py), router vs raw vLLM at 1.7B (3 runs)
 #   bash benchmarks/device/gpu_visit.sh serving_b  # nvidia-h200: router vs raw vLLM with 2 replicas on the GPU (0.6B)
@@ -177,6 +179,14 @@ serving_c)
   (cd "$BEFORE" && PYTHONPATH="/tmp/site:/tmp/pkgs_before:$BEFORE" step e2e_before 290 0 python \
       benchmarks/e2e_alphabet_sort.py --config configs/alphabet_sort_1gpu_now.toml --steps 13)
   cp "$BEFORE/benchmarks/results/e2e_alphabet_sort.md" "$OUT/e2e_alphabet_sort_before.md"
+  ;;
+cost_06)
+  step on_policy_cost_06 560 0 python benchmarks/on_policy_cost.py --device cuda --engines vllm --repeats 1 \
+      --train-steps 2 --out "$OUT/on_policy_cost_gpu_0.6b.md"
+  ;;
+cost_17)
+  step on_policy_cost_17 560 0 python benchmarks/on_policy_cost.py --device cuda --engines vllm --repeats 1 \
+      --train-steps 2 --size 1.7b --out "$OUT/on_policy_cost_gpu_1.7b.md"
   ;;
 final_c)
   python -m rlactors.models.tiny /tmp/ck06 --size 0.6b > /dev/null

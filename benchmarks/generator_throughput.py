@@ -186,6 +186,9 @@ async def router_vllm_run(ckpt: str, prompt_sets, max_tokens: int, config) -> li
     warm = [router.generate.call_one(p[:4], SamplingParams(max_tokens=max_tokens, seed=i), f"w{i}")
             for i, p in enumerate(prompt_sets[0][:8])]
     await asyncio.gather(*warm)
+    states = (await router.stats.call_one())["states"]
+    if states["serving"] != config.replicas:
+        raise RuntimeError(f"{states['serving']} of {config.replicas} replicas serve after the warm-up: {states}")
     seconds = []
     for repeat, prompts in enumerate(prompt_sets):
         start = time.perf_counter()

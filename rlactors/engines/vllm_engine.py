@@ -12,11 +12,15 @@ the unmodified distribution, before temperature and top-k/top-p.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
+import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +28,25 @@ import torch
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.base import Engine, check_request
 from rlactors.types import Completion, SamplingParams
+
+
+@contextlib.contextmanager
+def one_start_per_gpu(tp: int) -> Iterator[None]:
+    """Holds, for each GPU this engine will use, a lock of this host that every vLLM engine
+    starting on that GPU takes: engines that share a GPU start one after another.
+
+    vLLM sizes its KV cache from the memory it measures while it starts; another engine starting
+    on the same GPU at the same time changes that memory under it (and one of them can fail with
+    no memory left for its cache). GPUs are named as CUDA_VISIBLE_DEVICES names them (each
+    replica's proc has it set to its GPUs); unset, the engine uses GPUs 0..tp-1.
+    """
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    gpus = sorted(visible[:tp] if visible else [str(i) for i in range(tp)])  # one order: no deadlock
+    with contextlib.ExitStack() as stack:
+        for gpu in gpus:
+            lock = stack.enter_context((Path(tempfile.gettempdir()) / f"rlactors_vllm_start_gpu{gpu}.lock").open("w"))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @dataclass
@@ -101,7 +124,9 @@ class VLLMEngine(Engine):
             disable_log_stats=True,
             **true_on_policy_args,
         )
-        return cls(LLMEngine.from_engine_args(args), load_args(model_config.path).vocab_size, g.max_model_len, g.tp,
+        with one_start_per_gpu(g.tp):
+            engine = LLMEngine.from_engine_args(args)
+        return cls(engine, load_args(model_config.path).vocab_size, g.max_model_len, g.tp,
                    hot_swaps=g.update_mode == "hot_swap")
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],

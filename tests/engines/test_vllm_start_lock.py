@@ -1,0 +1,47 @@
+"""vLLM engines that share a GPU start one after another (`one_start_per_gpu`), on CPU: real
+processes take the per-GPU lock as replicas' procs would."""
+
+import multiprocessing
+import time
+
+from rlactors.engines.vllm_engine import one_start_per_gpu
+
+HOLD_S = 0.5
+
+
+def start(visible: str, tp: int, times, barrier) -> None:
+    import os
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    barrier.wait()  # every process imported and ready: they ask for the locks at once
+    with one_start_per_gpu(tp):
+        began = time.monotonic()
+        time.sleep(HOLD_S)
+        times.append((visible, began, time.monotonic()))
+
+
+def run_together(*placements: tuple[str, int]) -> list[tuple[str, float, float]]:
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        times, barrier = manager.list(), manager.Barrier(len(placements))
+        procs = [context.Process(target=start, args=(visible, tp, times, barrier)) for visible, tp in placements]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+        return sorted(times, key=lambda t: t[1])
+
+
+def overlap(a, b) -> bool:
+    return a[1] < b[2] and b[1] < a[2]
+
+
+def test_engines_on_one_gpu_start_in_turn_and_on_other_gpus_at_once():
+    first, second = run_together(("7", 1), ("7", 1))
+    assert not overlap(first, second)
+    # A TP-2 engine on GPUs 6 and 7 waits for one on GPU 7; engines on GPUs 5 and 4 do not wait.
+    times = run_together(("6,7", 2), ("7", 1), ("5", 1), ("4", 1))
+    spans = {visible: (visible, began, ended) for visible, began, ended in times}
+    assert not overlap(spans["6,7"], spans["7"])
+    assert overlap(spans["5"], spans["4"])

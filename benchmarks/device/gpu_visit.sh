@@ -17,8 +17,6 @@
 #                                                #   on-policy test, its cost at 0.6B
 #   bash benchmarks/device/gpu_visit.sh profile1   # nvidia-h200: router vs raw vLLM, and a py-spy profile
 #                                                #   of the router path
-#   bash benchmarks/device/gpu_visit.sh final_a    # nvidia-h200: the vLLM true on-policy test (0.6B shape and
-#                                                #   the demo's model), then 40 async steps of it (1-GPU config)
 #   bash benchmarks/device/gpu_visit.sh final_c    # nvidia-h200: trainer throughput at 1.7B, router vs raw
 #                                                #   vLLM (3 runs, 0.6B shape)
 #   bash benchmarks/device/gpu_visit.sh onpolicy_demo  # nvidia-h200: true on-policy gradients on CUDA, the vLLM
@@ -127,16 +125,6 @@ onpolicy2)
   python -m rlactors.models.tiny /tmp/ck06 --size 0.6b > /dev/null
   VLLM_ENABLE_V1_MULTIPROCESSING=0 step raw_inprocess 150 0 python benchmarks/generator_throughput.py --device cuda \
       --method raw --checkpoint /tmp/ck06
-  ;;
-final_a)
-  step onpolicy_tests 400 0 python -m pytest -q -p no:cacheprovider --tb=short -rA tests/engines/test_vllm_true_on_policy.py
-  step onpolicy_e2e 170 0 python examples/alphabet_sort/run.py --config configs/alphabet_sort_1gpu.toml \
-      model.true_on_policy=true controller.steps=40 controller.checkpoint_every=0 controller.eval_every=0 \
-      'controller.run_dir="runs/onpolicy_1gpu"'
-  python -c "import json; m = [json.loads(l) for l in open('runs/onpolicy_1gpu/metrics.jsonl')]; \
-d = [r.get('loss/logprob_diff/max') for r in m if 'loss/loss' in r]; print('steps', len(d), 'logprob_diff/max over steps:', max(x for x in d if x is not None), 'steps without it:', sum(x is None for x in d))" \
-      | tee -a "$OUT/summary.txt"
-  for f in runs/onpolicy_1gpu/metrics.jsonl runs/onpolicy_1gpu/reward_curve.png; do cp "$f" "$OUT/onpolicy_1gpu_$(basename $f)"; done
   ;;
 onpolicy_demo)
   step grad_tests 150 0 python -m pytest -q -p no:cacheprovider --tb=short -rA -m gpu tests/models/test_model.py \

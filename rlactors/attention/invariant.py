@@ -17,12 +17,26 @@ from dataclasses import dataclass
 
 import torch
 
-from rlactors.models.batch_invariant import exact_weighted_sum, rounded_rows
+from rlactors.models import batch_invariant as bi
 
 QUERY_TILE = 16  # query positions per attention tile
 KEY_BLOCK = 64  # keys per attention block, counted from position 0 of a sequence
+VALUE_BITS = bi.weighted_sum_bits(KEY_BLOCK)  # the CPU path's rounding of value rows (and of its weights)
 
 
+def prepare_keys_values(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[..., D]`` as ``AttentionPlan.paged`` reads them, in their own dtype.
+
+    CPU: every row (one token's keys or values of one head) rounded by ``rounded_rows`` for the
+    exact products, keys to ``fixed_point_bits(D)`` bits and values to ``VALUE_BITS``: each row
+    on its own, so the trainer (a batch of documents) and the engine (rows as they enter its KV
+    cache) hold the same bits, and every row is rounded once however often it is read. The cast
+    back to the dtype is exact (``rounded_rows``). CUDA: unchanged (the kernel reads raw keys).
+    """
+    if k.is_cuda:
+        return k, v
+    return (bi.rounded_rows(k, bi.fixed_point_bits(k.shape[-1])).to(k.dtype),
+            bi.rounded_rows(v, VALUE_BITS).to(v.dtype))
 
 
 def attend(q: torch.Tensor, q_positions: torch.Tensor, q_segments: torch.Tensor,
@@ -107,16 +121,18 @@ class AttentionPlan:
         if q.is_cuda:
             return _triton().attend(self, q, keys, values)
         # Each segment's keys as one run of slots of a [2, Hkv, S * L, D] buffer.
-        kv = torch.stack((keys, values)).transpose(1, 2).reshape(2, num_kv_heads, num_segments * length, head_dim)
+        kv = torch.stack(prepare_keys_values(keys, values)).transpose(1, 2)
+        kv = kv.reshape(2, num_kv_heads, num_segments * length, head_dim)
         slots = torch.arange(num_segments * length, device=keys.device).view(num_segments, length)
         with torch.no_grad():
             return self._attend_torch(q, kv, slots)
 
     def paged(self, q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
-        """``attend`` with keys in slots: ``kv [2, Hkv, R, D]`` holds K and V of ``R`` slots (the
-        CPU path reads it most cheaply when contiguous), ``key_slots [S, L]`` the slot of
-        segment ``s``'s key at position ``p`` (only entries up to each segment's last query
-        position are read; the others must be valid slots all the same)."""
+        """``attend`` with keys in slots: ``kv [2, Hkv, R, D]`` holds K and V of ``R`` slots as
+        ``prepare_keys_values`` returns them (the CPU path reads it most cheaply when
+        contiguous), ``key_slots [S, L]`` the slot of segment ``s``'s key at position ``p`` (only
+        entries up to each segment's last query position are read; the others must be valid
+        slots all the same)."""
         if kv.dim() != 4 or kv.shape[0] != 2 or key_slots.dim() != 2:
             raise ValueError(f"attend: need kv [2, Hkv, R, D] and key_slots [S, L], got kv {tuple(kv.shape)}, "
                              f"key_slots {tuple(key_slots.shape)}")
@@ -144,8 +160,9 @@ class AttentionPlan:
         group = num_heads // num_kv_heads
         reads = self._torch_reads(key_slots, num_kv_heads, group, kv.shape[2])
         nt = self.num_tiles
-        # Each query and key row is rounded for exact_matmul: queries once here, keys as read.
-        q_all = rounded_rows(q.float() / math.sqrt(head_dim)).view(n * num_kv_heads, group, head_dim)
+        # exact_matmul's products: the queries rounded here, the keys when they were prepared.
+        q_all = bi.rounded_rows(q.float() / math.sqrt(head_dim), bi.fixed_point_bits(head_dim))
+        q_all = q_all.view(n * num_kv_heads, group, head_dim)
         kv_all = kv.reshape(-1, head_dim)
         # The online softmax over each tile's blocks, in order, a chunk of blocks at a time. The
         # running max, sum and output of every tile carry from chunk to chunk; the tiles that read
@@ -155,8 +172,8 @@ class AttentionPlan:
             rows = chunk.num_rows
             q_rows = q_all.index_select(0, chunk.q_index).view(rows, num_kv_heads, -1, head_dim)
             keys, values = kv_all.index_select(0, chunk.kv_index).view(2, rows, num_kv_heads, KEY_BLOCK, head_dim)
-            # [rows, Hkv, slot * group, KB]: exact_matmul with the queries already rounded.
-            scores = torch.matmul(q_rows, rounded_rows(keys).mT)
+            # [rows, Hkv, slot * group, KB]
+            scores = torch.matmul(q_rows, keys.double().mT)
             scores = scores.float().add_(chunk.hidden)
             # The running max first (exact, so it can be folded before the rest), then weights
             # and sums of the chunk's blocks at once, then each block's sum and output folded in.
@@ -175,7 +192,8 @@ class AttentionPlan:
             # exponents are clamped at -80 (a weight below exp(-80) ~ 2e-35, next to the row's
             # largest, 1, becomes exp(-80)) and the hidden keys' weights zeroed by a multiply.
             weights = (scores - running_max[..., None]).clamp_(min=-80.0).exp_().mul_(chunk.visible)
-            sums, outs = weights.sum(-1), exact_weighted_sum(weights, values)
+            sums = weights.sum(-1)
+            outs = bi.weighted_sum_of_rounded(weights, values, VALUE_BITS, nonnegative_weights=True)
             for (start, count), previous in zip(chunk.blocks, before):
                 if previous is None:
                     tile_sum, tile_out = sums[start:start + count].clone(), outs[start:start + count].clone()
@@ -337,6 +355,7 @@ class BatchInvariantAttention:
         return OnPolicyAttentionFunction.apply(q, k, v, self)
 
     def forward_values(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = prepare_keys_values(k, v)
         kv = torch.stack((k.transpose(0, 1), v.transpose(0, 1)))  # [2, Hkv, T, D], contiguous
         return self.plan.paged(q, kv, self.key_slots)
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from rlactors.attention.invariant import AttentionPlan
+from rlactors.attention.invariant import AttentionPlan, prepare_keys_values
 from rlactors.engines.kv_cache import Chunk, PagedKVCache, blocks_for
 
 # Decode groups: fewer SDPA calls cost less overhead, more calls pad less. Measured on CPU with 64
@@ -135,5 +135,5 @@ class BatchInvariantPagedAttention:
         self.slot_mapping = torch.tensor(slots, device=device)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.write(layer_idx, self.slot_mapping, k, v)
+        self.cache.write(layer_idx, self.slot_mapping, *prepare_keys_values(k, v))
         return self.plan.paged(q, self.cache.kv[layer_idx], self.key_slots)

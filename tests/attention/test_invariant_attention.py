@@ -104,7 +104,8 @@ def test_paged_attend_same_bits_as_whole_keys_in_any_query_order():
     kv = torch.full((2, hkv, 1600, d), float("nan"))
     key_slots = torch.randperm(1600)[:len(lengths) * length].view(len(lengths), length)
     for s, n in enumerate(lengths):  # segment s's keys 0 .. n-1 in its slots; the rest stay NaN
-        kv[0, :, key_slots[s, :n]], kv[1, :, key_slots[s, :n]] = keys[s, :, :n], values[s, :, :n]
+        prepared = attn.prepare_keys_values(keys[s, :, :n], values[s, :, :n])
+        kv[0, :, key_slots[s, :n]], kv[1, :, key_slots[s, :n]] = prepared
 
     decodes = (torch.tensor([n - 1 for n in lengths]), torch.arange(len(lengths)))
     order = torch.argsort(decodes[0])  # by length, as the engine packs decodes

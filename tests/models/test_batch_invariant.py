@@ -82,6 +82,43 @@ def test_exact_weighted_sum_ignores_what_zero_weights_point_at():
     assert rows_equal_in_every_batch(lambda w: bi.exact_weighted_sum(w, values), torch.rand(200, 64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rounded_rows_cast_back_to_their_dtype_exactly(dtype):
+    """What attention's KV cache relies on: rows rounded once, stored in the model's dtype, hold
+    the very values that were rounded (tiny and huge rows, and zero rows, included)."""
+    x = (torch.randn(64, 32) * torch.logspace(-6, 4, 64)[:, None]).to(dtype)
+    x[3] = 0
+    for bits in (8, 20, 23, 24):
+        rounded = bi.rounded_rows(x, bits)
+        assert torch.equal(rounded.to(dtype).double(), rounded)
+
+
+def test_weighted_sum_of_rounded_values_is_exact_when_a_row_reaches_the_next_power_of_two():
+    """The scale of a value row is read back from the rounded row: a row whose largest entry
+    rounded up to a power of two has integers up to 2**bits on it, the others up to 2**(bits + 1).
+    The sum must be the exact one (an int64 reference, rounded once to fp32), with weights and
+    integers near their bounds."""
+    bits = bi.weighted_sum_bits(64)
+    assert 64 * 2**bits * 2 ** (bits + 1) <= 2**53
+    values = torch.rand(64, 32) * 0.5 + 0.5
+    values[:32, 0] = 1 - 2.0**-24  # rounds to 1.0 at 23 bits (a tie, to even)
+    values[32:, 0] = 1 - 2.0**-20  # stays below 1.0
+    values[::2] *= 2.0**10  # rows on different scales
+    rounded = bi.rounded_rows(values, bits)
+    weights = torch.rand(5, 64) * 0.01 + 0.99
+    out = bi.weighted_sum_of_rounded(weights, rounded.float(), bits)
+
+    powers = torch.tensor([2.0 ** (math.frexp(float(row.abs().max()))[1] - 1) for row in rounded]).double()[:, None]
+    value_ints = rounded * 2.0**bits / powers
+    assert torch.equal(value_ints, value_ints.round()) and 2**bits < value_ints.abs().max() <= 2 ** (bits + 1)
+    assert bool((rounded[:32, 0] == powers[:32, 0]).all())  # these rows reached a power of two
+    scaled = weights.double() * (powers.T * 2.0**-bits)
+    weight_ints, weight_exponents = integer_rows(scaled, bits)
+    exact = (weight_ints @ value_ints.long()).double()  # int64, exact
+    assert torch.equal(out, (exact * torch.pow(2.0, (weight_exponents - bits).double())).float())
+    torch.testing.assert_close(out, weights @ values)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k, n", [(128, 384), (256, 1024), (1024, 256), (3072, 512)])
 def test_linear_rows_are_batch_invariant(dtype, k, n):

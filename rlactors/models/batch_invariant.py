@@ -70,18 +70,24 @@ def _leading_power(x: torch.Tensor, nonnegative: bool = False) -> torch.Tensor:
     """fp64 ``[..., 1]``: per row of ``x`` (last dim), the largest power of two <= its largest
     magnitude, or ``2**-200`` when that is smaller (a zero row). ``nonnegative``: ``x`` has no
     negative entries, so its largest entry is its largest magnitude."""
-    largest = (x if nonnegative else x.abs()).amax(-1, keepdim=True).double().clamp_(min=_SMALLEST_LEADING_POWER)
+    largest = x.amax(-1, keepdim=True)
+    if not nonnegative:  # amax and amin: no |x| temporary; torch's aminmax is several times slower here
+        largest = torch.maximum(largest, x.amin(-1, keepdim=True).neg_())
+    largest = largest.double().clamp_(min=_SMALLEST_LEADING_POWER)
     return (largest.view(torch.int64) & _EXPONENT_FIELD).view(torch.float64)
 
 
-def _round_at(x: torch.Tensor, leading_power: torch.Tensor, bits: int) -> torch.Tensor:
+def _round_at(x: torch.Tensor, leading_power: torch.Tensor, bits: int, overwrite: bool = False) -> torch.Tensor:
     """``x`` in fp64 with each row rounded to a multiple of ``2 * leading_power * 2**-bits``.
 
     ``(x + c) - c`` with ``c = 1.5 * 2**52`` times that unit: ``c``'s last mantissa bit is the
     unit, and ``x + c`` stays in ``c``'s binade (``|x| < 2 * leading_power``), so the one IEEE
-    addition rounds ``x`` at the unit (to nearest, ties to even) and the subtraction is exact."""
+    addition rounds ``x`` at the unit (to nearest, ties to even) and the subtraction is exact.
+    ``overwrite``: an fp64 ``x`` is rounded in place."""
     shift = leading_power * (1.5 * 2.0 ** (53 - bits))
-    return torch.add(x, shift).sub_(shift)  # x + shift is computed in fp64 (type promotion)
+    # Converted first, then in place: torch.add(fp32, fp64) converts into a temporary of its own.
+    rounded = x if overwrite and x.dtype == torch.float64 else x.to(torch.float64, copy=True)
+    return rounded.add_(shift).sub_(shift)
 
 
 def rounded_rows(x: torch.Tensor, bits: int | None = None) -> torch.Tensor:
@@ -145,9 +151,9 @@ def weighted_sum_of_rounded(weights: torch.Tensor, values: torch.Tensor, bits: i
     negative (softmax weights), which saves a pass.
     """
     power = _leading_power(values)  # [..., K, 1]
-    value_ints = torch.mul(values, power.reciprocal().mul_(2.0**bits))  # exact, in fp64
+    value_ints = values.to(torch.float64, copy=True).mul_(power.reciprocal().mul_(2.0**bits))  # exact
     scaled = torch.mul(weights, power.mul_(2.0**-bits).mT)  # exact, in fp64
-    rounded = _round_at(scaled, _leading_power(scaled, nonnegative_weights), bits)
+    rounded = _round_at(scaled, _leading_power(scaled, nonnegative_weights), bits, overwrite=True)
     return torch.matmul(rounded, value_ints).float()
 
 

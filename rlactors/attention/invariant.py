@@ -24,19 +24,22 @@ KEY_BLOCK = 64  # keys per attention block, counted from position 0 of a sequenc
 VALUE_BITS = bi.weighted_sum_bits(KEY_BLOCK)  # the CPU path's rounding of value rows (and of its weights)
 
 
-def prepare_keys_values(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[..., D]`` as ``AttentionPlan.paged`` reads them, in their own dtype.
+def prepare_keys_values(k: torch.Tensor, v: torch.Tensor,
+                        dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[..., D]`` as ``AttentionPlan.paged`` reads them, in ``dtype`` (default:
+    their own).
 
     CPU: every row (one token's keys or values of one head) rounded by ``rounded_rows`` for the
     exact products, keys to ``fixed_point_bits(D)`` bits and values to ``VALUE_BITS``: each row
     on its own, so the trainer (a batch of documents) and the engine (rows as they enter its KV
-    cache) hold the same bits, and every row is rounded once however often it is read. The cast
-    back to the dtype is exact (``rounded_rows``). CUDA: unchanged (the kernel reads raw keys).
+    cache) hold the same values, and every row is rounded once however often it is read. A cast
+    to the input's dtype or a wider one is exact (``rounded_rows``). CUDA: unchanged (the kernel
+    reads raw keys).
     """
     if k.is_cuda:
         return k, v
-    return (bi.rounded_rows(k, bi.fixed_point_bits(k.shape[-1])).to(k.dtype),
-            bi.rounded_rows(v, VALUE_BITS).to(v.dtype))
+    return (bi.rounded_rows(k, bi.fixed_point_bits(k.shape[-1])).to(dtype or k.dtype),
+            bi.rounded_rows(v, VALUE_BITS).to(dtype or v.dtype))
 
 
 def attend(q: torch.Tensor, q_positions: torch.Tensor, q_segments: torch.Tensor,
@@ -171,10 +174,12 @@ class AttentionPlan:
         for chunk in reads.chunks():
             rows = chunk.num_rows
             q_rows = q_all.index_select(0, chunk.q_index).view(rows, num_kv_heads, -1, head_dim)
-            keys, values = kv_all.index_select(0, chunk.kv_index).view(2, rows, num_kv_heads, KEY_BLOCK, head_dim)
-            # [rows, Hkv, slot * group, KB]
-            scores = torch.matmul(q_rows, keys.double().mT)
-            scores = scores.float().add_(chunk.hidden)
+            # K and V of the chunk's rows in fp64 for the exact products: a fresh copy, which the
+            # weighted sum may overwrite (as it may the fp64 products, once they are scores).
+            kv_rows = kv_all.index_select(0, chunk.kv_index).double()
+            keys, values = kv_rows.view(2, rows, num_kv_heads, KEY_BLOCK, head_dim)
+            products = torch.matmul(q_rows, keys.mT)  # [rows, Hkv, slot * group, KB]
+            scores = products.float().add_(chunk.hidden)
             # The running max first (exact, so it can be folded before the rest), then weights
             # and sums of the chunk's blocks at once, then each block's sum and output folded in.
             running_max = scores.amax(-1)
@@ -191,9 +196,10 @@ class AttentionPlan:
             # exp takes a slow path (~10x here) for -inf and for results below fp32's normal range:
             # exponents are clamped at -80 (a weight below exp(-80) ~ 2e-35, next to the row's
             # largest, 1, becomes exp(-80)) and the hidden keys' weights zeroed by a multiply.
-            weights = (scores - running_max[..., None]).clamp_(min=-80.0).exp_().mul_(chunk.visible)
+            weights = scores.sub_(running_max[..., None]).clamp_(min=-80.0).exp_().mul_(chunk.visible)
             sums = weights.sum(-1)
-            outs = bi.weighted_sum_of_rounded(weights, values, VALUE_BITS, nonnegative_weights=True)
+            outs = bi.weighted_sum_of_rounded(weights, values, VALUE_BITS, nonnegative_weights=True,
+                                              overwrite_values=True, scaled_out=products)
             for (start, count), previous in zip(chunk.blocks, before):
                 if previous is None:
                     tile_sum, tile_out = sums[start:start + count].clone(), outs[start:start + count].clone()
@@ -355,7 +361,7 @@ class BatchInvariantAttention:
         return OnPolicyAttentionFunction.apply(q, k, v, self)
 
     def forward_values(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k, v = prepare_keys_values(k, v)
+        k, v = prepare_keys_values(k, v, torch.float64)  # fp64: what the exact products read
         kv = torch.stack((k.transpose(0, 1), v.transpose(0, 1)))  # [2, Hkv, T, D], contiguous
         return self.plan.paged(q, kv, self.key_slots)
 

@@ -135,8 +135,9 @@ def exact_weighted_sum(weights: torch.Tensor, values: torch.Tensor) -> torch.Ten
     return weighted_sum_of_rounded(weights, rounded_rows(values, bits), bits)
 
 
-def weighted_sum_of_rounded(weights: torch.Tensor, values: torch.Tensor, bits: int,
-                            nonnegative_weights: bool = False) -> torch.Tensor:
+def weighted_sum_of_rounded(weights: torch.Tensor, values: torch.Tensor, bits: int, *,
+                            nonnegative_weights: bool = False, overwrite_values: bool = False,
+                            scaled_out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``weights @ values``, summed exactly, for ``values`` whose rows ``rounded_rows(., bits)``
     made (in any dtype that holds them exactly) with ``bits = weighted_sum_bits(K)``.
 
@@ -147,12 +148,16 @@ def weighted_sum_of_rounded(weights: torch.Tensor, values: torch.Tensor, bits: i
     itself; that power of two moves, exactly, into column ``k`` of ``weights``, whose rows are
     then rounded to ``bits``, and the fp64 sums of integers are exact in any order. A zero weight
     stays an exact zero, so a row of ``values`` that the weights ignore (a hidden key) changes no
-    result, whatever it holds, as long as it is finite. ``nonnegative_weights``: no weight is
-    negative (softmax weights), which saves a pass.
+    result, whatever it holds, as long as it is finite.
+
+    Passes and temporaries the caller can spare: ``nonnegative_weights`` (softmax weights) skips
+    the weights' minimum; ``overwrite_values`` turns fp64 ``values`` into their integers in
+    place; ``scaled_out`` (fp64, ``weights``' shape) receives the scaled weights.
     """
     power = _leading_power(values)  # [..., K, 1]
-    value_ints = values.to(torch.float64, copy=True).mul_(power.reciprocal().mul_(2.0**bits))  # exact
-    scaled = torch.mul(weights, power.mul_(2.0**-bits).mT)  # exact, in fp64
+    value_ints = values if overwrite_values and values.dtype == torch.float64 else values.to(torch.float64, copy=True)
+    value_ints.mul_(power.reciprocal().mul_(2.0**bits))  # exact
+    scaled = torch.mul(weights, power.mul_(2.0**-bits).mT, out=scaled_out)  # exact, in fp64
     rounded = _round_at(scaled, _leading_power(scaled, nonnegative_weights), bits, overwrite=True)
     return torch.matmul(rounded, value_ints).float()
 

@@ -250,23 +250,66 @@ def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
     """``[m(x) for m in linears]``, bit for bit: several projections of one input (q/k/v,
     gate/up).
 
-    For an inference engine's frozen CPU linears in batch-invariant mode, ``x`` is rounded once
-    and multiplied once by their rounded weights stacked (kept until a weight's version moves):
-    ``exact_matmul``'s sums give each output element the bits it has when computed alone.
+    For CPU linears in batch-invariant mode, ``x`` is rounded once and multiplied once by their
+    rounded weights stacked: ``exact_matmul``'s sums give each output element the bits it has
+    when computed alone. An inference engine's frozen linears keep the stacked rounded weights
+    until a weight's version moves; otherwise (a trainer) they are rounded at each call, and
+    backward uses the default matmuls, as ``linear``'s does.
     """
     first = linears[0]
-    if x.is_cuda or torch.is_grad_enabled() or not all(m.batch_invariant and m.weights_frozen for m in linears):
+    if x.is_cuda or not all(m.batch_invariant for m in linears):
         return [m(x) for m in linears]
-    key = tuple((m.weight, m.weight._version) for m in linears)
-    if first._stacked is None or any(a is not b or u != v for (a, u), (b, v) in zip(first._stacked[0], key)):
-        first._stacked = (key, torch.cat([rounded_rows(m.weight) for m in linears]))
+    weights = [m.weight for m in linears]
+    if any(w.shape[1] != x.shape[-1] or w.dtype != x.dtype for w in weights):
+        raise ValueError(f"project: x {tuple(x.shape)} {x.dtype} does not match the weights "
+                         f"{[tuple(w.shape) for w in weights]} {weights[0].dtype}")
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.matmul(rounded_rows(rows), first._stacked[1].mT).to(x.dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        parts = _Project.apply(rows, *weights)
+    else:
+        stacked = None
+        if all(m.weights_frozen for m in linears):
+            key = tuple((w, w._version) for w in weights)
+            if first._stacked is None or any(a is not b or u != v for (a, u), (b, v) in zip(first._stacked[0], key)):
+                first._stacked = (key, rounded_rows(torch.cat(weights)))
+            stacked = first._stacked[1]
+        parts = _project_values(rows, weights, stacked)
     outputs = []
-    for m, part in zip(linears, out.split([m.weight.shape[0] for m in linears], dim=-1)):
-        part = part.contiguous().view(*x.shape[:-1], -1)
+    for m, part in zip(linears, parts):
+        part = part.view(*x.shape[:-1], -1)
         outputs.append(part if m.bias is None else part + m.bias)
     return outputs
+
+
+def _project_values(rows: torch.Tensor, weights: Sequence[torch.Tensor],
+                    rounded_stacked: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``rows @ w.T`` for each of ``weights``, exact (``exact_matmul``) in one product, each
+    contiguous; ``rounded_stacked`` is ``rounded_rows(torch.cat(weights))`` when the caller keeps
+    it (a row of the stack is rounded on its own, so that is each weight's rounding)."""
+    if rounded_stacked is None:
+        rounded_stacked = rounded_rows(torch.cat(weights))
+    out = torch.matmul(rounded_rows(rows), rounded_stacked.mT).to(rows.dtype)
+    return [part.contiguous() for part in out.split([w.shape[0] for w in weights], dim=-1)]
+
+
+class _Project(torch.autograd.Function):
+    """``_project_values`` forward, default matmuls in backward (the gradients of separate
+    linears of one input)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(rows, *weights)
+        return tuple(_project_values(rows, weights))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        rows, *weights = ctx.saved_tensors
+        grad_rows = None
+        if ctx.needs_input_grad[0]:
+            for grad, weight in zip(grads, weights):
+                grad_rows = grad @ weight if grad_rows is None else grad_rows.addmm_(grad, weight)
+        grad_weights = (grad.t() @ rows if needed else None for grad, needed in zip(grads, ctx.needs_input_grad[1:]))
+        return (grad_rows, *grad_weights)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -147,6 +147,36 @@ def test_project_stacks_frozen_linears_with_the_bits_of_each_alone():
         assert torch.equal(bi.project(x, layers)[1], bi.linear(x, layers[1].weight, layers[1].bias))
 
 
+def test_project_in_training_has_the_bits_of_each_linear_and_the_default_gradients():
+    """A trainer's q/k/v in one product: forward the bits of each linear alone, backward the
+    gradients of separate default linears (x's summed over the three)."""
+    layers = [bi.Linear(64, n, bias=bias) for n, bias in ((48, True), (16, True), (32, False))]
+    for layer in layers:
+        layer.batch_invariant = True
+    x = torch.randn(7, 3, 64, requires_grad=True)
+    fused = bi.project(x, layers)
+    with torch.no_grad():
+        assert all(torch.equal(bi.linear(x, m.weight, m.bias), f) for m, f in zip(layers, fused))
+    upstream = [torch.randn_like(f) for f in fused]
+    torch.autograd.backward(fused, upstream)
+    mine = [x.grad] + [m.weight.grad for m in layers] + [m.bias.grad for m in layers[:2]]
+    x.grad = None
+    for m in layers:
+        m.zero_grad()
+    torch.autograd.backward([F.linear(x, m.weight, m.bias) for m in layers], upstream)
+    reference = [x.grad] + [m.weight.grad for m in layers] + [m.bias.grad for m in layers[:2]]
+    for a, b in zip(mine, reference):
+        torch.testing.assert_close(a, b)
+
+
+def test_project_rejects_an_input_that_does_not_match_the_weights():
+    layers = [bi.Linear(64, 16), bi.Linear(64, 8)]
+    for layer in layers:
+        layer.batch_invariant = True
+    with pytest.raises(ValueError, match="project: x"):
+        bi.project(torch.randn(3, 32), layers)
+
+
 def test_frozen_weights_are_rounded_once_per_version():
     """An engine's linears keep the rounded weight until an in-place load changes the weight."""
     layer = bi.Linear(64, 32)

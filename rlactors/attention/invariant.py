@@ -5,8 +5,9 @@ Each side splits keys and batches queries its own way (SDPA over a whole documen
 query against a KV cache in decode), which rounds differently. ``attend`` reads keys in blocks of
 ``KEY_BLOCK`` from position 0 and folds them in order by an online softmax; a block past a query's
 position is an exact no-op, so a query's output depends only on its own row and its sequence's
-keys. On CPU its two products are exact (``rlactors.models.batch_invariant.exact_matmul``); on CUDA
-a Triton kernel (``invariant_triton``) fixes the tile shape and the order.
+keys. On CPU its two products are exact (``rlactors.models.batch_invariant.exact_matmul``), with
+every key and value row rounded once, before the keys are stored or read (``prepare_keys_values``);
+on CUDA a Triton kernel (``invariant_triton``) fixes the tile shape and the order.
 """
 
 from __future__ import annotations

@@ -111,7 +111,8 @@ class PagedAttention:
 class BatchInvariantPagedAttention:
     """`attention(layer_idx, q, k, v)` of the true on-policy mode over a `PagedKVCache`.
 
-    Writes the step's k/v into the cache like `PagedAttention`, then every query attends to its
+    Writes the step's k/v into the cache like `PagedAttention`, as `prepare_keys_values` returns
+    them (on CPU every row rounded once, here, for the exact products), then every query attends to its
     sequence's context, read in place from the cache's slots, through
     `batch_invariant.AttentionPlan`: keys in fixed blocks from position 0, in order, as the
     trainer's `BatchInvariantAttention` does, so a query's output does not depend on the other

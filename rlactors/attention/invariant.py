@@ -20,7 +20,10 @@ import torch
 
 from rlactors.models import batch_invariant as bi
 
-QUERY_TILE = 16  # query positions per attention tile
+QUERY_TILE = 16  # query positions per attention tile (CUDA)
+# CPU: tiles of up to 32 queries; a tile size changes no bit there (measured: packed documents of
+# 200-512 tokens ran 1.4x faster than with 16, documents of 48-96 tokens as fast).
+CPU_QUERY_TILE = 32
 KEY_BLOCK = 64  # keys per attention block, counted from position 0 of a sequence
 VALUE_BITS = bi.weighted_sum_bits(KEY_BLOCK)  # the CPU path's rounding of value rows (and of its weights)
 
@@ -77,7 +80,8 @@ class AttentionPlan:
     (-1: empty); ``positions[t, s]`` is the position in each slot (0 for an empty slot, whose
     output is dropped); ``last[t]`` the largest one. On CUDA ``tile_size`` is ``QUERY_TILE``
     (the kernel is compiled for it); on CPU, where ``exact_matmul`` gives a row the same bits for any
-    number of rows, it shrinks to the longest run of queries, so decode steps pad nothing.
+    number of rows, it is ``CPU_QUERY_TILE`` or, if shorter, the longest run of queries, so
+    decode steps pad nothing.
 
     Two ways to pass keys: ``plan(q, keys, values)`` with every segment's keys in a row, or
     ``plan.paged(q, kv, key_slots)`` with them in slots of a shared buffer (a paged KV cache, or
@@ -99,7 +103,7 @@ class AttentionPlan:
         run_starts = torch.nonzero(starts_run).flatten()
         index_in_run = torch.arange(n, device=device) - run_starts[run]
         run_lengths = torch.diff(run_starts, append=run_starts.new_tensor([n]))
-        size = QUERY_TILE if device.type == "cuda" else min(QUERY_TILE, int(run_lengths.max()))
+        size = QUERY_TILE if device.type == "cuda" else min(CPU_QUERY_TILE, int(run_lengths.max()))
         run_tiles = -(-run_lengths // size)
         first_tile = run_tiles.cumsum(0) - run_tiles
         self.tile_size = size

@@ -184,6 +184,18 @@ def test_packed_attention_same_bits_however_documents_are_packed():
     assert torch.equal(repacked, packed[idx])
 
 
+def test_cpu_tile_size_changes_no_bit(monkeypatch):
+    """CPU_QUERY_TILE is a speed knob: tiles of any size give every query the same bits."""
+    positions, q, k, v = packed_documents([40, 7, 90, 1, 33, 150])
+    outputs = []
+    for tile in (1, 5, 16, 32, 64):
+        monkeypatch.setattr(attn, "CPU_QUERY_TILE", tile)
+        attention = attn.BatchInvariantAttention.from_positions(positions)
+        assert attention.plan.tile_size == tile
+        outputs.append(attention.forward_values(q, k, v))
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+
+
 def test_packed_attention_gradients_are_the_default_ones():
     positions, q, k, v = packed_documents([20, 35])
     grad = torch.randn_like(q)

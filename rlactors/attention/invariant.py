@@ -129,7 +129,7 @@ class AttentionPlan:
         if q.is_cuda:
             return _triton().attend(self, q, keys, values)
         # Each segment's keys as one run of slots of a [2, Hkv, S * L, D] buffer.
-        kv = torch.stack(prepare_keys_values(keys, values)).transpose(1, 2)
+        kv = torch.stack(prepare_keys_values(keys, values, torch.float64)).transpose(1, 2)
         kv = kv.reshape(2, num_kv_heads, num_segments * length, head_dim)
         slots = torch.arange(num_segments * length, device=keys.device).view(num_segments, length)
         with torch.no_grad():

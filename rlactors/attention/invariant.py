@@ -28,22 +28,24 @@ KEY_BLOCK = 64  # keys per attention block, counted from position 0 of a sequenc
 VALUE_BITS = bi.weighted_sum_bits(KEY_BLOCK)  # the CPU path's rounding of value rows (and of its weights)
 
 
-def prepare_keys_values(k: torch.Tensor, v: torch.Tensor,
-                        dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_keys_values(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Keys and values ``[..., D]`` as ``AttentionPlan.paged`` reads them, in ``dtype`` (default:
-    their own).
+    their own), and the values' row powers (fp64 ``[...]``; None on CUDA).
 
     CPU: every row (one token's keys or values of one head) rounded by ``rounded_rows`` for the
     exact products, keys to ``fixed_point_bits(D)`` bits and values to ``VALUE_BITS``: each row
     on its own, so the trainer (a batch of documents) and the engine (rows as they enter its KV
     cache) hold the same values, and every row is rounded once however often it is read. A cast
-    to the input's dtype or a wider one is exact (``rounded_rows``). CUDA: unchanged (the kernel
-    reads raw keys).
+    to the input's dtype or a wider one is exact (``rounded_rows``). The row powers
+    (``batch_invariant.row_powers`` of the rounded values) spare every read the pass that finds
+    them. CUDA: unchanged (the kernel reads raw keys).
     """
     if k.is_cuda:
-        return k, v
+        return k, v, None
+    values = bi.rounded_rows(v, VALUE_BITS)
     return (bi.rounded_rows(k, bi.fixed_point_bits(k.shape[-1])).to(dtype or k.dtype),
-            bi.rounded_rows(v, VALUE_BITS).to(dtype or v.dtype))
+            values.to(dtype or v.dtype), bi.row_powers(values))
 
 
 def attend(q: torch.Tensor, q_positions: torch.Tensor, q_segments: torch.Tensor,
@@ -129,18 +131,21 @@ class AttentionPlan:
         if q.is_cuda:
             return _triton().attend(self, q, keys, values)
         # Each segment's keys as one run of slots of a [2, Hkv, S * L, D] buffer.
-        kv = torch.stack(prepare_keys_values(keys, values, torch.float64)).transpose(1, 2)
-        kv = kv.reshape(2, num_kv_heads, num_segments * length, head_dim)
+        keys, values, powers = prepare_keys_values(keys, values, torch.float64)
+        kv = torch.stack((keys, values)).transpose(1, 2).reshape(2, num_kv_heads, num_segments * length, head_dim)
+        powers = powers.transpose(0, 1).reshape(num_kv_heads, num_segments * length)
         slots = torch.arange(num_segments * length, device=keys.device).view(num_segments, length)
         with torch.no_grad():
-            return self._attend_torch(q, kv, slots)
+            return self._attend_torch(q, kv, slots, powers)
 
-    def paged(self, q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
+    def paged(self, q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor,
+              value_powers: torch.Tensor | None = None) -> torch.Tensor:
         """``attend`` with keys in slots: ``kv [2, Hkv, R, D]`` holds K and V of ``R`` slots as
         ``prepare_keys_values`` returns them (the CPU path reads it most cheaply when
         contiguous), ``key_slots [S, L]`` the slot of segment ``s``'s key at position ``p`` (only
         entries up to each segment's last query position are read; the others must be valid
-        slots all the same)."""
+        slots all the same). ``value_powers [Hkv, R]``: the value rows' powers that
+        ``prepare_keys_values`` returned (CPU; without them each read finds them again)."""
         if kv.dim() != 4 or kv.shape[0] != 2 or key_slots.dim() != 2:
             raise ValueError(f"attend: need kv [2, Hkv, R, D] and key_slots [S, L], got kv {tuple(kv.shape)}, "
                              f"key_slots {tuple(key_slots.shape)}")
@@ -149,7 +154,7 @@ class AttentionPlan:
             gathered = kv[:, :, key_slots].transpose(1, 2)  # [2, S, Hkv, L, D]
             return _triton().attend(self, q, gathered[0], gathered[1])
         with torch.no_grad():
-            return self._attend_torch(q, kv, key_slots)
+            return self._attend_torch(q, kv, key_slots, value_powers)
 
     def _check(self, q: torch.Tensor, num_kv_heads: int, head_dim: int, num_segments: int, length: int,
                keys: str) -> None:
@@ -162,7 +167,8 @@ class AttentionPlan:
             raise ValueError(f"attend: {keys} do not reach query position {self.max_position} "
                              f"of segment {self.max_segment}")
 
-    def _attend_torch(self, q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
+    def _attend_torch(self, q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor,
+                      value_powers: torch.Tensor | None) -> torch.Tensor:
         n, num_heads, head_dim = q.shape
         num_kv_heads = kv.shape[1]
         group = num_heads // num_kv_heads
@@ -203,8 +209,11 @@ class AttentionPlan:
             # largest, 1, becomes exp(-80)) and the hidden keys' weights zeroed by a multiply.
             weights = scores.sub_(running_max[..., None]).clamp_(min=-80.0).exp_().mul_(chunk.visible)
             sums = weights.sum(-1)
-            outs = bi.weighted_sum_of_rounded(weights, values, VALUE_BITS, nonnegative_weights=True,
-                                              overwrite_values=True, scaled_out=products)
+            powers = None
+            if value_powers is not None:
+                powers = value_powers.reshape(-1).index_select(0, chunk.power_index).view(values.shape[:-1])
+            outs = bi.weighted_sum_of_rounded(weights, values, VALUE_BITS, value_powers=powers,
+                                              nonnegative_weights=True, overwrite_values=True, scaled_out=products)
             for (start, count), previous in zip(chunk.blocks, before):
                 if previous is None:
                     tile_sum, tile_out = sums[start:start + count].clone(), outs[start:start + count].clone()
@@ -307,7 +316,8 @@ class _TorchReads:
         hidden = self.hidden[lo:hi, None, :, None, :].expand(-1, num_kv_heads, -1, group, -1)
         hidden = hidden.reshape(hi - lo, num_kv_heads, -1, KEY_BLOCK)
         blocks = [(start - lo, count) for start, count in self.blocks[first_block:end_block]]
-        return _Chunk(hi - lo, blocks, q_index, kv_index,
+        power_index = kv_index.view(2, -1)[1] - num_kv_heads * num_slots  # V's rows in [Hkv * R]
+        return _Chunk(hi - lo, blocks, q_index, kv_index, power_index,
                       torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf")),
                       (~hidden).float())
 
@@ -317,13 +327,15 @@ class _Chunk:
     """Rows of consecutive key blocks of a ``_TorchReads``, ready to gather and mask: ``blocks``
     (first row in the chunk, rows) per block; ``q_index`` the rows of ``q [N * Hkv, group, D]``
     for ``[row, kv head, slot]``; ``kv_index`` the rows of ``kv [2 * Hkv * R, D]`` for ``[2, row,
-    kv head, KEY_BLOCK]``; ``hidden`` -inf for the keys each query must not see, else 0, ``[row,
-    Hkv, slot * group, KEY_BLOCK]``, and ``visible`` 0 there, else 1."""
+    kv head, KEY_BLOCK]`` and ``power_index`` those of the value powers ``[Hkv * R]`` for its
+    values; ``hidden`` -inf for the keys each query must not see, else 0, ``[row, Hkv,
+    slot * group, KEY_BLOCK]``, and ``visible`` 0 there, else 1."""
 
     num_rows: int
     blocks: list[tuple[int, int]]
     q_index: torch.Tensor
     kv_index: torch.Tensor
+    power_index: torch.Tensor
     hidden: torch.Tensor
     visible: torch.Tensor
 
@@ -366,9 +378,9 @@ class BatchInvariantAttention:
         return OnPolicyAttentionFunction.apply(q, k, v, self)
 
     def forward_values(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k, v = prepare_keys_values(k, v, torch.float64)  # fp64: what the exact products read
+        k, v, powers = prepare_keys_values(k, v, torch.float64)  # fp64: what the exact products read
         kv = torch.stack((k.transpose(0, 1), v.transpose(0, 1)))  # [2, Hkv, T, D], contiguous
-        return self.plan.paged(q, kv, self.key_slots)
+        return self.plan.paged(q, kv, self.key_slots, None if powers is None else powers.t().contiguous())
 
 
 class OnPolicyAttentionFunction(torch.autograd.Function):

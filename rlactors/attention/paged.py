@@ -137,4 +137,5 @@ class BatchInvariantPagedAttention:
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer_idx, self.slot_mapping, *prepare_keys_values(k, v))
-        return self.plan.paged(q, self.cache.kv[layer_idx], self.key_slots)
+        powers = None if self.cache.value_powers is None else self.cache.value_powers[layer_idx]
+        return self.plan.paged(q, self.cache.kv[layer_idx], self.key_slots, powers)

@@ -135,9 +135,16 @@ def exact_weighted_sum(weights: torch.Tensor, values: torch.Tensor) -> torch.Ten
     return weighted_sum_of_rounded(weights, rounded_rows(values, bits), bits)
 
 
+def row_powers(x: torch.Tensor) -> torch.Tensor:
+    """fp64 ``x.shape[:-1]``: per row of ``x``, the largest power of two <= its largest magnitude
+    (at least ``2**-200``): for a row of values ``rounded_rows`` made, the power of two that
+    ``weighted_sum_of_rounded`` reads back from it, for a caller that keeps it with the row."""
+    return _leading_power(x)[..., 0]
+
+
 def weighted_sum_of_rounded(weights: torch.Tensor, values: torch.Tensor, bits: int, *,
-                            nonnegative_weights: bool = False, overwrite_values: bool = False,
-                            scaled_out: torch.Tensor | None = None) -> torch.Tensor:
+                            value_powers: torch.Tensor | None = None, nonnegative_weights: bool = False,
+                            overwrite_values: bool = False, scaled_out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``weights @ values``, summed exactly, for ``values`` whose rows ``rounded_rows(., bits)``
     made (in any dtype that holds them exactly) with ``bits = weighted_sum_bits(K)``.
 
@@ -145,19 +152,20 @@ def weighted_sum_of_rounded(weights: torch.Tensor, values: torch.Tensor, bits: i
     ``values``. Here row ``k`` is an integer (at most ``2**(bits + 1)``: a rounded row's largest
     entry may have reached the next power of two) times ``2**s_k``, where ``2**(s_k + bits)`` is
     the largest power of two <= the row's largest magnitude, read back from the rounded row
-    itself; that power of two moves, exactly, into column ``k`` of ``weights``, whose rows are
-    then rounded to ``bits``, and the fp64 sums of integers are exact in any order. A zero weight
-    stays an exact zero, so a row of ``values`` that the weights ignore (a hidden key) changes no
-    result, whatever it holds, as long as it is finite.
+    itself (``row_powers``; ``value_powers [..., K]`` when the caller kept them); that power of
+    two moves, exactly, into column ``k`` of ``weights``, whose rows are then rounded to
+    ``bits``, and the fp64 sums of integers are exact in any order. A zero weight stays an exact
+    zero, so a row of ``values`` that the weights ignore (a hidden key) changes no result,
+    whatever it holds, as long as it is finite.
 
     Passes and temporaries the caller can spare: ``nonnegative_weights`` (softmax weights) skips
     the weights' minimum; ``overwrite_values`` turns fp64 ``values`` into their integers in
     place; ``scaled_out`` (fp64, ``weights``' shape) receives the scaled weights.
     """
-    power = _leading_power(values)  # [..., K, 1]
+    power = _leading_power(values) if value_powers is None else value_powers[..., None]  # [..., K, 1]
     value_ints = values if overwrite_values and values.dtype == torch.float64 else values.to(torch.float64, copy=True)
     value_ints.mul_(power.reciprocal().mul_(2.0**bits))  # exact
-    scaled = torch.mul(weights, power.mul_(2.0**-bits).mT, out=scaled_out)  # exact, in fp64
+    scaled = torch.mul(weights, (power * 2.0**-bits).mT, out=scaled_out)  # exact, in fp64
     rounded = _round_at(scaled, _leading_power(scaled, nonnegative_weights), bits, overwrite=True)
     return torch.matmul(rounded, value_ints).float()
 

@@ -97,15 +97,15 @@ def test_paged_attend_same_bits_as_whole_keys_in_any_query_order():
     """plan.paged (keys read in place from slots of a shared buffer: the engine's and the
     trainer's CPU path) == plan(q, keys, values), for decodes in the engine's order (the CPU
     path then skips its output gather), the same decodes reversed, and a step with
-    prefill chunks; slots no query may read hold NaN."""
+    prefill chunks, with or without the value powers kept; slots no query may read hold NaN."""
     hq, hkv, d, length = 4, 2, 32, 200
     lengths = [30, 64, 65, 130, 199, 7]
     keys, values = torch.randn(len(lengths), hkv, length, d), torch.randn(len(lengths), hkv, length, d)
-    kv = torch.full((2, hkv, 1600, d), float("nan"))
+    kv, powers = torch.full((2, hkv, 1600, d), float("nan")), torch.full((hkv, 1600), float("nan"), dtype=torch.float64)
     key_slots = torch.randperm(1600)[:len(lengths) * length].view(len(lengths), length)
     for s, n in enumerate(lengths):  # segment s's keys 0 .. n-1 in its slots; the rest stay NaN
-        prepared = attn.prepare_keys_values(keys[s, :, :n], values[s, :, :n])
-        kv[0, :, key_slots[s, :n]], kv[1, :, key_slots[s, :n]] = prepared
+        slots = key_slots[s, :n]
+        kv[0, :, slots], kv[1, :, slots], powers[:, slots] = attn.prepare_keys_values(keys[s, :, :n], values[s, :, :n])
 
     decodes = (torch.tensor([n - 1 for n in lengths]), torch.arange(len(lengths)))
     order = torch.argsort(decodes[0])  # by length, as the engine packs decodes
@@ -119,6 +119,7 @@ def test_paged_attend_same_bits_as_whole_keys_in_any_query_order():
         paged = plan.paged(q, kv, key_slots)
         assert (plan._reads.out_index is None) == (name == "decodes in order")
         assert torch.equal(paged, attn.AttentionPlan(positions, segments)(q, keys, values)), name
+        assert torch.equal(plan.paged(q, kv, key_slots, powers), paged), name  # the kept value powers
 
 
 def test_packed_attention_same_bits_as_attend_over_padded_documents():

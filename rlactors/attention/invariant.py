@@ -5,8 +5,9 @@ Each side splits keys and batches queries its own way (SDPA over a whole documen
 query against a KV cache in decode), which rounds differently. ``attend`` reads keys in blocks of
 ``KEY_BLOCK`` from position 0 and folds them in order by an online softmax; a block past a query's
 position is an exact no-op, so a query's output depends only on its own row and its sequence's
-keys. On CPU its two products are exact (``rlactors.models.batch_invariant.exact_matmul``); on CUDA
-a Triton kernel (``invariant_triton``) fixes the tile shape and the order.
+keys. On CPU its two products are exact (``rlactors.models.batch_invariant.exact_matmul``), with
+every key and value row rounded once, before the keys are stored or read (``prepare_keys_values``);
+on CUDA a Triton kernel (``invariant_triton``) fixes the tile shape and the order.
 """
 
 from __future__ import annotations
@@ -17,12 +18,34 @@ from dataclasses import dataclass
 
 import torch
 
-from rlactors.models.batch_invariant import exact_weighted_sum, rounded_rows
+from rlactors.models import batch_invariant as bi
 
-QUERY_TILE = 16  # query positions per attention tile
+QUERY_TILE = 16  # query positions per attention tile (CUDA)
+# CPU: tiles of up to 32 queries; a tile size changes no bit there (measured: packed documents of
+# 200-512 tokens ran 1.4x faster than with 16, documents of 48-96 tokens as fast).
+CPU_QUERY_TILE = 32
 KEY_BLOCK = 64  # keys per attention block, counted from position 0 of a sequence
+VALUE_BITS = bi.weighted_sum_bits(KEY_BLOCK)  # the CPU path's rounding of value rows (and of its weights)
 
 
+def prepare_keys_values(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Keys and values ``[..., D]`` as ``AttentionPlan.paged`` reads them, in ``dtype`` (default:
+    their own), and the values' row powers (fp64 ``[...]``; None on CUDA).
+
+    CPU: every row (one token's keys or values of one head) rounded by ``rounded_rows`` for the
+    exact products, keys to ``fixed_point_bits(D)`` bits and values to ``VALUE_BITS``: each row
+    on its own, so the trainer (a batch of documents) and the engine (rows as they enter its KV
+    cache) hold the same values, and every row is rounded once however often it is read. A cast
+    to the input's dtype or a wider one is exact (``rounded_rows``). The row powers
+    (``batch_invariant.row_powers`` of the rounded values) spare every read the pass that finds
+    them. CUDA: unchanged (the kernel reads raw keys).
+    """
+    if k.is_cuda:
+        return k, v, None
+    values = bi.rounded_rows(v, VALUE_BITS)
+    return (bi.rounded_rows(k, bi.fixed_point_bits(k.shape[-1])).to(dtype or k.dtype),
+            values.to(dtype or v.dtype), bi.row_powers(values))
 
 
 def attend(q: torch.Tensor, q_positions: torch.Tensor, q_segments: torch.Tensor,
@@ -59,7 +82,8 @@ class AttentionPlan:
     (-1: empty); ``positions[t, s]`` is the position in each slot (0 for an empty slot, whose
     output is dropped); ``last[t]`` the largest one. On CUDA ``tile_size`` is ``QUERY_TILE``
     (the kernel is compiled for it); on CPU, where ``exact_matmul`` gives a row the same bits for any
-    number of rows, it shrinks to the longest run of queries, so decode steps pad nothing.
+    number of rows, it is ``CPU_QUERY_TILE`` or, if shorter, the longest run of queries, so
+    decode steps pad nothing.
 
     Two ways to pass keys: ``plan(q, keys, values)`` with every segment's keys in a row, or
     ``plan.paged(q, kv, key_slots)`` with them in slots of a shared buffer (a paged KV cache, or
@@ -81,7 +105,7 @@ class AttentionPlan:
         run_starts = torch.nonzero(starts_run).flatten()
         index_in_run = torch.arange(n, device=device) - run_starts[run]
         run_lengths = torch.diff(run_starts, append=run_starts.new_tensor([n]))
-        size = QUERY_TILE if device.type == "cuda" else min(QUERY_TILE, int(run_lengths.max()))
+        size = QUERY_TILE if device.type == "cuda" else min(CPU_QUERY_TILE, int(run_lengths.max()))
         run_tiles = -(-run_lengths // size)
         first_tile = run_tiles.cumsum(0) - run_tiles
         self.tile_size = size
@@ -107,16 +131,21 @@ class AttentionPlan:
         if q.is_cuda:
             return _triton().attend(self, q, keys, values)
         # Each segment's keys as one run of slots of a [2, Hkv, S * L, D] buffer.
+        keys, values, powers = prepare_keys_values(keys, values, torch.float64)
         kv = torch.stack((keys, values)).transpose(1, 2).reshape(2, num_kv_heads, num_segments * length, head_dim)
+        powers = powers.transpose(0, 1).reshape(num_kv_heads, num_segments * length)
         slots = torch.arange(num_segments * length, device=keys.device).view(num_segments, length)
         with torch.no_grad():
-            return self._attend_torch(q, kv, slots)
+            return self._attend_torch(q, kv, slots, powers)
 
-    def paged(self, q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
-        """``attend`` with keys in slots: ``kv [2, Hkv, R, D]`` holds K and V of ``R`` slots (the
-        CPU path reads it most cheaply when contiguous), ``key_slots [S, L]`` the slot of
-        segment ``s``'s key at position ``p`` (only entries up to each segment's last query
-        position are read; the others must be valid slots all the same)."""
+    def paged(self, q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor,
+              value_powers: torch.Tensor | None = None) -> torch.Tensor:
+        """``attend`` with keys in slots: ``kv [2, Hkv, R, D]`` holds K and V of ``R`` slots as
+        ``prepare_keys_values`` returns them (the CPU path reads it most cheaply when
+        contiguous), ``key_slots [S, L]`` the slot of segment ``s``'s key at position ``p`` (only
+        entries up to each segment's last query position are read; the others must be valid
+        slots all the same). ``value_powers [Hkv, R]``: the value rows' powers that
+        ``prepare_keys_values`` returned (CPU; without them each read finds them again)."""
         if kv.dim() != 4 or kv.shape[0] != 2 or key_slots.dim() != 2:
             raise ValueError(f"attend: need kv [2, Hkv, R, D] and key_slots [S, L], got kv {tuple(kv.shape)}, "
                              f"key_slots {tuple(key_slots.shape)}")
@@ -125,7 +154,7 @@ class AttentionPlan:
             gathered = kv[:, :, key_slots].transpose(1, 2)  # [2, S, Hkv, L, D]
             return _triton().attend(self, q, gathered[0], gathered[1])
         with torch.no_grad():
-            return self._attend_torch(q, kv, key_slots)
+            return self._attend_torch(q, kv, key_slots, value_powers)
 
     def _check(self, q: torch.Tensor, num_kv_heads: int, head_dim: int, num_segments: int, length: int,
                keys: str) -> None:
@@ -138,14 +167,16 @@ class AttentionPlan:
             raise ValueError(f"attend: {keys} do not reach query position {self.max_position} "
                              f"of segment {self.max_segment}")
 
-    def _attend_torch(self, q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
+    def _attend_torch(self, q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor,
+                      value_powers: torch.Tensor | None) -> torch.Tensor:
         n, num_heads, head_dim = q.shape
         num_kv_heads = kv.shape[1]
         group = num_heads // num_kv_heads
         reads = self._torch_reads(key_slots, num_kv_heads, group, kv.shape[2])
         nt = self.num_tiles
-        # Each query and key row is rounded for exact_matmul: queries once here, keys as read.
-        q_all = rounded_rows(q.float() / math.sqrt(head_dim)).view(n * num_kv_heads, group, head_dim)
+        # exact_matmul's products: the queries rounded here, the keys when they were prepared.
+        q_all = bi.rounded_rows(q.float() / math.sqrt(head_dim), bi.fixed_point_bits(head_dim))
+        q_all = q_all.view(n * num_kv_heads, group, head_dim)
         kv_all = kv.reshape(-1, head_dim)
         # The online softmax over each tile's blocks, in order, a chunk of blocks at a time. The
         # running max, sum and output of every tile carry from chunk to chunk; the tiles that read
@@ -154,10 +185,12 @@ class AttentionPlan:
         for chunk in reads.chunks():
             rows = chunk.num_rows
             q_rows = q_all.index_select(0, chunk.q_index).view(rows, num_kv_heads, -1, head_dim)
-            keys, values = kv_all.index_select(0, chunk.kv_index).view(2, rows, num_kv_heads, KEY_BLOCK, head_dim)
-            # [rows, Hkv, slot * group, KB]: exact_matmul with the queries already rounded.
-            scores = torch.matmul(q_rows, rounded_rows(keys).mT)
-            scores = scores.float().add_(chunk.hidden)
+            # K and V of the chunk's rows in fp64 for the exact products: a fresh copy, which the
+            # weighted sum may overwrite (as it may the fp64 products, once they are scores).
+            kv_rows = kv_all.index_select(0, chunk.kv_index).double()
+            keys, values = kv_rows.view(2, rows, num_kv_heads, KEY_BLOCK, head_dim)
+            products = torch.matmul(q_rows, keys.mT)  # [rows, Hkv, slot * group, KB]
+            scores = products.float().add_(chunk.hidden)
             # The running max first (exact, so it can be folded before the rest), then weights
             # and sums of the chunk's blocks at once, then each block's sum and output folded in.
             running_max = scores.amax(-1)
@@ -174,8 +207,13 @@ class AttentionPlan:
             # exp takes a slow path (~10x here) for -inf and for results below fp32's normal range:
             # exponents are clamped at -80 (a weight below exp(-80) ~ 2e-35, next to the row's
             # largest, 1, becomes exp(-80)) and the hidden keys' weights zeroed by a multiply.
-            weights = (scores - running_max[..., None]).clamp_(min=-80.0).exp_().mul_(chunk.visible)
-            sums, outs = weights.sum(-1), exact_weighted_sum(weights, values)
+            weights = scores.sub_(running_max[..., None]).clamp_(min=-80.0).exp_().mul_(chunk.visible)
+            sums = weights.sum(-1)
+            powers = None
+            if value_powers is not None:
+                powers = value_powers.reshape(-1).index_select(0, chunk.power_index).view(values.shape[:-1])
+            outs = bi.weighted_sum_of_rounded(weights, values, VALUE_BITS, value_powers=powers,
+                                              nonnegative_weights=True, overwrite_values=True, scaled_out=products)
             for (start, count), previous in zip(chunk.blocks, before):
                 if previous is None:
                     tile_sum, tile_out = sums[start:start + count].clone(), outs[start:start + count].clone()
@@ -278,7 +316,8 @@ class _TorchReads:
         hidden = self.hidden[lo:hi, None, :, None, :].expand(-1, num_kv_heads, -1, group, -1)
         hidden = hidden.reshape(hi - lo, num_kv_heads, -1, KEY_BLOCK)
         blocks = [(start - lo, count) for start, count in self.blocks[first_block:end_block]]
-        return _Chunk(hi - lo, blocks, q_index, kv_index,
+        power_index = kv_index.view(2, -1)[1] - num_kv_heads * num_slots  # V's rows in [Hkv * R]
+        return _Chunk(hi - lo, blocks, q_index, kv_index, power_index,
                       torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf")),
                       (~hidden).float())
 
@@ -288,13 +327,15 @@ class _Chunk:
     """Rows of consecutive key blocks of a ``_TorchReads``, ready to gather and mask: ``blocks``
     (first row in the chunk, rows) per block; ``q_index`` the rows of ``q [N * Hkv, group, D]``
     for ``[row, kv head, slot]``; ``kv_index`` the rows of ``kv [2 * Hkv * R, D]`` for ``[2, row,
-    kv head, KEY_BLOCK]``; ``hidden`` -inf for the keys each query must not see, else 0, ``[row,
-    Hkv, slot * group, KEY_BLOCK]``, and ``visible`` 0 there, else 1."""
+    kv head, KEY_BLOCK]`` and ``power_index`` those of the value powers ``[Hkv * R]`` for its
+    values; ``hidden`` -inf for the keys each query must not see, else 0, ``[row, Hkv,
+    slot * group, KEY_BLOCK]``, and ``visible`` 0 there, else 1."""
 
     num_rows: int
     blocks: list[tuple[int, int]]
     q_index: torch.Tensor
     kv_index: torch.Tensor
+    power_index: torch.Tensor
     hidden: torch.Tensor
     visible: torch.Tensor
 
@@ -337,8 +378,9 @@ class BatchInvariantAttention:
         return OnPolicyAttentionFunction.apply(q, k, v, self)
 
     def forward_values(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v, powers = prepare_keys_values(k, v, torch.float64)  # fp64: what the exact products read
         kv = torch.stack((k.transpose(0, 1), v.transpose(0, 1)))  # [2, Hkv, T, D], contiguous
-        return self.plan.paged(q, kv, self.key_slots)
+        return self.plan.paged(q, kv, self.key_slots, None if powers is None else powers.t().contiguous())
 
 
 class OnPolicyAttentionFunction(torch.autograd.Function):

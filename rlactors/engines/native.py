@@ -45,7 +45,8 @@ class NativeEngine(Engine):
         num_blocks = blocks_for(config.kv_cache_tokens, config.block_size)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.cache = PagedKVCache(args.num_hidden_layers, num_blocks, config.block_size, args.num_key_value_heads,
-                                  args.head_dim, param.dtype, self.device)
+                                  args.head_dim, param.dtype, self.device,
+                                  value_powers=true_on_policy and self.device.type == "cpu")
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_tokens)
         self.sequences: dict[str, SeqState] = {}
         self.aborted: list[Completion] = []

@@ -59,34 +59,50 @@ def fixed_point_bits(reduced: int) -> int:
     return (_EXACT_BITS - max(reduced - 1, 0).bit_length()) // 2
 
 
-def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
-    """``2.0 ** exponent`` in fp64, exactly, built from its bits (int64 ``exponent`` in [-1022, 1023])."""
-    return ((exponent + 1023) << 52).view(torch.float64)
+# An fp64 with its mantissa bits cleared is the largest power of two <= it (for a normal number).
+_EXPONENT_FIELD = 0x7FF0000000000000
+# A row whose largest magnitude is below this is rounded as if it were this: every scale stays a
+# normal fp64, and no fp32, bf16 or fp16 value is that small, so their rows never take this path.
+_SMALLEST_LEADING_POWER = 2.0**-200
 
 
-def _rounding_shift(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(c, e)`` per row of ``x`` (last dim): ``2**e`` is the least power of two above the row's
-    largest magnitude and ``c = 1.5 * 2**(e - bits + 52)`` (fp64), whose last mantissa bit is
-    ``2**(e - bits)``."""
-    # amax and amin: torch's aminmax is several times slower here.
-    largest = torch.maximum(x.amax(-1, keepdim=True), x.amin(-1, keepdim=True).neg_())
-    _, exponent = torch.frexp(largest)
-    exponent = exponent.long()
-    return _power_of_two(exponent + (52 - bits)).mul_(1.5), exponent
+def _leading_power(x: torch.Tensor, nonnegative: bool = False) -> torch.Tensor:
+    """fp64 ``[..., 1]``: per row of ``x`` (last dim), the largest power of two <= its largest
+    magnitude, or ``2**-200`` when that is smaller (a zero row). ``nonnegative``: ``x`` has no
+    negative entries, so its largest entry is its largest magnitude."""
+    largest = x.amax(-1, keepdim=True)
+    if not nonnegative:  # amax and amin: no |x| temporary; torch's aminmax is several times slower here
+        largest = torch.maximum(largest, x.amin(-1, keepdim=True).neg_())
+    largest = largest.double().clamp_(min=_SMALLEST_LEADING_POWER)
+    return (largest.view(torch.int64) & _EXPONENT_FIELD).view(torch.float64)
+
+
+def _round_at(x: torch.Tensor, leading_power: torch.Tensor, bits: int, overwrite: bool = False) -> torch.Tensor:
+    """``x`` in fp64 with each row rounded to a multiple of ``2 * leading_power * 2**-bits``.
+
+    ``(x + c) - c`` with ``c = 1.5 * 2**52`` times that unit: ``c``'s last mantissa bit is the
+    unit, and ``x + c`` stays in ``c``'s binade (``|x| < 2 * leading_power``), so the one IEEE
+    addition rounds ``x`` at the unit (to nearest, ties to even) and the subtraction is exact.
+    ``overwrite``: an fp64 ``x`` is rounded in place."""
+    shift = leading_power * (1.5 * 2.0 ** (53 - bits))
+    # Converted first, then in place: torch.add(fp32, fp64) converts into a temporary of its own.
+    rounded = x if overwrite and x.dtype == torch.float64 else x.to(torch.float64, copy=True)
+    return rounded.add_(shift).sub_(shift)
 
 
 def rounded_rows(x: torch.Tensor, bits: int | None = None) -> torch.Tensor:
     """``x`` in fp64 with each row (last dim) rounded to a multiple of ``2**(e - bits)``, where
-    ``2**e`` is the least power of two above the row's largest magnitude; ``bits`` defaults to
-    the most that keeps a dot product of two such rows exact (``fixed_point_bits``).
+    ``2**e`` is the least power of two above the row's largest magnitude (at least ``2**-199``);
+    ``bits`` defaults to the most that keeps a dot product of two such rows exact
+    (``fixed_point_bits``).
 
-    The rounding is ``(x + c) - c`` with ``c`` from ``_rounding_shift``: one IEEE addition in fp64
-    rounds ``x`` at that bit (to nearest, ties to even) and the subtraction is exact. So a
-    rounded row is an integer times ``2**(e - bits)``, at most ``2**bits`` in magnitude, and it
-    depends on that row's values alone.
+    So a rounded row is an integer times ``2**(e - bits)``, at most ``2**bits`` in magnitude, and
+    it depends on that row's values alone (rounded to nearest, ties to even). Cast back to ``x``'s
+    dtype it is exact (a multiple of a power of two no finer than the entry's own last bit, or the
+    entry itself), unless a row within one ulp of the dtype's largest finite value rounds up.
     """
-    shift, _ = _rounding_shift(x, bits or fixed_point_bits(x.shape[-1]))
-    return torch.add(x, shift).sub_(shift)  # x + shift is computed in fp64 (type promotion)
+    bits = bits or fixed_point_bits(x.shape[-1])
+    return _round_at(x, _leading_power(x), bits)
 
 
 def exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -104,23 +120,54 @@ def exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(rounded_rows(a), rounded_rows(b).mT).float()
 
 
+def weighted_sum_bits(reduced: int) -> int:
+    """Bits to which ``exact_weighted_sum`` rounds the rows of its values and of its scaled
+    weights, for ``reduced`` values: ``fixed_point_bits(2 * reduced)``, one bit short of
+    ``fixed_point_bits(reduced)`` at most, for the value integers may reach ``2**(bits + 1)``."""
+    return fixed_point_bits(2 * reduced)
+
+
 def exact_weighted_sum(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """fp32 ``weights @ values`` (``weights [..., M, K]``, ``values [..., K, N]``), exact as in
-    ``exact_matmul``, with each row of ``values`` rounded on its own.
+    ``exact_matmul``, with each row of ``values`` rounded on its own (``rounded_rows`` at
+    ``weighted_sum_bits(K)``): ``weighted_sum_of_rounded`` of those rows."""
+    bits = weighted_sum_bits(values.shape[-2])
+    return weighted_sum_of_rounded(weights, rounded_rows(values, bits), bits)
+
+
+def row_powers(x: torch.Tensor) -> torch.Tensor:
+    """fp64 ``x.shape[:-1]``: per row of ``x``, the largest power of two <= its largest magnitude
+    (at least ``2**-200``): for a row of values ``rounded_rows`` made, the power of two that
+    ``weighted_sum_of_rounded`` reads back from it, for a caller that keeps it with the row."""
+    return _leading_power(x)[..., 0]
+
+
+def weighted_sum_of_rounded(weights: torch.Tensor, values: torch.Tensor, bits: int, *,
+                            value_powers: torch.Tensor | None = None, nonnegative_weights: bool = False,
+                            overwrite_values: bool = False, scaled_out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``weights @ values``, summed exactly, for ``values`` whose rows ``rounded_rows(., bits)``
+    made (in any dtype that holds them exactly) with ``bits = weighted_sum_bits(K)``.
 
     Rounding the columns of ``values`` would tie a value's rounding to every other row of
-    ``values``. Here row ``k`` of ``values`` becomes integers times its own ``2**s_k``; that
-    power of two moves, exactly, into column ``k`` of ``weights``, whose rows are rounded next.
-    A zero weight stays an exact zero, so a row of ``values`` that the weights ignore (a hidden
-    key) changes no result, whatever it holds, as long as it is finite.
+    ``values``. Here row ``k`` is an integer (at most ``2**(bits + 1)``: a rounded row's largest
+    entry may have reached the next power of two) times ``2**s_k``, where ``2**(s_k + bits)`` is
+    the largest power of two <= the row's largest magnitude, read back from the rounded row
+    itself (``row_powers``; ``value_powers [..., K]`` when the caller kept them); that power of
+    two moves, exactly, into column ``k`` of ``weights``, whose rows are then rounded to
+    ``bits``, and the fp64 sums of integers are exact in any order. A zero weight stays an exact
+    zero, so a row of ``values`` that the weights ignore (a hidden key) changes no result,
+    whatever it holds, as long as it is finite.
+
+    Passes and temporaries the caller can spare: ``nonnegative_weights`` (softmax weights) skips
+    the weights' minimum; ``overwrite_values`` turns fp64 ``values`` into their integers in
+    place; ``scaled_out`` (fp64, ``weights``' shape) receives the scaled weights.
     """
-    bits = fixed_point_bits(values.shape[-2])
-    _, exponent = _rounding_shift(values, bits)
-    integer_shift = torch.full((), 1.5 * 2.0**52, dtype=torch.float64, device=values.device)
-    value_ints = torch.mul(values, _power_of_two(bits - exponent)).add_(integer_shift).sub_(integer_shift)
-    scaled = torch.mul(weights, _power_of_two(exponent - bits).mT)  # exact, in fp64
-    shift, _ = _rounding_shift(scaled, bits)
-    return torch.matmul(scaled.add_(shift).sub_(shift), value_ints).float()
+    power = _leading_power(values) if value_powers is None else value_powers[..., None]  # [..., K, 1]
+    value_ints = values if overwrite_values and values.dtype == torch.float64 else values.to(torch.float64, copy=True)
+    value_ints.mul_(power.reciprocal().mul_(2.0**bits))  # exact
+    scaled = torch.mul(weights, (power * 2.0**-bits).mT, out=scaled_out)  # exact, in fp64
+    rounded = _round_at(scaled, _leading_power(scaled, nonnegative_weights), bits, overwrite=True)
+    return torch.matmul(rounded, value_ints).float()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -211,23 +258,66 @@ def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
     """``[m(x) for m in linears]``, bit for bit: several projections of one input (q/k/v,
     gate/up).
 
-    For an inference engine's frozen CPU linears in batch-invariant mode, ``x`` is rounded once
-    and multiplied once by their rounded weights stacked (kept until a weight's version moves):
-    ``exact_matmul``'s sums give each output element the bits it has when computed alone.
+    For CPU linears in batch-invariant mode, ``x`` is rounded once and multiplied once by their
+    rounded weights stacked: ``exact_matmul``'s sums give each output element the bits it has
+    when computed alone. An inference engine's frozen linears keep the stacked rounded weights
+    until a weight's version moves; otherwise (a trainer) they are rounded at each call, and
+    backward uses the default matmuls, as ``linear``'s does.
     """
     first = linears[0]
-    if x.is_cuda or torch.is_grad_enabled() or not all(m.batch_invariant and m.weights_frozen for m in linears):
+    if x.is_cuda or not all(m.batch_invariant for m in linears):
         return [m(x) for m in linears]
-    key = tuple((m.weight, m.weight._version) for m in linears)
-    if first._stacked is None or any(a is not b or u != v for (a, u), (b, v) in zip(first._stacked[0], key)):
-        first._stacked = (key, torch.cat([rounded_rows(m.weight) for m in linears]))
+    weights = [m.weight for m in linears]
+    if any(w.shape[1] != x.shape[-1] or w.dtype != x.dtype for w in weights):
+        raise ValueError(f"project: x {tuple(x.shape)} {x.dtype} does not match the weights "
+                         f"{[tuple(w.shape) for w in weights]} {weights[0].dtype}")
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.matmul(rounded_rows(rows), first._stacked[1].mT).to(x.dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        parts = _Project.apply(rows, *weights)
+    else:
+        stacked = None
+        if all(m.weights_frozen for m in linears):
+            key = tuple((w, w._version) for w in weights)
+            if first._stacked is None or any(a is not b or u != v for (a, u), (b, v) in zip(first._stacked[0], key)):
+                first._stacked = (key, rounded_rows(torch.cat(weights)))
+            stacked = first._stacked[1]
+        parts = _project_values(rows, weights, stacked)
     outputs = []
-    for m, part in zip(linears, out.split([m.weight.shape[0] for m in linears], dim=-1)):
-        part = part.contiguous().view(*x.shape[:-1], -1)
+    for m, part in zip(linears, parts):
+        part = part.view(*x.shape[:-1], -1)
         outputs.append(part if m.bias is None else part + m.bias)
     return outputs
+
+
+def _project_values(rows: torch.Tensor, weights: Sequence[torch.Tensor],
+                    rounded_stacked: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``rows @ w.T`` for each of ``weights``, exact (``exact_matmul``) in one product, each
+    contiguous; ``rounded_stacked`` is ``rounded_rows(torch.cat(weights))`` when the caller keeps
+    it (a row of the stack is rounded on its own, so that is each weight's rounding)."""
+    if rounded_stacked is None:
+        rounded_stacked = rounded_rows(torch.cat(weights))
+    out = torch.matmul(rounded_rows(rows), rounded_stacked.mT).to(rows.dtype)
+    return [part.contiguous() for part in out.split([w.shape[0] for w in weights], dim=-1)]
+
+
+class _Project(torch.autograd.Function):
+    """``_project_values`` forward, default matmuls in backward (the gradients of separate
+    linears of one input)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(rows, *weights)
+        return tuple(_project_values(rows, weights))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        rows, *weights = ctx.saved_tensors
+        grad_rows = None
+        if ctx.needs_input_grad[0]:
+            for grad, weight in zip(grads, weights):
+                grad_rows = grad @ weight if grad_rows is None else grad_rows.addmm_(grad, weight)
+        grad_weights = (grad.t() @ rows if needed else None for grad, needed in zip(grads, ctx.needs_input_grad[1:]))
+        return (grad_rows, *grad_weights)
 
 
 # ------------------------------------------------------------------------------------------------

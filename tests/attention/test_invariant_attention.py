@@ -97,14 +97,15 @@ def test_paged_attend_same_bits_as_whole_keys_in_any_query_order():
     """plan.paged (keys read in place from slots of a shared buffer: the engine's and the
     trainer's CPU path) == plan(q, keys, values), for decodes in the engine's order (the CPU
     path then skips its output gather), the same decodes reversed, and a step with
-    prefill chunks; slots no query may read hold NaN."""
+    prefill chunks, with or without the value powers kept; slots no query may read hold NaN."""
     hq, hkv, d, length = 4, 2, 32, 200
     lengths = [30, 64, 65, 130, 199, 7]
     keys, values = torch.randn(len(lengths), hkv, length, d), torch.randn(len(lengths), hkv, length, d)
-    kv = torch.full((2, hkv, 1600, d), float("nan"))
+    kv, powers = torch.full((2, hkv, 1600, d), float("nan")), torch.full((hkv, 1600), float("nan"), dtype=torch.float64)
     key_slots = torch.randperm(1600)[:len(lengths) * length].view(len(lengths), length)
     for s, n in enumerate(lengths):  # segment s's keys 0 .. n-1 in its slots; the rest stay NaN
-        kv[0, :, key_slots[s, :n]], kv[1, :, key_slots[s, :n]] = keys[s, :, :n], values[s, :, :n]
+        slots = key_slots[s, :n]
+        kv[0, :, slots], kv[1, :, slots], powers[:, slots] = attn.prepare_keys_values(keys[s, :, :n], values[s, :, :n])
 
     decodes = (torch.tensor([n - 1 for n in lengths]), torch.arange(len(lengths)))
     order = torch.argsort(decodes[0])  # by length, as the engine packs decodes
@@ -118,6 +119,7 @@ def test_paged_attend_same_bits_as_whole_keys_in_any_query_order():
         paged = plan.paged(q, kv, key_slots)
         assert (plan._reads.out_index is None) == (name == "decodes in order")
         assert torch.equal(paged, attn.AttentionPlan(positions, segments)(q, keys, values)), name
+        assert torch.equal(plan.paged(q, kv, key_slots, powers), paged), name  # the kept value powers
 
 
 def test_packed_attention_same_bits_as_attend_over_padded_documents():
@@ -181,6 +183,18 @@ def test_packed_attention_same_bits_however_documents_are_packed():
     idx = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in order])
     repacked = attn.BatchInvariantAttention.from_positions(positions[idx])(0, q[idx], k[idx], v[idx])
     assert torch.equal(repacked, packed[idx])
+
+
+def test_cpu_tile_size_changes_no_bit(monkeypatch):
+    """CPU_QUERY_TILE is a speed knob: tiles of any size give every query the same bits."""
+    positions, q, k, v = packed_documents([40, 7, 90, 1, 33, 150])
+    outputs = []
+    for tile in (1, 5, 16, 32, 64):
+        monkeypatch.setattr(attn, "CPU_QUERY_TILE", tile)
+        attention = attn.BatchInvariantAttention.from_positions(positions)
+        assert attention.plan.tile_size == tile
+        outputs.append(attention.forward_values(q, k, v))
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
 
 
 def test_packed_attention_gradients_are_the_default_ones():

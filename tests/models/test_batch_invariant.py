@@ -82,6 +82,43 @@ def test_exact_weighted_sum_ignores_what_zero_weights_point_at():
     assert rows_equal_in_every_batch(lambda w: bi.exact_weighted_sum(w, values), torch.rand(200, 64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rounded_rows_cast_back_to_their_dtype_exactly(dtype):
+    """What attention's KV cache relies on: rows rounded once, stored in the model's dtype, hold
+    the very values that were rounded (tiny and huge rows, and zero rows, included)."""
+    x = (torch.randn(64, 32) * torch.logspace(-6, 4, 64)[:, None]).to(dtype)
+    x[3] = 0
+    for bits in (8, 20, 23, 24):
+        rounded = bi.rounded_rows(x, bits)
+        assert torch.equal(rounded.to(dtype).double(), rounded)
+
+
+def test_weighted_sum_of_rounded_values_is_exact_when_a_row_reaches_the_next_power_of_two():
+    """The scale of a value row is read back from the rounded row: a row whose largest entry
+    rounded up to a power of two has integers up to 2**bits on it, the others up to 2**(bits + 1).
+    The sum must be the exact one (an int64 reference, rounded once to fp32), with weights and
+    integers near their bounds."""
+    bits = bi.weighted_sum_bits(64)
+    assert 64 * 2**bits * 2 ** (bits + 1) <= 2**53
+    values = torch.rand(64, 32) * 0.5 + 0.5
+    values[:32, 0] = 1 - 2.0**-24  # rounds to 1.0 at 23 bits (a tie, to even)
+    values[32:, 0] = 1 - 2.0**-20  # stays below 1.0
+    values[::2] *= 2.0**10  # rows on different scales
+    rounded = bi.rounded_rows(values, bits)
+    weights = torch.rand(5, 64) * 0.01 + 0.99
+    out = bi.weighted_sum_of_rounded(weights, rounded.float(), bits)
+
+    powers = torch.tensor([2.0 ** (math.frexp(float(row.abs().max()))[1] - 1) for row in rounded]).double()[:, None]
+    value_ints = rounded * 2.0**bits / powers
+    assert torch.equal(value_ints, value_ints.round()) and 2**bits < value_ints.abs().max() <= 2 ** (bits + 1)
+    assert bool((rounded[:32, 0] == powers[:32, 0]).all())  # these rows reached a power of two
+    scaled = weights.double() * (powers.T * 2.0**-bits)
+    weight_ints, weight_exponents = integer_rows(scaled, bits)
+    exact = (weight_ints @ value_ints.long()).double()  # int64, exact
+    assert torch.equal(out, (exact * torch.pow(2.0, (weight_exponents - bits).double())).float())
+    torch.testing.assert_close(out, weights @ values)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k, n", [(128, 384), (256, 1024), (1024, 256), (3072, 512)])
 def test_linear_rows_are_batch_invariant(dtype, k, n):
@@ -108,6 +145,36 @@ def test_project_stacks_frozen_linears_with_the_bits_of_each_alone():
         layers[1].weight.copy_(torch.randn(16, 64))  # a weight load
     with torch.inference_mode():
         assert torch.equal(bi.project(x, layers)[1], bi.linear(x, layers[1].weight, layers[1].bias))
+
+
+def test_project_in_training_has_the_bits_of_each_linear_and_the_default_gradients():
+    """A trainer's q/k/v in one product: forward the bits of each linear alone, backward the
+    gradients of separate default linears (x's summed over the three)."""
+    layers = [bi.Linear(64, n, bias=bias) for n, bias in ((48, True), (16, True), (32, False))]
+    for layer in layers:
+        layer.batch_invariant = True
+    x = torch.randn(7, 3, 64, requires_grad=True)
+    fused = bi.project(x, layers)
+    with torch.no_grad():
+        assert all(torch.equal(bi.linear(x, m.weight, m.bias), f) for m, f in zip(layers, fused))
+    upstream = [torch.randn_like(f) for f in fused]
+    torch.autograd.backward(fused, upstream)
+    mine = [x.grad] + [m.weight.grad for m in layers] + [m.bias.grad for m in layers[:2]]
+    x.grad = None
+    for m in layers:
+        m.zero_grad()
+    torch.autograd.backward([F.linear(x, m.weight, m.bias) for m in layers], upstream)
+    reference = [x.grad] + [m.weight.grad for m in layers] + [m.bias.grad for m in layers[:2]]
+    for a, b in zip(mine, reference):
+        torch.testing.assert_close(a, b)
+
+
+def test_project_rejects_an_input_that_does_not_match_the_weights():
+    layers = [bi.Linear(64, 16), bi.Linear(64, 8)]
+    for layer in layers:
+        layer.batch_invariant = True
+    with pytest.raises(ValueError, match="project: x"):
+        bi.project(torch.randn(3, 32), layers)
 
 
 def test_frozen_weights_are_rounded_once_per_version():

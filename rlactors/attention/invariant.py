@@ -396,13 +396,10 @@ class OnPolicyAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
-        with torch.enable_grad():
-            q, k, v = (t.detach().requires_grad_(needed) for t, needed in zip((q, k, v), ctx.needs_input_grad))
-            out = ctx.attention.reference(0, q, k, v)
-            wanted = [t for t in (q, k, v) if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad))
-        return tuple(next(grads) if needed else None for needed in ctx.needs_input_grad[:3]) + (None,)
+        def default(q, k, v):
+            return ctx.attention.reference(0, q, k, v)
+
+        return bi.default_gradients(default, ctx.saved_tensors, ctx.needs_input_grad, grad) + (None,)
 
 
 @functools.cache

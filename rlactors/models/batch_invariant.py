@@ -355,13 +355,21 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            x, weight = (t.detach().requires_grad_(needed) for t, needed in zip((x, weight), ctx.needs_input_grad))
-            out = torch_rms_norm(x, weight, ctx.eps)
-            wanted = [t for t in (x, weight) if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad))
-        return tuple(next(grads) if needed else None for needed in ctx.needs_input_grad[:2]) + (None,)
+        def default(x, weight):
+            return torch_rms_norm(x, weight, ctx.eps)
+
+        return default_gradients(default, ctx.saved_tensors, ctx.needs_input_grad, grad) + (None,)
+
+
+def default_gradients(op, inputs: Sequence[torch.Tensor], needs_input_grad: Sequence[bool],
+                      grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The backward of a kernel whose forward values come from elsewhere: the gradients of the
+    default ``op(*inputs)`` at the same inputs, for those that need one (None for the others)."""
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_(needed) for t, needed in zip(inputs, needs_input_grad)]
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(op(*inputs), wanted, grad))
+    return tuple(next(grads) if t.requires_grad else None for t in inputs)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -5,11 +5,9 @@ vLLM. Skipped without CUDA and vLLM."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 
-import pytest
-import torch
+from support.vllm_checks import NEEDS_VLLM_GPU
 
 from rlactors.config import load_config
 from rlactors.controller import Controller
@@ -17,11 +15,7 @@ from rlactors.evaluate import main as evaluate_main
 from rlactors.metrics import EVAL_REWARD_MEAN, read_metrics
 from rlactors.models.tiny import make_tiny_checkpoint
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
-]
+pytestmark = NEEDS_VLLM_GPU
 
 
 def test_async_colocated_vllm_run_evaluates_on_schedule_and_the_command_scores_its_run_dir(tmp_path):

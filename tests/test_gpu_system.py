@@ -5,21 +5,17 @@ vLLM generators. Skipped without CUDA and vLLM; tests needing 2+ GPUs skip on fe
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 
 import pytest
 import torch
+from support.vllm_checks import NEEDS_VLLM_GPU
 
 from rlactors.config import load_config
 from rlactors.controller import Controller
 from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.types import SamplingParams
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
-]
+pytestmark = NEEDS_VLLM_GPU
 
 
 def gpus(n):

@@ -4,23 +4,18 @@ input, and a Router -> Generator(vLLM) replica in Monarch procs. Skipped without
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 
 import pytest
 import torch
-from support.vllm_checks import LOGPROB_ATOL, max_logprob_error, prompts, run
+from support.vllm_checks import LOGPROB_ATOL, NEEDS_VLLM_GPU, max_logprob_error, prompts, run
 
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.models.checkpoint import from_pretrained
 from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.types import SamplingParams
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
-]
+pytestmark = NEEDS_VLLM_GPU
 
 CONFIG = GeneratorConfig(engine="vllm", replicas=1, max_num_seqs=64, max_num_tokens=2048, max_model_len=512,
                          gpu_memory_utilization=0.3)

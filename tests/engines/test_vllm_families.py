@@ -7,12 +7,11 @@ logprobs of our model with those weights. Skipped without CUDA and vLLM."""
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
 import torch
-from support.vllm_checks import LOGPROB_ATOL, max_logprob_error, prompts, run
+from support.vllm_checks import LOGPROB_ATOL, NEEDS_VLLM_GPU, max_logprob_error, prompts, run
 
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.models.checkpoint import from_pretrained, load_state_dict
@@ -20,11 +19,7 @@ from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.types import SamplingParams
 from rlactors.weight_sync.packed import PackedLayout
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
-]
+pytestmark = NEEDS_VLLM_GPU
 
 CONFIG = GeneratorConfig(engine="vllm", replicas=1, max_num_seqs=32, max_num_tokens=2048, max_model_len=512,
                          gpu_memory_utilization=0.3)

@@ -11,7 +11,6 @@ sequences, 8192 tokens a step). Needs CUDA and vLLM.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import pytest
 import torch
 from support.trainer_inputs import one_rank_process_group
 from support.true_on_policy import trainer_and_generator_logprobs
-from support.vllm_checks import attention_of_last_queries
+from support.vllm_checks import NEEDS_VLLM_GPU, attention_of_last_queries
 
 from rlactors.config import ModelConfig, TrainerConfig
 from rlactors.engines.vllm_model import PagedFlashAttention
@@ -30,11 +29,7 @@ from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.rollout.types import Episode, RolloutStatus
 from rlactors.trainer.core import PolicyTrainerCore
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
-]
+pytestmark = NEEDS_VLLM_GPU
 
 SCENARIOS = Path(__file__).resolve().parents[1] / "support" / "vllm_scenarios.py"
 DEMO_CHECKPOINT = Path(__file__).resolve().parents[2] / "examples" / "alphabet_sort" / "warm_checkpoint_gpu"

@@ -1,10 +1,20 @@
-"""What the vLLM engine tests share: random prompts, running requests to the end, the worst
-difference between vLLM's logprobs and our fp32 model's, and the trainer's paged attention queried
-as a vLLM step queries it."""
+"""What the vLLM engine tests share: their marks (a GPU and vLLM), random prompts, running
+requests to the end, the worst difference between vLLM's logprobs and our fp32 model's, and the
+trainer's paged attention queried as a vLLM step queries it."""
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
+
+# A module of tests that need a GPU and vLLM: `pytestmark = NEEDS_VLLM_GPU`.
+NEEDS_VLLM_GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
+]
 
 # bf16 generator against an fp32 reference of the same weights: logprobs agree to bf16 rounding.
 LOGPROB_ATOL = 0.1

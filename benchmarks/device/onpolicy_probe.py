@@ -24,10 +24,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from support.trainer_inputs import one_rank_process_group  # noqa: E402
 from support.true_on_policy import trainer_and_generator_logprobs  # noqa: E402
+from support.vllm_checks import scenario_episode  # noqa: E402
 
 from rlactors.config import BatcherConfig, ModelConfig, TrainerConfig  # noqa: E402
 from rlactors.rollout.batcher import Batcher  # noqa: E402
-from rlactors.rollout.types import Episode, RolloutStatus  # noqa: E402
+from rlactors.rollout.types import Episode  # noqa: E402
 from rlactors.trainer.core import PolicyTrainerCore  # noqa: E402
 
 SCENARIOS = ROOT / "tests" / "support" / "vllm_scenarios.py"
@@ -35,14 +36,6 @@ SCENARIOS = ROOT / "tests" / "support" / "vllm_scenarios.py"
 EAGER = ("import runpy, sys; from rlactors.engines import vllm_model as m; f = m.true_on_policy_engine_args; "
          "m.true_on_policy_engine_args = lambda: {**f(), 'enforce_eager': True, 'compilation_config': {'mode': 0}}; "
          "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-
-
-def episode(c: dict) -> Episode:
-    n, m = len(c["prompt"]), len(c["tokens"])
-    return Episode(token_ids=c["prompt"] + c["tokens"], loss_mask=[False] * n + [True] * m,
-                   generator_logprobs=[0.0] * n + c["logprobs"], advantages=[0.0] * n + [1.0] * m,
-                   versions=[0] * n + [0] * m, group_id="g", rollout_index=0, branch=0, reward=0.0,
-                   status=RolloutStatus.COMPLETED)
 
 
 def training_forward_logprobs(core: PolicyTrainerCore, episodes: list[Episode], row_tokens: int):
@@ -78,7 +71,7 @@ def main(ckpt: str, settings: list[str]) -> None:
             core = PolicyTrainerCore(ModelConfig(path=ckpt, dtype="bfloat16", true_on_policy=True),
                                      TrainerConfig(ranks=1), device, generator_engine="vllm")
             for name, completions in scenarios.items():
-                episodes = [episode(c) for c in completions.values()]
+                episodes = [scenario_episode(c) for c in completions.values()]
                 for row_tokens in (2048, 8192):
                     report(f"{name} rows {row_tokens}", *trainer_and_generator_logprobs(core, episodes, row_tokens))
                 report(f"{name} training forward", *training_forward_logprobs(core, episodes, 8192))

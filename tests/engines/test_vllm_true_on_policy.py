@@ -20,13 +20,12 @@ import pytest
 import torch
 from support.trainer_inputs import one_rank_process_group
 from support.true_on_policy import trainer_and_generator_logprobs
-from support.vllm_checks import NEEDS_VLLM_GPU, attention_of_last_queries
+from support.vllm_checks import NEEDS_VLLM_GPU, attention_of_last_queries, scenario_episode
 
 from rlactors.config import ModelConfig, TrainerConfig
 from rlactors.engines.vllm_model import PagedFlashAttention
 from rlactors.models.checkpoint import load_args, load_state_dict, save_pretrained
 from rlactors.models.tiny import make_tiny_checkpoint
-from rlactors.rollout.types import Episode, RolloutStatus
 from rlactors.trainer.core import PolicyTrainerCore
 
 pytestmark = NEEDS_VLLM_GPU
@@ -66,18 +65,11 @@ def scenarios(checkpoints, tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def episode(c: dict) -> Episode:
-    n, m = len(c["prompt"]), len(c["tokens"])
-    return Episode(token_ids=c["prompt"] + c["tokens"], loss_mask=[False] * n + [True] * m,
-                   generator_logprobs=[0.0] * n + c["logprobs"], advantages=[0.0] * n + [1.0] * m,
-                   versions=[-1] * n + c["versions"], group_id="g", rollout_index=0, branch=0, reward=0.0,
-                   status=RolloutStatus.COMPLETED)
-
-
 def assert_bitwise(core, completions: list[dict], name: str) -> None:
     expected = sum(len(c["tokens"]) for c in completions)
+    episodes = [scenario_episode(c) for c in completions]
     for row_tokens in (2048, 8192):  # the same tokens packed two ways
-        trainer, generator = trainer_and_generator_logprobs(core, [episode(c) for c in completions], row_tokens)
+        trainer, generator = trainer_and_generator_logprobs(core, episodes, row_tokens)
         assert trainer.numel() == expected, name
         mismatched = int((trainer != generator).sum())
         assert mismatched == 0, (f"{name}, rows of {row_tokens}: {mismatched} of {expected} logprobs differ, "

@@ -1,6 +1,6 @@
 """What the vLLM engine tests share: their marks (a GPU and vLLM), random prompts, running
-requests to the end, the worst difference between vLLM's logprobs and our fp32 model's, and the
-trainer's paged attention queried as a vLLM step queries it."""
+requests to the end, the worst difference between vLLM's logprobs and our fp32 model's, a scenario
+completion as an episode, and the trainer's paged attention queried as a vLLM step queries it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import importlib.util
 
 import pytest
 import torch
+
+from rlactors.rollout.types import Episode, RolloutStatus
 
 # A module of tests that need a GPU and vLLM: `pytestmark = NEEDS_VLLM_GPU`.
 NEEDS_VLLM_GPU = [
@@ -45,6 +47,16 @@ def max_logprob_error(model, completions) -> float:
             ref = model.token_logprobs(hidden[:-1], ids[1:])[len(c.prompt_token_ids) - 1:].cpu()
         worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
     return worst
+
+
+def scenario_episode(c: dict) -> Episode:
+    """A completion of tests/support/vllm_scenarios.py (prompt, tokens, logprobs, versions) as an
+    episode whose generated tokens are its loss tokens."""
+    n, m = len(c["prompt"]), len(c["tokens"])
+    return Episode(token_ids=c["prompt"] + c["tokens"], loss_mask=[False] * n + [True] * m,
+                   generator_logprobs=[0.0] * n + c["logprobs"], advantages=[0.0] * n + [1.0] * m,
+                   versions=[-1] * n + c["versions"], group_id="g", rollout_index=0, branch=0, reward=0.0,
+                   status=RolloutStatus.COMPLETED)
 
 
 def attention_of_last_queries(length: int, queries: int):

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from monarch.actor import ActorError, this_host
+from support.threads import one_thread  # noqa: F401 - this module's autouse fixture
 
 from rlactors.actors.router import GeneratorRouter, ReplicaPicker
 from rlactors.config import GeneratorConfig, ModelConfig
@@ -22,15 +23,6 @@ from rlactors.types import SamplingParams
 from rlactors.weight_sync.checksum import ChecksumMismatch, state_checksum
 
 VOCAB = 1024
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matrices: one intra-op thread is fastest, and it does not oversubscribe a 2-core box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def prompts(n: int, low: int = 1, high: int = 60, seed: int = 0) -> list[list[int]]:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from support.threads import one_thread  # noqa: F401 - this module's autouse fixture
 
 from rlactors.config import GeneratorConfig
 from rlactors.engines.kv_cache import BlockPool
@@ -17,15 +18,6 @@ from rlactors.models.checkpoint import from_pretrained
 from rlactors.types import SamplingParams
 
 VOCAB = 1024  # the tiny checkpoint's
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matrices: one intra-op thread is fastest, and it does not oversubscribe a 2-core box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -266,8 +266,8 @@ def gpu_benchmark(args) -> str:
         *([] if args.replicas == 1 else [
             "", f"{args.replicas} replicas sharing the one GPU ({config.gpu_memory_utilization:.2f} of its memory "
             f"each): the router over {args.replicas} Generator(vLLM) replicas against {args.replicas} `LLM` "
-            "processes side by side, each given every "
-            f"{args.replicas}th prompt, timed from a common start to the last one's end."]),
+            f"processes side by side, each given one prompt in {args.replicas}, timed from a common start to the "
+            "last one's end."]),
         "",
         "| run | vLLM `LLM.generate` tokens/s | GeneratorRouter -> Generator(vLLM) tokens/s | router / raw |",
         "|---|---|---|---|",

@@ -32,7 +32,10 @@
 #                                                #   (invariance_probe.py), router vs raw vLLM at 1.7B (3 runs)
 #   bash benchmarks/device/gpu_visit.sh serving_b  # nvidia-h200: router vs raw vLLM with 2 replicas on the GPU (0.6B)
 #   bash benchmarks/device/gpu_visit.sh serving_c  # nvidia-h200: the 1-GPU e2e (sync, async) now and before the
-#                                                #   serving-path change (the tree of 1760a73^ in .device/before)
+#                                                #   serving-path change: the tree of 1760a73^ in .device/before
+#                                                #   (git archive 1760a73^ | tar -x -C .device/before; add the demo's
+#                                                #   checkpoint and its config less [eval] as configs/alphabet_sort_1gpu_now.toml),
+#                                                #   carried with the call
 # Expects vLLM and Monarch importable (PYTHONPATH), as staged by ../shared/device/README.md.
 # Jobs confined by CUDA_VISIBLE_DEVICES run side by side on disjoint GPUs.
 set -u

@@ -28,8 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlactors.attention.invariant import OnPolicyAttentionFunction
-from rlactors.attention.varlen import VarlenAttention
+from rlactors.attention.varlen import cu_seqlens_from_positions
 from rlactors.models.args import ModelArgs
 from rlactors.models.decoder import DecoderForCausalLM
 
@@ -152,12 +151,11 @@ class PagedFlashAttention:
     vLLM replica computes it: each document's keys and values are written to pages of
     ``PAGE_SIZE`` in vLLM's cache layout (``[pages, kv heads, PAGE_SIZE, 2 * head_dim]``, keys then
     values in the last dim), and every query attends through vLLM's FlashAttention call with the
-    arguments its backend passes in batch-invariant mode. Backward differentiates the default
-    ``VarlenAttention`` at the same inputs.
+    arguments its backend passes in batch-invariant mode. Backward is FlashAttention's, from that
+    forward's output and logsumexp (``_PagedFlashAttentionFunction``).
     """
 
-    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, backend: str = "auto"):
-        self.reference = VarlenAttention(cu_seqlens, max_seqlen, backend)
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int):
         device = cu_seqlens.device
         self.cu_seqlens = cu_seqlens.to(torch.int32)
         self.lengths = self.cu_seqlens.diff()
@@ -179,16 +177,20 @@ class PagedFlashAttention:
         self.cu_seqlens_q, self.max_seqlen_q = self.cu_seqlens, max_seqlen
 
     @classmethod
-    def from_positions(cls, positions: torch.Tensor, backend: str = "auto") -> PagedFlashAttention:
-        from rlactors.attention.varlen import cu_seqlens_from_positions
-
+    def from_positions(cls, positions: torch.Tensor) -> PagedFlashAttention:
         cu_seqlens = cu_seqlens_from_positions(positions)
-        return cls(cu_seqlens, int(cu_seqlens.diff().max().item()), backend)
+        return cls(cu_seqlens, int(cu_seqlens.diff().max().item()))
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return OnPolicyAttentionFunction.apply(q, k, v, self)
+        return _PagedFlashAttentionFunction.apply(q, k, v, self)
 
     def forward_values(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``[T, Hq, D]``: what vLLM computes for these queries (no autograd)."""
+        return self.forward_values_and_lse(q, k, v)[0]
+
+    def forward_values_and_lse(self, q: torch.Tensor, k: torch.Tensor,
+                               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_values``, and the fp32 logsumexp of each query's scaled scores ``[Hq, T]``."""
         from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -199,10 +201,35 @@ class PagedFlashAttention:
         key_cache, value_cache = cache.transpose(1, 2).split(width, dim=-1)  # as vLLM's backend views it
         out = torch.empty_like(q)
         scale = torch.ones((), dtype=torch.float32, device=q.device).expand(self.lengths.numel(), num_kv_heads)
-        flash_attn_varlen_func(
+        _, lse = flash_attn_varlen_func(
             q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=self.cu_seqlens_q, max_seqlen_q=self.max_seqlen_q,
             seqused_k=self.lengths, max_seqlen_k=self.max_seqlen, softmax_scale=head_dim ** -0.5, causal=True,
             alibi_slopes=None, window_size=[-1, -1], block_table=self.block_table, softcap=0.0,
             scheduler_metadata=None, fa_version=get_flash_attn_version(head_size=width),
-            q_descale=scale, k_descale=scale, v_descale=scale, num_splits=1)
-        return out[..., :head_dim]
+            q_descale=scale, k_descale=scale, v_descale=scale, num_splits=1, return_softmax_lse=True)
+        return out[..., :head_dim], lse
+
+
+class _PagedFlashAttentionFunction(torch.autograd.Function):
+    """``PagedFlashAttention``'s values forward; backward is FlashAttention's (torch's kernel, as
+    the default trainer's attention runs it) from that forward's output and logsumexp, which give
+    the gradient of the default attention without running it again."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attention: PagedFlashAttention):
+        out, lse = attention.forward_values_and_lse(q, k, v)
+        out = out.contiguous()  # unpadded heads: FlashAttention's backward wants its own layout
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.attention = attention
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        attention = ctx.attention
+        grads = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, attention.cu_seqlens_q, attention.cu_seqlens,
+            attention.max_seqlen_q, attention.max_seqlen, 0.0, True,
+            torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device),
+            scale=q.shape[-1] ** -0.5)
+        return (*grads, None)

@@ -22,6 +22,7 @@ from support.trainer_inputs import one_rank_process_group
 from support.true_on_policy import trainer_and_generator_logprobs
 from support.vllm_checks import NEEDS_VLLM_GPU, attention_of_last_queries, scenario_episode
 
+from rlactors.attention.varlen import VarlenAttention
 from rlactors.config import ModelConfig, TrainerConfig
 from rlactors.engines.vllm_model import PagedFlashAttention
 from rlactors.models.checkpoint import load_args, load_state_dict, save_pretrained
@@ -65,6 +66,10 @@ def scenarios(checkpoints, tmp_path_factory):
     return json.loads(out.read_text())
 
 
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
 def assert_bitwise(core, completions: list[dict], name: str) -> None:
     expected = sum(len(c["tokens"]) for c in completions)
     episodes = [scenario_episode(c) for c in completions]
@@ -91,6 +96,28 @@ def test_a_token_attends_alike_in_a_decode_step_a_prefill_chunk_and_a_whole_pref
         assert torch.equal(decoded[0], whole[t]), t
     chunk = attention_of_last_queries(length, 100).forward_values(q[-100:], k, v)
     assert torch.equal(chunk, whole[-100:])
+
+
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_trainer_attention_gradients_are_the_attentions_gradients(head_dim):
+    """The trainer's attention backward (FlashAttention's, from vLLM's forward output and logsumexp)
+    is as close to fp32 attention's gradients as the default attention's are: bf16 rounding only."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    positions = torch.cat([torch.arange(n) for n in (300, 17, 700, 1)]).cuda()
+    q = torch.randn(positions.numel(), 8, head_dim, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(positions.numel(), 2, head_dim, device="cuda", generator=g).bfloat16() for _ in range(2))
+    upstream = torch.randn(q.shape, device="cuda", generator=g).bfloat16()
+
+    def gradients(attention, dtype):
+        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(attention(0, *inputs), inputs, upstream.to(dtype))
+
+    exact = gradients(VarlenAttention.from_positions(positions, backend="sdpa"), torch.float32)
+    default = gradients(VarlenAttention.from_positions(positions), torch.bfloat16)
+    ours = gradients(PagedFlashAttention.from_positions(positions), torch.bfloat16)
+    for name, mine, theirs, truth in zip("qkv", ours, default, exact):
+        error, default_error = relative_error(mine.float(), truth), relative_error(theirs.float(), truth)
+        assert error < 1.5 * default_error + 1e-3, (name, error, default_error)
 
 
 def test_trainer_logprobs_equal_vllm_logprobs_bit_for_bit(checkpoints, scenarios):

@@ -344,8 +344,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _RMSNorm(torch.autograd.Function):
-    """``rms_norm``'s Triton values forward; backward differentiates ``torch_rms_norm`` at the
-    same inputs (the kernel's output has no autograd graph of its own)."""
+    """``rms_norm``'s Triton values forward; ``rms_norm_backward`` backward (the kernel's output
+    has no autograd graph of its own)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -355,10 +355,34 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        def default(x, weight):
-            return torch_rms_norm(x, weight, ctx.eps)
+        x, weight = ctx.saved_tensors
+        return (*closed_form_backward(rms_norm_backward, x, weight, grad, ctx.eps), None)
 
-        return default_gradients(default, ctx.saved_tensors, ctx.needs_input_grad, grad) + (None,)
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``torch_rms_norm(x, weight, eps)`` (x's, weight's) for ``grad``:
+    with ``n = x * r``, ``r = rsqrt(mean(x**2) + eps)``, ``d x = r * (d n - n * mean(d n * n))``."""
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    normed = x32 * rstd
+    grad32 = grad.float()
+    grad_weight = (grad32 * normed.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0)
+    grad_normed = grad32 * weight.float()
+    grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+    return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
+
+
+def closed_form_backward(fn, *args):
+    """``fn(*args)``, a backward written out in closed form: torch.compile'd for CUDA tensors,
+    where it fuses into a few kernels (a backward's rounding is free: only forward values must
+    match the generator), eager on CPU."""
+    return (_compiled(fn) if args[0].is_cuda else fn)(*args)
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
 
 
 def default_gradients(op, inputs: Sequence[torch.Tensor], needs_input_grad: Sequence[bool],
@@ -373,13 +397,41 @@ def default_gradients(op, inputs: Sequence[torch.Tensor], needs_input_grad: Sequ
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, silu computed in fp32 as ``g / (1 + exp(-g))``.
+    """``silu(gate) * up``, silu computed in fp32 as ``g / (1 + exp(-g))``; backward
+    ``silu_mul_backward``.
 
     torch's ``F.silu`` rounds an element differently when it falls in the scalar tail of the
     vectorized loop, so its value depends on where it sits in the tensor; exp and division do not.
     """
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SiluMul.apply(gate, up)
+    return _silu_mul_values(gate, up)
+
+
+def _silu_mul_values(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate32 = gate.float()
     return (gate32 / (1 + torch.exp(-gate32))).to(gate.dtype) * up
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return _silu_mul_values(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return closed_form_backward(silu_mul_backward, *ctx.saved_tensors, grad)
+
+
+def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``silu(gate) * up`` (gate's, up's) for ``grad``:
+    ``silu'(g) = sigmoid(g) + silu(g) * (1 - sigmoid(g))``."""
+    gate32, grad32 = gate.float(), grad.float()
+    sigmoid = torch.sigmoid(gate32)
+    silu = gate32 * sigmoid
+    grad_gate = grad32 * up.float() * (sigmoid + silu * (1 - sigmoid))
+    return grad_gate.to(gate.dtype), (grad32 * silu).to(up.dtype)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

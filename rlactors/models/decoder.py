@@ -73,7 +73,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``apply_rope``'s ``x`` for ``grad``: ``x * cos + rotate_half(x) * sin`` is
+    linear in ``x``, so it is ``grad * cos + rotate_half^T(grad * sin)``, where
+    ``rotate_half^T([a, b]) = [b, -a]``."""
+    grad32 = grad.float()
+    first, second = (grad32 * sin[:, None, :].float()).chunk(2, dim=-1)
+    return (grad32 * cos[:, None, :].float() + torch.cat((second, -first), dim=-1)).to(grad.dtype)
+
+
+class _RoPE(torch.autograd.Function):
+    """``apply_rope``'s values forward, ``rope_backward`` backward (compiled on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return apply_rope(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return bi.closed_form_backward(rope_backward, grad, *ctx.saved_tensors), None, None
+
+
 class SelfAttention(nn.Module):
+    batch_invariant = False
+
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -99,7 +123,10 @@ class SelfAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Eager ops in true on-policy mode (the generator's), whose autograd would replay them
+        # one by one: there the gradient is written out instead.
+        rope = _RoPE.apply if self.batch_invariant and torch.is_grad_enabled() else apply_rope
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         out = attention(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
@@ -304,7 +331,9 @@ class _TokenLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             chunk_hidden, grad = hidden[rows], grad_logprobs[rows, None]
-            logits = ctx.model.logits(chunk_hidden)  # the forward's, bit for bit
+            # The default matmul, also in true on-policy mode: the gradient needs the forward's
+            # logits only up to rounding, and cuBLAS is faster than the batch-invariant kernel.
+            logits = F.linear(chunk_hidden, weight)
             probs = (logits - logsumexp[rows, None]).exp_()  # fp32, like the log-probs
             probs.scatter_add_(-1, targets[rows, None], torch.full_like(grad, -1.0))  # p - onehot(y)
             # grad * (onehot(y) - p), rounded once into the logits' dtype as autograd through the

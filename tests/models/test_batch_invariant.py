@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rlactors.models import batch_invariant as bi
-from rlactors.models.decoder import RMSNorm, apply_rope, rope_inverse_frequencies
+from rlactors.models.decoder import RMSNorm, apply_rope, rope_backward, rope_inverse_frequencies
 
 BATCHES = [(0, 1), (5, 1), (0, 3), (2, 7), (0, 16), (3, 37), (0, 100), (1, 199)]  # (offset, rows)
 
@@ -314,6 +314,28 @@ def test_rms_norm_gradients_are_the_default_ones(device):
     torch.testing.assert_close(ours[1], weight.grad)
 
 
+def test_closed_form_backwards_are_the_autograd_gradients_of_the_default_ops():
+    """The written-out gradients the true on-policy trainer runs (compiled on CUDA) against autograd
+    through the default ops, in fp32."""
+    gen = torch.Generator().manual_seed(0)
+    x, grad = torch.randn(3, 50, 128, generator=gen), torch.randn(3, 50, 128, generator=gen)
+    weight = torch.randn(128, generator=gen)
+    expected = torch.autograd.grad(bi.torch_rms_norm(x.requires_grad_(), weight.requires_grad_(), 1e-6),
+                                   (x, weight), grad)
+    for mine, theirs in zip(bi.rms_norm_backward(x.detach(), weight.detach(), grad, 1e-6), expected):
+        torch.testing.assert_close(mine, theirs)
+    gate, up = (torch.randn(50, 96, generator=gen, requires_grad=True) for _ in range(2))
+    grad = torch.randn(50, 96, generator=gen)
+    expected = torch.autograd.grad(F.silu(gate) * up, (gate, up), grad)
+    for mine, theirs in zip(bi.silu_mul_backward(gate.detach(), up.detach(), grad), expected):
+        torch.testing.assert_close(mine, theirs)
+    q, grad = torch.randn(50, 4, 64, generator=gen, requires_grad=True), torch.randn(50, 4, 64, generator=gen)
+    angles = torch.randn(50, 32, generator=gen).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    (expected,) = torch.autograd.grad(apply_rope(q, cos, sin), q, grad)
+    torch.testing.assert_close(rope_backward(grad, cos, sin), expected)
+
+
 @pytest.mark.parametrize("vocab", [1024, 151936])
 def test_log_softmax_rows_are_invariant(vocab):
     logits = torch.randn(120, vocab)
@@ -352,6 +374,20 @@ def test_default_cuda_matmul_rows_depend_on_batch_size():
                                                                                    dtype=torch.bfloat16)
     full = F.linear(x, w)
     assert any(not torch.equal(F.linear(x[:m], w), full[:m]) for m in (1, 2, 3, 8, 16, 64, 128))
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_matmul_launches_give_a_row_the_same_bits():
+    """The batch-invariant matmul's three launches, picked by size: large tiles (4096 rows here),
+    small tiles (1200), and each chunk of K in a program of its own (1 and 300 rows)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(1024, 2048, device="cuda", generator=g).bfloat16()
+    x = torch.randn(4096, 2048, device="cuda", generator=g).bfloat16()
+    full = bi.linear(x, w)
+    for rows in (1, 300, 1200):
+        assert torch.equal(bi.linear(x[-rows:], w), full[-rows:]), rows
+    torch.testing.assert_close(full.float(), F.linear(x, w).float(), atol=3e-1, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -1,12 +1,13 @@
 """The batch-invariant CUDA matmul (rlactors/models/batch_invariant_triton.py) against cuBLAS.
 
 For the linear layers of the Qwen3-0.6B and 1.7B shapes, at decode sizes (M = 1 .. 256) and
-prefill/training sizes (M = 2048, 8192): time per call, replayed from a CUDA graph as vLLM runs
-decode steps, and the ratio to torch's cuBLAS matmul. Every configuration is also checked for
-its promise: each row of an M = 8192 product has the bits of the same row computed in smaller
-batches, at other offsets (both launch paths: chunks in one program, or in programs of their own).
+prefill/training sizes (M = 2048, 8192, 16384): time per call, replayed from a CUDA graph as vLLM
+runs decode steps, and the ratio to torch's cuBLAS matmul. The kernel is also checked for its
+promise: each row of an M = 8192 product has the bits of the same row computed in smaller
+batches, at other offsets (its three launches: large tiles, small tiles, chunks in programs of
+their own). Other designs and tile shapes: benchmarks/device/matmul_designs.py.
 
-    python benchmarks/batch_invariant_matmul.py [--configs default|sweep] [--out FILE]
+    python benchmarks/batch_invariant_matmul.py [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,16 +24,7 @@ SHAPES = {  # name: (N, K) of x[M, K] @ w[N, K].T
     "0.6b qkv (q)": (2048, 1024), "0.6b o": (1024, 2048), "0.6b gate/up": (3072, 1024), "0.6b down": (1024, 3072),
     "1.7b gate/up": (6144, 2048), "1.7b down": (2048, 6144),
 }
-DECODE_M, PREFILL_M = (1, 16, 64, 128, 256), (2048, 8192)
-# (BLOCK_M, BLOCK_N, BLOCK_K, CHUNK_K, WARPS, STAGES, MIN_TILES)
-SWEEP = [(64, 64, 64, 256, 4, 3, 264), (64, 64, 64, 256, 4, 4, 132), (64, 64, 64, 512, 4, 3, 264),
-         (128, 128, 64, 256, 8, 3, 264), (128, 128, 64, 512, 8, 4, 132), (64, 128, 64, 256, 4, 4, 264),
-         (128, 256, 64, 512, 8, 3, 132), (128, 64, 64, 256, 4, 4, 264)]
-
-
-def set_config(bit, config) -> None:
-    (bit.MATMUL_BLOCK_M, bit.MATMUL_BLOCK_N, bit.MATMUL_BLOCK_K, bit.MATMUL_CHUNK_K, bit.MATMUL_WARPS,
-     bit.MATMUL_STAGES, bit.MATMUL_MIN_TILES) = config
+DECODE_M, PREFILL_M = (1, 16, 64, 128, 256), (2048, 8192, 16384)
 
 
 def graph_time(fn, calls: int = 20, replays: int = 10) -> float:
@@ -64,13 +56,12 @@ def rows_invariant(matmul, n: int, k: int) -> bool:
     x = torch.randn(8192, k, device="cuda", generator=g).bfloat16()
     full = matmul(x, w)
     return all(torch.equal(matmul(x[o:o + m], w), full[o:o + m])
-               for o, m in ((0, 1), (5, 1), (3, 7), (100, 64), (1, 256), (17, 1000), (0, 4096)))
+               for o, m in ((0, 1), (5, 1), (3, 7), (100, 64), (1, 256), (17, 1000), (0, 1200), (0, 4096)))
 
 
-def measure(config) -> dict:
+def measure() -> dict:
     from rlactors.models import batch_invariant_triton as bit
 
-    set_config(bit, config)
     out = {"invariant": all(rows_invariant(bit.matmul, n, k) for n, k in SHAPES.values()), "ratios": {}}
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda").bfloat16()
@@ -89,40 +80,27 @@ def geomean(values) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", choices=("default", "sweep"), default="default")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from rlactors.models import batch_invariant_triton as bit
-
-    default = (bit.MATMUL_BLOCK_M, bit.MATMUL_BLOCK_N, bit.MATMUL_BLOCK_K, bit.MATMUL_CHUNK_K, bit.MATMUL_WARPS,
-               bit.MATMUL_STAGES, bit.MATMUL_MIN_TILES)
-    configs = [default] + ([c for c in SWEEP if c != default] if args.configs == "sweep" else [])
+    result = measure()
+    ratios = result["ratios"]
+    decode = geomean(o / c for (_, m), (o, c) in ratios.items() if m in DECODE_M)
+    prefill = geomean(o / c for (_, m), (o, c) in ratios.items() if m in PREFILL_M)
     lines = [f"# Batch-invariant matmul vs cuBLAS ({torch.cuda.get_device_name()})", "",
              f"Date: {datetime.date.today()}; torch {torch.__version__}; bf16 inputs, fp32 accumulation.",
              f"Command: `python benchmarks/batch_invariant_matmul.py {' '.join(sys.argv[1:])}`", "",
              "Time per call from CUDA-graph replay (20 calls x 10 replays); ratio = ours / cuBLAS "
-             "(torch.matmul). Geometric means over the shapes below, at decode sizes "
-             f"M = {', '.join(map(str, DECODE_M))} and prefill sizes M = {', '.join(map(str, PREFILL_M))}.", "",
-             "| config (BM, BN, BK, chunk K, warps, stages, min tiles) | rows invariant | decode ratio "
-             "| prefill ratio |",
-             "|---|---|---|---|"]
-    details = []
-    for config in configs:
-        result = measure(config)
-        ratios = result["ratios"]
-        decode = geomean(o / c for (_, m), (o, c) in ratios.items() if m in DECODE_M)
-        prefill = geomean(o / c for (_, m), (o, c) in ratios.items() if m in PREFILL_M)
-        lines.append(f"| {config} | {result['invariant']} | {decode:.2f}x | {prefill:.2f}x |")
-        print(lines[-1], flush=True)
-        if config == default:
-            details = ["", f"Per shape, config {config} (microseconds: ours / cuBLAS):", "",
-                       "| shape | " + " | ".join(f"M={m}" for m in DECODE_M + PREFILL_M) + " |",
-                       "|---|" + "---|" * len(DECODE_M + PREFILL_M)]
-            for name in SHAPES:
-                cells = [f"{ratios[(name, m)][0] * 1e6:.1f} / {ratios[(name, m)][1] * 1e6:.1f}"
-                         for m in DECODE_M + PREFILL_M]
-                details.append(f"| {name} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines + details) + "\n"
+             "(torch.matmul).", "",
+             f"Rows invariant: {result['invariant']}. Geometric mean of the ratios: decode sizes "
+             f"(M = {', '.join(map(str, DECODE_M))}) {decode:.2f}x, prefill sizes "
+             f"(M = {', '.join(map(str, PREFILL_M))}) {prefill:.2f}x.", "",
+             "Microseconds, ours / cuBLAS:", "",
+             "| shape | " + " | ".join(f"M={m}" for m in DECODE_M + PREFILL_M) + " |",
+             "|---|" + "---|" * len(DECODE_M + PREFILL_M)]
+    for name in SHAPES:
+        cells = [f"{ratios[(name, m)][0] * 1e6:.1f} / {ratios[(name, m)][1] * 1e6:.1f}" for m in DECODE_M + PREFILL_M]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
         Path(args.out).write_text(text)

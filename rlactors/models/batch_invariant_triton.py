@@ -1,9 +1,8 @@
 """Triton kernels behind ``rlactors.models.batch_invariant`` on CUDA.
 
-Each kernel fixes its tile shape at compile time and sums every reduction in one fixed order, so
-a row's value is computed by the same instructions in the same order however many rows the launch
-has (cuBLAS and torch's CUDA reductions choose split-K and block sizes from the shape, which is
-what changes a row's bits with the batch). A row's program reads only that row.
+Each kernel sums every reduction in one fixed order, so a row's value is computed by the same
+additions in the same order however many rows the launch has (cuBLAS and torch's CUDA reductions
+choose split-K and block sizes from the shape, which is what changes a row's bits with the batch).
 """
 
 from __future__ import annotations
@@ -12,77 +11,82 @@ import torch
 import triton
 import triton.language as tl
 
-MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K = 64, 64, 64
-MATMUL_WARPS, MATMUL_STAGES = 4, 3
-# K is summed in chunks of this many columns, each from zero, and the chunk sums are added in
-# order: the same sum whether one program runs the chunks in turn or each chunk has its own.
+# A row's bits depend on how K is summed, not on the tile shape (measured on an H200 across tile
+# shapes, warps and pipeline stages: benchmarks/device/matmul_designs.py): every launch sums K in
+# blocks of MATMUL_BLOCK_K, in chunks of MATMUL_CHUNK_K columns, each chunk from zero, the chunk
+# sums added in order. So each launch picks the tile shape that suits its size.
+MATMUL_BLOCK_K = 64
 MATMUL_CHUNK_K = 256
-# Below this many output tiles the chunks run in programs of their own, so that small-M
-# products (decode steps) still fill the GPU.
-MATMUL_MIN_TILES = 264
+SMALL_TILE = (64, 64, 4, 3)  # BLOCK_M, BLOCK_N, warps, stages
+LARGE_TILE = (128, 128, 8, 3)  # bf16/fp16 products with at least LARGE_MIN_TILES of these tiles
+LARGE_MIN_TILES = 128
+# Below this many small tiles the chunks run in programs of their own, so that small-M products
+# (decode steps) still fill the GPU.
+SPLIT_BELOW_TILES = 264
 ROW_BLOCK = 1024  # columns per step of the row kernels
 
 
 @triton.jit
-def _chunk_sum(x_ptr, w_ptr, rows, cols, k_start, k_end, M, N, stride_xm, stride_xk, stride_wn, stride_wk,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """fp32 sum over ``k_start <= k < k_end`` of x[rows, k] * w[cols, k], in order, from zero."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk,
-                    mask=(rows[:, None] < M) & (ks[None, :] < k_end), other=0.0)
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk,
-                    mask=(cols[None, :] < N) & (ks[:, None] < k_end), other=0.0)
-        if IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
-    return acc
+def _load_block(x_ptr, w_ptr, rows, cols, k0, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """x[rows, k0:k0+BLOCK_K] and w[cols, k0:k0+BLOCK_K].T; ``rows`` and ``cols`` are in bounds."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    x_at = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
+    w_at = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+    if EVEN_K:
+        return tl.load(x_at), tl.load(w_at)
+    return tl.load(x_at, mask=ks[None, :] < K, other=0.0), tl.load(w_at, mask=ks[:, None] < K, other=0.0)
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
-                   stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+def _dot(x, w, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(x, w, acc, input_precision="ieee")
+    return tl.dot(x, w, acc)
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr,
-                   IEEE: tl.constexpr):
-    """One output tile: every chunk of K in turn, each summed from zero, added in order. One loop
-    over K (the compiler pipelines its loads), whose sum is added to the total and restarted at
-    each chunk's end: ``_chunk_sum``'s sums, added as ``_sum_chunks_kernel`` adds them."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    """One output tile: every chunk of K in turn, each summed from zero, added in order
+    (``_matmul_chunk_kernel``'s sums, added as ``_sum_chunks_kernel`` adds them). Tiles go in
+    groups of GROUP_M rows of tiles, so that programs running together share weight columns."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_rows
+    pid_n = (pid % (GROUP_M * tiles_n)) // group_rows
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk,
-                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk,
-                    mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0)
-        if IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
-        chunk_end = ((k0 + BLOCK_K) % CHUNK_K == 0) | (k0 + BLOCK_K >= K)
-        total = tl.where(chunk_end, total + acc, total)
-        acc = tl.where(chunk_end, 0.0, acc)
+        x, w = _load_block(x_ptr, w_ptr, rows % M, cols % N, k0, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                           BLOCK_K, EVEN_K)
+        acc = _dot(x, w, acc, IEEE)
+        # A branch, not a select over the tile: the accumulator is read only at a chunk's end.
+        if ((k0 + BLOCK_K) % CHUNK_K == 0) | (k0 + BLOCK_K >= K):
+            total += acc
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on,
              total.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 @triton.jit
-def _matmul_chunk_kernel(x_ptr, w_ptr, partial_ptr, M, N, K,
-                         stride_xm, stride_xk, stride_wn, stride_wk,
+def _matmul_chunk_kernel(x_ptr, w_ptr, partial_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         CHUNK_K: tl.constexpr, IEEE: tl.constexpr):
-    """One output tile's sum over one chunk of K, into ``partial[chunk]`` (fp32, [chunks, M, N])."""
+                         CHUNK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    """One output tile's sum over one chunk of K, from zero, into ``partial[chunk]`` (fp32, [chunks, M, N])."""
     pid_m, pid_n, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = chunk * CHUNK_K
-    acc = _chunk_sum(x_ptr, w_ptr, rows, cols, k_start, tl.minimum(k_start + CHUNK_K, K), M, N,
-                     stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(chunk * CHUNK_K, tl.minimum(chunk * CHUNK_K + CHUNK_K, K), BLOCK_K):
+        x, w = _load_block(x_ptr, w_ptr, rows % M, cols % N, k0, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                           BLOCK_K, EVEN_K)
+        acc = _dot(x, w, acc, IEEE)
     offsets = chunk.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
     tl.store(partial_ptr + offsets, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -101,29 +105,33 @@ def _sum_chunks_kernel(partial_ptr, out_ptr, total_elements, chunks, BLOCK: tl.c
 def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x[M, K] @ weight[N, K].T`` in ``x``'s dtype, fp32 accumulation (IEEE fp32 for fp32).
 
-    K is summed in chunks of ``MATMUL_CHUNK_K``, each from zero with the same tile shape and
-    instructions, and the chunk sums are added in order. With many output tiles one program runs
-    every chunk of its tile; with few (small M) each chunk runs in a program of its own and a
-    second kernel adds them: the same additions in the same order, so the same bits.
+    K is summed in chunks of ``MATMUL_CHUNK_K``, each from zero in blocks of ``MATMUL_BLOCK_K``,
+    and the chunk sums are added in order, by one of three launches with the same sums: large
+    tiles for large products, small tiles, or (few small tiles: small M) each chunk in a program
+    of its own and a second kernel adding them.
     """
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    tiles = (triton.cdiv(m, MATMUL_BLOCK_M), triton.cdiv(n, MATMUL_BLOCK_N))
+    ieee = x.dtype == torch.float32
+    sums = dict(BLOCK_K=MATMUL_BLOCK_K, CHUNK_K=MATMUL_CHUNK_K, EVEN_K=k % MATMUL_BLOCK_K == 0, IEEE=ieee)
+    strides = (x.stride(0), x.stride(1), weight.stride(0), weight.stride(1))
     chunks = triton.cdiv(k, MATMUL_CHUNK_K)
-    shape = dict(BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=MATMUL_BLOCK_N, BLOCK_K=MATMUL_BLOCK_K, CHUNK_K=MATMUL_CHUNK_K,
-                 IEEE=x.dtype == torch.float32, num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES)
-    if chunks == 1 or tiles[0] * tiles[1] >= MATMUL_MIN_TILES:
-        _matmul_kernel[tiles](x, weight, out, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
-                              weight.stride(1), out.stride(0), out.stride(1), **shape)
-        return out
-    partial = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device)
-    _matmul_chunk_kernel[(*tiles, chunks)](x, weight, partial, m, n, k, x.stride(0), x.stride(1),
-                                           weight.stride(0), weight.stride(1), **shape)
-    block = 1024
-    _sum_chunks_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, chunks, BLOCK=block)
+    block_m, block_n, warps, stages = LARGE_TILE
+    if ieee or triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < LARGE_MIN_TILES:
+        block_m, block_n, warps, stages = SMALL_TILE
+        if chunks > 1 and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < SPLIT_BELOW_TILES:
+            partial = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device)
+            _matmul_chunk_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), chunks)](
+                x, weight, partial, m, n, k, *strides, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                num_stages=stages, **sums)
+            _sum_chunks_kernel[(triton.cdiv(m * n, ROW_BLOCK),)](partial, out, m * n, chunks, BLOCK=ROW_BLOCK)
+            return out
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    _matmul_kernel[(tiles,)](x, weight, out, m, n, k, *strides, out.stride(0), out.stride(1), BLOCK_M=block_m,
+                             BLOCK_N=block_n, GROUP_M=8, num_warps=warps, num_stages=stages, **sums)
     return out
 
 

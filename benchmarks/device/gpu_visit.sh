@@ -31,6 +31,12 @@
 #   bash benchmarks/device/gpu_visit.sh serving_a  # nvidia-h200: each true on-policy kernel's batch invariance
 #                                                #   (invariance_probe.py), router vs raw vLLM at 1.7B (3 runs)
 #   bash benchmarks/device/gpu_visit.sh serving_b  # nvidia-h200: router vs raw vLLM with 2 replicas on the GPU (0.6B)
+#   bash benchmarks/device/gpu_visit.sh train_probe  # nvidia-h200: the trainer attention's gradients, where a
+#                                                #   trainer step's GPU time goes in each mode (trainer_profile.py)
+#   bash benchmarks/device/gpu_visit.sh cost_checks  # nvidia-h200: the gpu kernel tests, trainer profile, matmul
+#                                                #   vs cuBLAS, then onpolicy_e2e
+#   bash benchmarks/device/gpu_visit.sh onpolicy_tests # nvidia-h200: the vLLM true on-policy tests
+#   bash benchmarks/device/gpu_visit.sh matmul_probe # nvidia-h200: batch-invariant matmul designs (matmul_designs.py)
 #   bash benchmarks/device/gpu_visit.sh serving_c  # nvidia-h200: the 1-GPU e2e (sync, async) now and before the
 #                                                #   serving-path change: the tree of 1760a73^ in .device/before
 #                                                #   (git archive 1760a73^ | tar -x -C .device/before; add the demo's
@@ -170,6 +176,24 @@ serving_c)
   (cd "$BEFORE" && PYTHONPATH="/tmp/site:/tmp/pkgs_before:$BEFORE" step e2e_before 290 0 python \
       benchmarks/e2e_alphabet_sort.py --config configs/alphabet_sort_1gpu_now.toml --steps 13)
   cp "$BEFORE/benchmarks/results/e2e_alphabet_sort.md" "$OUT/e2e_alphabet_sort_before.md"
+  ;;
+train_probe)
+  step attention_grads 200 0 python -m pytest -q -p no:cacheprovider --tb=short -rA \
+      tests/engines/test_vllm_true_on_policy.py -k gradients
+  step trainer_profile 350 0 python benchmarks/device/trainer_profile.py
+  ;;
+cost_checks)
+  step kernel_tests 200 0 python -m pytest -q -p no:cacheprovider --tb=short -m gpu tests/models
+  step trainer_profile 200 0 python benchmarks/device/trainer_profile.py --top 15
+  step matmul 150 0 python benchmarks/batch_invariant_matmul.py --out benchmarks/results/batch_invariant_matmul_gpu.md
+  bash "$0" onpolicy_e2e
+  ;;
+onpolicy_tests)
+  step onpolicy_tests 560 0 python -m pytest -q -p no:cacheprovider --tb=short -rA \
+      tests/engines/test_vllm_true_on_policy.py
+  ;;
+matmul_probe)
+  step matmul_designs 560 0 python benchmarks/device/matmul_designs.py
   ;;
 cost_06)
   step on_policy_cost_06 560 0 python benchmarks/on_policy_cost.py --device cuda --engines vllm --repeats 1 \

@@ -409,6 +409,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _silu_mul_values(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if gate.is_cuda:  # the same roundings in one kernel: decode steps pay for every launch
+        return _triton().silu_mul(gate, up)
     gate32 = gate.float()
     return (gate32 / (1 + torch.exp(-gate32))).to(gate.dtype) * up
 
@@ -432,6 +434,13 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) 
     silu = gate32 * sigmoid
     grad_gate = grad32 * up.float() * (sigmoid + silu * (1 - sigmoid))
     return grad_gate.to(gate.dtype), (grad32 * silu).to(up.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """CUDA: the decoder's ``apply_rope`` (``x[T, H, D]``, ``cos``/``sin`` ``[T, D]``) in one kernel,
+    with its roundings; elementwise, so batch-invariant. No autograd (the decoder's
+    ``invariant_rope`` adds it)."""
+    return _triton().rope(x, cos, sin)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

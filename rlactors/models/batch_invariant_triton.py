@@ -27,15 +27,24 @@ ROW_BLOCK = 1024  # columns per step of the row kernels
 
 
 @triton.jit
-def _load_block(x_ptr, w_ptr, rows, cols, k0, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """x[rows, k0:k0+BLOCK_K] and w[cols, k0:k0+BLOCK_K].T; ``rows`` and ``cols`` are in bounds."""
+def _load_block(x_ptr, w_ptr, rows, cols, k0, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """x[rows, k0:k0+BLOCK_K] and w[cols, k0:k0+BLOCK_K].T. Rows and columns past M and N read row
+    and column ``% M``, ``% N`` (in bounds; their results are not stored), or with ``MASK_ROWS``
+    zeros: no memory traffic for the unused rows of a tile when M is far below BLOCK_M."""
     ks = k0 + tl.arange(0, BLOCK_K)
+    x_mask = ks[None, :] < K
+    w_mask = ks[:, None] < K
+    if MASK_ROWS:
+        x_mask = x_mask & (rows[:, None] < M)
+        w_mask = w_mask & (cols[None, :] < N)
+    else:
+        rows, cols = rows % M, cols % N
     x_at = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
     w_at = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
-    if EVEN_K:
+    if EVEN_K and not MASK_ROWS:
         return tl.load(x_at), tl.load(w_at)
-    return tl.load(x_at, mask=ks[None, :] < K, other=0.0), tl.load(w_at, mask=ks[:, None] < K, other=0.0)
+    return tl.load(x_at, mask=x_mask, other=0.0), tl.load(w_at, mask=w_mask, other=0.0)
 
 
 @triton.jit
@@ -63,8 +72,8 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x, w = _load_block(x_ptr, w_ptr, rows % M, cols % N, k0, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                           BLOCK_K, EVEN_K)
+        x, w = _load_block(x_ptr, w_ptr, rows, cols, k0, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                           BLOCK_K, EVEN_K, False)
         acc = _dot(x, w, acc, IEEE)
         # A branch, not a select over the tile: the accumulator is read only at a chunk's end.
         if ((k0 + BLOCK_K) % CHUNK_K == 0) | (k0 + BLOCK_K >= K):
@@ -84,8 +93,8 @@ def _matmul_chunk_kernel(x_ptr, w_ptr, partial_ptr, M, N, K, stride_xm, stride_x
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(chunk * CHUNK_K, tl.minimum(chunk * CHUNK_K + CHUNK_K, K), BLOCK_K):
-        x, w = _load_block(x_ptr, w_ptr, rows % M, cols % N, k0, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                           BLOCK_K, EVEN_K)
+        x, w = _load_block(x_ptr, w_ptr, rows, cols, k0, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                           BLOCK_K, EVEN_K, True)
         acc = _dot(x, w, acc, IEEE)
     offsets = chunk.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
     tl.store(partial_ptr + offsets, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
@@ -192,3 +201,62 @@ def logsumexp(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0]:
         _logsumexp_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=ROW_BLOCK)
     return out.view(x.shape[:-1])
+
+
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + offsets, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in one kernel: silu in fp32 as ``g / (1 + exp(-g))`` rounded to the
+    dtype, times ``up`` rounded again (eager torch's roundings)."""
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    if gate.numel():
+        _silu_mul_kernel[(triton.cdiv(gate.numel(), ROW_BLOCK),)](gate, up, out, gate.numel(), BLOCK=ROW_BLOCK)
+    return out
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh, stride_ct,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """One token, every head: ``x * cos + rotate_half(x) * sin``, each product rounded to the dtype
+    and the sum rounded again (eager torch's roundings)."""
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < heads) & (d < HALF)
+    first_at = x_ptr + token * stride_xt + h * stride_xh + d
+    first = tl.load(first_at, mask=mask, other=0.0)
+    second = tl.load(first_at + HALF, mask=mask, other=0.0)
+    dtype = first.dtype
+    cos_at, sin_at = cos_ptr + token * stride_ct + d, sin_ptr + token * stride_ct + d
+    cos_first = tl.load(cos_at, mask=d < HALF, other=0.0)
+    cos_second = tl.load(cos_at + HALF, mask=d < HALF, other=0.0)
+    sin_first = tl.load(sin_at, mask=d < HALF, other=0.0)
+    sin_second = tl.load(sin_at + HALF, mask=d < HALF, other=0.0)
+    out_first = (first * cos_first).to(dtype) + (-second * sin_first).to(dtype)
+    out_second = (second * cos_second).to(dtype) + (first * sin_second).to(dtype)
+    out_at = out_ptr + token * heads * (2 * HALF) + h * (2 * HALF) + d
+    tl.store(out_at, out_first.to(dtype), mask=mask)
+    tl.store(out_at + HALF, out_second.to(dtype), mask=mask)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x[T, H, D] * cos + rotate_half(x) * sin`` (``cos``, ``sin``: ``[T, D]`` in x's dtype) in
+    one kernel; contiguous ``[T, H, D]``."""
+    tokens, heads, dim = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
+    if tokens:
+        _rope_kernel[(tokens,)](x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0), HALF=dim // 2,
+                                BLOCK_H=triton.next_power_of_2(heads), BLOCK_HALF=triton.next_power_of_2(dim // 2))
+    return out

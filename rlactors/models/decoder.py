@@ -82,13 +82,24 @@ def rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return (grad32 * cos[:, None, :].float() + torch.cat((second, -first), dim=-1)).to(grad.dtype)
 
 
-class _RoPE(torch.autograd.Function):
-    """``apply_rope``'s values forward, ``rope_backward`` backward (compiled on CUDA)."""
+def invariant_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` in true on-policy mode: on CUDA one Triton kernel with eager torch's
+    roundings (decode steps pay for every launch); backward ``rope_backward``, written out instead
+    of replaying the eager ops one by one (compiled on CUDA)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RoPE.apply(x, cos, sin)
+    return _rope_values(x, cos, sin)
 
+
+def _rope_values(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return bi.rope(x, cos, sin) if x.is_cuda else apply_rope(x, cos, sin)
+
+
+class _RoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return apply_rope(x, cos, sin)
+        return _rope_values(x, cos, sin)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -123,9 +134,7 @@ class SelfAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        # Eager ops in true on-policy mode (the generator's), whose autograd would replay them
-        # one by one: there the gradient is written out instead.
-        rope = _RoPE.apply if self.batch_invariant and torch.is_grad_enabled() else apply_rope
+        rope = invariant_rope if self.batch_invariant else apply_rope
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         out = attention(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))

@@ -404,6 +404,14 @@ def test_cuda_ops_are_batch_invariant_and_close_to_default(dtype):
     x32 = x.float()
     expected = norm_w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
     torch.testing.assert_close(bi.rms_norm(x, norm_w, 1e-6), expected)
+    gate, up = x[:, :1024], x[:, 1024:]
+    assert rows_equal_in_every_batch(lambda t: bi.silu_mul(t[:, :1024], t[:, 1024:]), x)
+    torch.testing.assert_close(bi.silu_mul(gate, up).float(), (F.silu(gate.float()) * up.float()), **tol)
+    heads = x.view(300, 16, 128)
+    angles = torch.randn(1, 64, device="cuda").repeat(300, 2)  # every token at one position: any slice fits
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    assert rows_equal_in_every_batch(lambda t: bi.rope(t, cos[:len(t)], sin[:len(t)]), heads)
+    torch.testing.assert_close(bi.rope(heads, cos, sin), apply_rope(heads, cos, sin), **tol)
     logits = torch.randn(300, 151936, device="cuda")
     assert rows_equal_in_every_batch(bi.log_softmax, logits)
     torch.testing.assert_close(bi.log_softmax(logits), logits.log_softmax(-1))

@@ -166,7 +166,7 @@ serving_a)
   step generator_17b 420 0 python benchmarks/generator_throughput.py --device cuda --size 1.7b --repeats 3
   ;;
 serving_b)
-  step generator_2replicas 420 0 python benchmarks/generator_throughput.py --device cuda --size 0.6b --replicas 2
+  step generator_2replicas 580 0 python benchmarks/generator_throughput.py --device cuda --size 0.6b --replicas 2
   ;;
 serving_c)
   step e2e_now 290 0 python benchmarks/e2e_alphabet_sort.py --config configs/alphabet_sort_1gpu.toml --steps 13

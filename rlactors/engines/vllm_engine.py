@@ -39,13 +39,17 @@ def one_start_per_gpu(tp: int) -> Iterator[None]:
     on the same GPU at the same time changes that memory under it (and one of them can fail with
     no memory left for its cache). GPUs are named as CUDA_VISIBLE_DEVICES names them (each
     replica's proc has it set to its GPUs); unset, the engine uses GPUs 0..tp-1.
+
+    POSIX record locks (``lockf``), not ``flock``: a process forked while the lock is held (vLLM's
+    engine core, when it runs in a process of its own) would share an ``flock`` and keep the GPU
+    locked for its whole life.
     """
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     gpus = sorted(visible[:tp] if visible else [str(i) for i in range(tp)])  # one order: no deadlock
     with contextlib.ExitStack() as stack:
         for gpu in gpus:
             lock = stack.enter_context((Path(tempfile.gettempdir()) / f"rlactors_vllm_start_gpu{gpu}.lock").open("w"))
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            fcntl.lockf(lock, fcntl.LOCK_EX)
         yield
 
 

@@ -2,6 +2,10 @@
 processes take the per-GPU lock as replicas' procs would."""
 
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
 import time
 
 from rlactors.engines.vllm_engine import one_start_per_gpu
@@ -45,3 +49,22 @@ def test_engines_on_one_gpu_start_in_turn_and_on_other_gpus_at_once():
     spans = {visible: (visible, began, ended) for visible, began, ended in times}
     assert not overlap(spans["6,7"], spans["7"])
     assert overlap(spans["5"], spans["4"])
+
+
+
+
+def test_a_process_forked_while_starting_does_not_keep_the_lock(monkeypatch):
+    """vLLM's engine core may be forked while its engine holds the lock, and lives on."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with one_start_per_gpu(1):
+        child = os.fork()
+        if child == 0:
+            time.sleep(60)
+            os._exit(0)
+    try:
+        # Another engine's start on that GPU, in a process of its own, gets the lock at once.
+        subprocess.run([sys.executable, "-c", "from rlactors.engines.vllm_engine import one_start_per_gpu\n"
+                        "with one_start_per_gpu(1): pass"], check=True, timeout=30)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

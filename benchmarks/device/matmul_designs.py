@@ -30,7 +30,9 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from batch_invariant_matmul import graph_time  # noqa: E402
+from batch_invariant_matmul import graph_time, rows_invariant  # noqa: E402
+
+from rlactors.models import batch_invariant_triton as bit  # noqa: E402
 
 SHAPES = {"0.6b q": (2048, 1024), "0.6b o": (1024, 2048), "0.6b gate+up": (6144, 1024), "0.6b down": (1024, 3072),
           "1.7b gate+up": (12288, 2048), "1.7b down": (2048, 6144), "0.6b lm_head": (151936, 1024)}
@@ -92,16 +94,6 @@ def _chunk_kernel(x_ptr, w_ptr, partial_ptr, M, N, K, sxm, swn,
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-@triton.jit
-def _sum_kernel(partial_ptr, out_ptr, total_elements, chunks, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < total_elements
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for chunk in range(0, chunks):
-        total += tl.load(partial_ptr + chunk.to(tl.int64) * total_elements + offsets, mask=mask, other=0.0)
-    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def chunked(bm, bn, bk, chunk, warps, stages, group, min_tiles, flat=False):
     def matmul(x, w):
         m, k = x.shape
@@ -118,7 +110,7 @@ def chunked(bm, bn, bk, chunk, warps, stages, group, min_tiles, flat=False):
         _chunk_kernel[(tiles_m, tiles_n, chunks)](x, w, partial, m, n, k, x.stride(0), w.stride(0), BLOCK_M=bm,
                                                   BLOCK_N=bn, BLOCK_K=bk, CHUNK_K=chunk, num_warps=warps,
                                                   num_stages=stages)
-        _sum_kernel[(triton.cdiv(m * n, 1024),)](partial, out, m * n, chunks, BLOCK=1024)
+        bit._sum_chunks_kernel[(triton.cdiv(m * n, 1024),)](partial, out, m * n, chunks, BLOCK=1024)
         return out
     return matmul
 
@@ -139,8 +131,6 @@ def whole(big, small, small_below):
 
 
 def designs():
-    from rlactors.models import batch_invariant_triton as bit
-
     out = {"current": bit.matmul}
     for bm, bn, warps, stages, chunk in itertools.product((64, 128), (64, 128, 256), (4, 8), (3, 4), (256, 512)):
         if (bm, bn) == (64, 256) or (bm * bn >= 128 * 128) != (warps == 8):
@@ -152,15 +142,6 @@ def designs():
     out["whole 128x256 / 64x64 below 512"] = whole((128, 256, 64, 8, 3, 8), (64, 64, 64, 4, 4, 1), 512)
     out["whole 128x128 only"] = whole((128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8), 0)
     return out
-
-
-def rows_invariant(matmul, n: int, k: int) -> bool:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
-    x = torch.randn(4096, k, device="cuda", generator=g).bfloat16()
-    full = matmul(x, w)
-    return all(torch.equal(matmul(x[o:o + m], w), full[o:o + m])
-               for o, m in ((0, 1), (5, 1), (3, 7), (100, 64), (1, 256), (17, 600), (0, 2048)))
 
 
 def geomean(values) -> float:

@@ -436,11 +436,45 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) 
     return grad_gate.to(gate.dtype), (grad32 * silu).to(up.dtype)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x[T, H, D]`` by ``cos/sin[T, D]`` in HF's rotate-half layout: the model's default
+    RoPE, with HF's roundings; elementwise, so batch-invariant on CPU too."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """CUDA: the decoder's ``apply_rope`` (``x[T, H, D]``, ``cos``/``sin`` ``[T, D]``) in one kernel,
-    with its roundings; elementwise, so batch-invariant. No autograd (the decoder's
-    ``invariant_rope`` adds it)."""
-    return _triton().rope(x, cos, sin)
+    """``apply_rope`` in true on-policy mode: on CUDA one Triton kernel with its roundings (decode
+    steps pay for every launch); backward ``rope_backward``, written out instead of replaying the
+    eager ops one by one."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RoPE.apply(x, cos, sin)
+    return _rope_values(x, cos, sin)
+
+
+def _rope_values(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _triton().rope(x, cos, sin) if x.is_cuda else apply_rope(x, cos, sin)
+
+
+class _RoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rope_values(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return closed_form_backward(rope_backward, grad, *ctx.saved_tensors), None, None
+
+
+def rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``apply_rope``'s ``x`` for ``grad``: ``x * cos + rotate_half(x) * sin`` is
+    linear in ``x``, so it is ``grad * cos + rotate_half^T(grad * sin)``, where
+    ``rotate_half^T([a, b]) = [b, -a]``."""
+    grad32 = grad.float()
+    first, second = (grad32 * sin[:, None, :].float()).chunk(2, dim=-1)
+    return (grad32 * cos[:, None, :].float() + torch.cat((second, -first), dim=-1)).to(grad.dtype)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ Everything is packed 1-D: ``input_ids[T]`` holds several documents end to end an
 attend to each other: the caller passes an ``attention(layer_idx, q, k, v)`` callable
 (``VarlenAttention`` for training, a KV-cache attention in the native engine).
 
-``set_batch_invariant(True)`` (the true on-policy mode) routes every linear, RMSNorm, the MLP
-activation and the fp32 log-softmax through ``rlactors.models.batch_invariant``, so that a
+``set_batch_invariant(True)`` (the true on-policy mode) routes every linear, RMSNorm, RoPE, the
+MLP activation and the fp32 log-softmax through ``rlactors.models.batch_invariant``, so that a
 token's logprob does not depend on what else is in the batch.
 """
 
@@ -66,46 +66,6 @@ def rope_inverse_frequencies(head_dim: int, theta: float,
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates ``x[T, H, D]`` by ``cos/sin[T, D]`` in HF's rotate-half layout."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-def rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The gradient of ``apply_rope``'s ``x`` for ``grad``: ``x * cos + rotate_half(x) * sin`` is
-    linear in ``x``, so it is ``grad * cos + rotate_half^T(grad * sin)``, where
-    ``rotate_half^T([a, b]) = [b, -a]``."""
-    grad32 = grad.float()
-    first, second = (grad32 * sin[:, None, :].float()).chunk(2, dim=-1)
-    return (grad32 * cos[:, None, :].float() + torch.cat((second, -first), dim=-1)).to(grad.dtype)
-
-
-def invariant_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` in true on-policy mode: on CUDA one Triton kernel with eager torch's
-    roundings (decode steps pay for every launch); backward ``rope_backward``, written out instead
-    of replaying the eager ops one by one (compiled on CUDA)."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _RoPE.apply(x, cos, sin)
-    return _rope_values(x, cos, sin)
-
-
-def _rope_values(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return bi.rope(x, cos, sin) if x.is_cuda else apply_rope(x, cos, sin)
-
-
-class _RoPE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin)
-        return _rope_values(x, cos, sin)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return bi.closed_form_backward(rope_backward, grad, *ctx.saved_tensors), None, None
-
-
 class SelfAttention(nn.Module):
     batch_invariant = False
 
@@ -134,7 +94,7 @@ class SelfAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        rope = invariant_rope if self.batch_invariant else apply_rope
+        rope = bi.rope if self.batch_invariant else bi.apply_rope
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         out = attention(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))

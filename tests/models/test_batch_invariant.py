@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rlactors.models import batch_invariant as bi
-from rlactors.models.decoder import RMSNorm, apply_rope, rope_backward, rope_inverse_frequencies
+from rlactors.models.decoder import RMSNorm, rope_inverse_frequencies
 
 BATCHES = [(0, 1), (5, 1), (0, 3), (2, 7), (0, 16), (3, 37), (0, 100), (1, 199)]  # (offset, rows)
 
@@ -332,8 +332,8 @@ def test_closed_form_backwards_are_the_autograd_gradients_of_the_default_ops():
     q, grad = torch.randn(50, 4, 64, generator=gen, requires_grad=True), torch.randn(50, 4, 64, generator=gen)
     angles = torch.randn(50, 32, generator=gen).repeat(1, 2)
     cos, sin = angles.cos(), angles.sin()
-    (expected,) = torch.autograd.grad(apply_rope(q, cos, sin), q, grad)
-    torch.testing.assert_close(rope_backward(grad, cos, sin), expected)
+    (expected,) = torch.autograd.grad(bi.apply_rope(q, cos, sin), q, grad)
+    torch.testing.assert_close(bi.rope_backward(grad, cos, sin), expected)
 
 
 @pytest.mark.parametrize("vocab", [1024, 151936])
@@ -356,7 +356,7 @@ def test_embedding_and_rope_are_row_invariant():
     def rope(rows):
         freqs = positions[rows].float()[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        return apply_rope(x[rows], angles.cos(), angles.sin())
+        return bi.apply_rope(x[rows], angles.cos(), angles.sin())
 
     assert rows_equal_in_every_batch(rope, torch.arange(200))
 
@@ -411,7 +411,7 @@ def test_cuda_ops_are_batch_invariant_and_close_to_default(dtype):
     angles = torch.randn(1, 64, device="cuda").repeat(300, 2)  # every token at one position: any slice fits
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     assert rows_equal_in_every_batch(lambda t: bi.rope(t, cos[:len(t)], sin[:len(t)]), heads)
-    torch.testing.assert_close(bi.rope(heads, cos, sin), apply_rope(heads, cos, sin), **tol)
+    torch.testing.assert_close(bi.rope(heads, cos, sin), bi.apply_rope(heads, cos, sin), **tol)
     logits = torch.randn(300, 151936, device="cuda")
     assert rows_equal_in_every_batch(bi.log_softmax, logits)
     torch.testing.assert_close(bi.log_softmax(logits), logits.log_softmax(-1))

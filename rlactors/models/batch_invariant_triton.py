@@ -129,16 +129,18 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     strides = (x.stride(0), x.stride(1), weight.stride(0), weight.stride(1))
     chunks = triton.cdiv(k, MATMUL_CHUNK_K)
     block_m, block_n, warps, stages = LARGE_TILE
-    if ieee or triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < LARGE_MIN_TILES:
+    tiles_m, tiles_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    if ieee or tiles_m * tiles_n < LARGE_MIN_TILES:
         block_m, block_n, warps, stages = SMALL_TILE
-        if chunks > 1 and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < SPLIT_BELOW_TILES:
+        tiles_m, tiles_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+        if chunks > 1 and tiles_m * tiles_n < SPLIT_BELOW_TILES:
             partial = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device)
-            _matmul_chunk_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), chunks)](
+            _matmul_chunk_kernel[(tiles_m, tiles_n, chunks)](
                 x, weight, partial, m, n, k, *strides, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
                 num_stages=stages, **sums)
             _sum_chunks_kernel[(triton.cdiv(m * n, ROW_BLOCK),)](partial, out, m * n, chunks, BLOCK=ROW_BLOCK)
             return out
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    tiles = tiles_m * tiles_n
     _matmul_kernel[(tiles,)](x, weight, out, m, n, k, *strides, out.stride(0), out.stride(1), BLOCK_M=block_m,
                              BLOCK_N=block_n, GROUP_M=8, num_warps=warps, num_stages=stages, **sums)
     return out

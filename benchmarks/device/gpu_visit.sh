@@ -27,7 +27,10 @@
 #   bash benchmarks/device/gpu_visit.sh onpolicy_final # nvidia-h200: true on-policy gradients, kernel invariance,
 #                                                #   the vLLM true on-policy tests, then onpolicy_e2e
 #   bash benchmarks/device/gpu_visit.sh cost_06    # nvidia-h200: vLLM true on-policy cost at the 0.6B shape
+#                                                #   (generation: best of 3 runs)
 #   bash benchmarks/device/gpu_visit.sh cost_17    # nvidia-h200: the same at the 1.7B shape
+#   bash benchmarks/device/gpu_visit.sh costs      # nvidia-h200: cost_06, then cost_17
+#   bash benchmarks/device/gpu_visit.sh gen_checks # nvidia-h200: the gpu kernel tests, generation_profile.py at 0.6B
 #   bash benchmarks/device/gpu_visit.sh serving_a  # nvidia-h200: each true on-policy kernel's batch invariance
 #                                                #   (invariance_probe.py), router vs raw vLLM at 1.7B (3 runs)
 #   bash benchmarks/device/gpu_visit.sh serving_b  # nvidia-h200: router vs raw vLLM with 2 replicas on the GPU (0.6B)
@@ -36,6 +39,8 @@
 #   bash benchmarks/device/gpu_visit.sh cost_checks  # nvidia-h200: the gpu kernel tests, trainer profile, matmul
 #                                                #   vs cuBLAS, then onpolicy_e2e
 #   bash benchmarks/device/gpu_visit.sh onpolicy_tests # nvidia-h200: the vLLM true on-policy tests
+#   bash benchmarks/device/gpu_visit.sh gen_profile  # nvidia-h200: where a vLLM generation's GPU time goes,
+#                                                #   default vs true on-policy (generation_profile.py), 0.6B and 1.7B
 #   bash benchmarks/device/gpu_visit.sh matmul_probe # nvidia-h200: batch-invariant matmul designs (matmul_designs.py)
 #   bash benchmarks/device/gpu_visit.sh serving_c  # nvidia-h200: the 1-GPU e2e (sync, async) now and before the
 #                                                #   serving-path change: the tree of 1760a73^ in .device/before
@@ -192,16 +197,28 @@ onpolicy_tests)
   step onpolicy_tests 560 0 python -m pytest -q -p no:cacheprovider --tb=short -rA \
       tests/engines/test_vllm_true_on_policy.py
   ;;
+gen_profile)
+  step generation_profile_06 290 0 python benchmarks/device/generation_profile.py --size 0.6b
+  step generation_profile_17 290 0 python benchmarks/device/generation_profile.py --size 1.7b
+  ;;
 matmul_probe)
   step matmul_designs 560 0 python benchmarks/device/matmul_designs.py
   ;;
 cost_06)
-  step on_policy_cost_06 560 0 python benchmarks/on_policy_cost.py --device cuda --engines vllm --repeats 1 \
+  step on_policy_cost_06 290 0 python benchmarks/on_policy_cost.py --device cuda --engines vllm --repeats 3 \
       --train-steps 2 --out "$OUT/on_policy_cost_gpu_0.6b.md"
   ;;
 cost_17)
-  step on_policy_cost_17 560 0 python benchmarks/on_policy_cost.py --device cuda --engines vllm --repeats 1 \
+  step on_policy_cost_17 290 0 python benchmarks/on_policy_cost.py --device cuda --engines vllm --repeats 3 \
       --train-steps 2 --size 1.7b --out "$OUT/on_policy_cost_gpu_1.7b.md"
+  ;;
+costs)
+  bash "$0" cost_06
+  bash "$0" cost_17
+  ;;
+gen_checks)
+  step kernel_tests 150 0 python -m pytest -q -p no:cacheprovider --tb=short -m gpu tests/models
+  step generation_profile_06 290 0 python benchmarks/device/generation_profile.py --size 0.6b
   ;;
 final_c)
   python -m rlactors.models.tiny /tmp/ck06 --size 0.6b > /dev/null

@@ -110,7 +110,8 @@ def chunked(bm, bn, bk, chunk, warps, stages, group, min_tiles, flat=False):
         _chunk_kernel[(tiles_m, tiles_n, chunks)](x, w, partial, m, n, k, x.stride(0), w.stride(0), BLOCK_M=bm,
                                                   BLOCK_N=bn, BLOCK_K=bk, CHUNK_K=chunk, num_warps=warps,
                                                   num_stages=stages)
-        bit._sum_chunks_kernel[(triton.cdiv(m * n, 1024),)](partial, out, m * n, chunks, BLOCK=1024)
+        bit._sum_chunks_kernel[(triton.cdiv(m * n, 1024),)](partial, out, out, m * n, chunks, BLOCK=1024,
+                                                               HAS_RESIDUAL=False)
         return out
     return matmul
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from rlactors.attention.varlen import cu_seqlens_from_positions
+from rlactors.models import batch_invariant as bi
 from rlactors.models.args import ModelArgs
 from rlactors.models.decoder import DecoderForCausalLM
 
@@ -96,6 +97,10 @@ class VLLMCausalLM(DecoderForCausalLM):
         args = ModelArgs.from_hf_config(vllm_config.model_config.hf_config.to_dict())
         super().__init__(args)
         self.set_batch_invariant(True, weights_frozen=True)
+        for layer in self.model.layers:  # q/k/v and gate/up as one matmul each (bi.project)
+            attention, mlp = layer.self_attn, layer.mlp
+            bi.stack_weights((attention.q_proj, attention.k_proj, attention.v_proj))
+            bi.stack_weights((mlp.gate_proj, mlp.up_proj))
         # On the GPU from the start: a CUDA graph cannot capture the copy rope() would make.
         self.model.inv_freq = self.model.inv_freq.to(self.model.embed_tokens.weight.device)
         self.attention_head_dim = attention_head_dim(args.head_dim)

@@ -199,15 +199,17 @@ def _linear_values(x: torch.Tensor, weight: torch.Tensor, rounded_weight: torch.
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           rounded_weight: torch.Tensor | None = None) -> torch.Tensor:
+           rounded_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with each row of ``x[..., K]`` computed independently of
     the others: a row's result does not depend on the leading shape of ``x``.
 
     CPU: ``exact_matmul``'s exact integer sums (the same bits on any BLAS, CPU and thread count),
     rounded once to ``x``'s dtype; ``rounded_weight`` is ``rounded_rows(weight)`` when the caller
     keeps it. CUDA: a Triton matmul with one fixed tile shape and the whole K reduction inside each
-    tile, in order. ``bias`` is added to that result, elementwise (so invariant too). Backward
-    uses the default matmuls.
+    tile, in order. ``bias``, then ``residual`` (a decoder layer's residual stream, shaped as the
+    output), are added to that result, elementwise (so invariant too); without autograd on CUDA
+    the residual is added in the matmul's own launch, with the same roundings. Backward uses the
+    default matmuls.
     """
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
@@ -217,13 +219,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: bias {tuple(bias.shape)} {bias.dtype} does not match weight "
                          f"{tuple(weight.shape)} {weight.dtype}")
     rows = x.reshape(-1, x.shape[-1])
+    out_shape = (*x.shape[:-1], weight.shape[0])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         out = _Linear.apply(rows, weight)
+    elif x.is_cuda and bias is None and residual is not None:
+        return _triton().matmul(rows, weight, residual.reshape(rows.shape[0], -1)).view(out_shape)
     else:
         out = _linear_values(rows, weight, rounded_weight)
     if bias is not None:
         out = out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+    out = out.view(out_shape)
+    return out if residual is None else residual + out
 
 
 class Linear(nn.Linear):
@@ -242,16 +248,19 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self._rounded: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (weight, version, rounded)
         self._stacked: tuple[tuple, torch.Tensor] | None = None  # project()'s: ((weight, version)s, rounded)
+        self.stacked_weight: torch.Tensor | None = None  # stack_weights()'s, on the first of the linears
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The projection of ``x``, plus ``residual`` (shaped as the output) when given."""
         if not self.batch_invariant:
-            return F.linear(x, self.weight, self.bias)
+            out = F.linear(x, self.weight, self.bias)
+            return out if residual is None else residual + out
         if not self.weights_frozen or x.is_cuda:
-            return linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, residual=residual)
         weight = self.weight
         if self._rounded is None or self._rounded[0] is not weight or self._rounded[1] != weight._version:
             self._rounded = (weight, weight._version, rounded_rows(weight))
-        return linear(x, weight, self.bias, rounded_weight=self._rounded[2])
+        return linear(x, weight, self.bias, rounded_weight=self._rounded[2], residual=residual)
 
 
 def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
@@ -262,11 +271,17 @@ def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
     rounded weights stacked: ``exact_matmul``'s sums give each output element the bits it has
     when computed alone. An inference engine's frozen linears keep the stacked rounded weights
     until a weight's version moves; otherwise (a trainer) they are rounded at each call, and
-    backward uses the default matmuls, as ``linear``'s does.
+    backward uses the default matmuls, as ``linear``'s does. On CUDA, linears whose weights
+    ``stack_weights`` made one tensor (an inference engine's) run as one matmul without autograd,
+    others one by one.
     """
     first = linears[0]
-    if x.is_cuda or not all(m.batch_invariant for m in linears):
+    if not all(m.batch_invariant for m in linears):
         return [m(x) for m in linears]
+    if x.is_cuda:
+        if first.stacked_weight is None or torch.is_grad_enabled():
+            return [m(x) for m in linears]
+        return _project_stacked(x, linears)
     weights = [m.weight for m in linears]
     if any(w.shape[1] != x.shape[-1] or w.dtype != x.dtype for w in weights):
         raise ValueError(f"project: x {tuple(x.shape)} {x.dtype} does not match the weights "
@@ -287,6 +302,38 @@ def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
         part = part.view(*x.shape[:-1], -1)
         outputs.append(part if m.bias is None else part + m.bias)
     return outputs
+
+
+def stack_weights(linears: Sequence[Linear]) -> None:
+    """Makes the weights of ``linears`` (one input size) consecutive row blocks of one tensor,
+    ``linears[0].stacked_weight``, which ``project`` multiplies by in one matmul on CUDA: one
+    launch instead of one per linear, for an inference engine's small decode steps. Each weight
+    stays a parameter of its own name, a view into that tensor, so an in-place load into a weight
+    is a load into it (also under a captured CUDA graph, which reads the tensor itself).
+
+    A matmul's output element depends only on its row of ``x`` and its row of the weight (the
+    Triton kernel's sums are fixed per element), so the stacked product has the bits of the
+    separate ones the trainer runs.
+    """
+    stacked = torch.cat([m.weight.detach() for m in linears])
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(stacked[start:start + rows], requires_grad=m.weight.requires_grad)
+        start += rows
+    linears[0].stacked_weight = stacked
+
+
+def _project_stacked(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
+    """``project`` by the stacked weight of ``linears`` (``stack_weights``): one matmul, the
+    outputs column blocks (views) of its result."""
+    stacked = linears[0].stacked_weight
+    if linears[0].weight.data_ptr() != stacked.data_ptr() or sum(m.weight.shape[0] for m in linears) != len(stacked):
+        raise RuntimeError("project: these linears' weights are no longer views of their stacked weight "
+                           "(replaced after stack_weights?)")
+    out = _linear_values(x.reshape(-1, x.shape[-1]), stacked)
+    parts = out.split([m.weight.shape[0] for m in linears], dim=-1)
+    return [(part if m.bias is None else part + m.bias).view(*x.shape[:-1], -1) for m, part in zip(linears, parts)]
 
 
 def _project_values(rows: torch.Tensor, weights: Sequence[torch.Tensor],

@@ -55,12 +55,24 @@ def _dot(x, w, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+def _plus_residual(result, residual_ptr, offsets, mask, HAS_RESIDUAL: tl.constexpr):
+    """``result`` (rounded to the output dtype) plus the residual at ``offsets``, rounded again:
+    the bits of eager torch's ``residual + result``."""
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0)
+        result = (result.to(tl.float32) + residual.to(tl.float32)).to(result.dtype)
+    return result
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, residual_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                   stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   CHUNK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                   HAS_RESIDUAL: tl.constexpr):
     """One output tile: every chunk of K in turn, each summed from zero, added in order
     (``_matmul_chunk_kernel``'s sums, added as ``_sum_chunks_kernel`` adds them). Tiles go in
-    groups of GROUP_M rows of tiles, so that programs running together share weight columns."""
+    groups of GROUP_M rows of tiles, so that programs running together share weight columns.
+    ``residual`` (laid out as ``out``) is added to the rounded result when given."""
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
@@ -79,8 +91,10 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_
         if ((k0 + BLOCK_K) % CHUNK_K == 0) | (k0 + BLOCK_K >= K):
             total += acc
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on,
-             total.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+    offsets = rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    result = _plus_residual(total.to(out_ptr.dtype.element_ty), residual_ptr, offsets, mask, HAS_RESIDUAL)
+    tl.store(out_ptr + offsets, result, mask=mask)
 
 
 @triton.jit
@@ -101,18 +115,23 @@ def _matmul_chunk_kernel(x_ptr, w_ptr, partial_ptr, M, N, K, stride_xm, stride_x
 
 
 @triton.jit
-def _sum_chunks_kernel(partial_ptr, out_ptr, total_elements, chunks, BLOCK: tl.constexpr):
-    """out = partial[0] + partial[1] + ... in order, as ``_matmul_kernel`` adds its chunks."""
+def _sum_chunks_kernel(partial_ptr, out_ptr, residual_ptr, total_elements, chunks, BLOCK: tl.constexpr,
+                       HAS_RESIDUAL: tl.constexpr):
+    """out = partial[0] + partial[1] + ... in order, as ``_matmul_kernel`` adds its chunks (and
+    its residual)."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < total_elements
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for chunk in range(0, chunks):
         total += tl.load(partial_ptr + chunk.to(tl.int64) * total_elements + offsets, mask=mask, other=0.0)
-    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+    result = _plus_residual(total.to(out_ptr.dtype.element_ty), residual_ptr, offsets, mask, HAS_RESIDUAL)
+    tl.store(out_ptr + offsets, result, mask=mask)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x[M, K] @ weight[N, K].T`` in ``x``'s dtype, fp32 accumulation (IEEE fp32 for fp32).
+def matmul(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x[M, K] @ weight[N, K].T`` in ``x``'s dtype, fp32 accumulation (IEEE fp32 for fp32); with
+    ``residual[M, N]``, ``residual + x @ weight.T`` with eager torch's two roundings, in the
+    same launch (a decode step pays for every launch).
 
     K is summed in chunks of ``MATMUL_CHUNK_K``, each from zero in blocks of ``MATMUL_BLOCK_K``,
     and the chunk sums are added in order, by one of three launches with the same sums: large
@@ -124,6 +143,12 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    if residual is not None:
+        if residual.shape != out.shape or residual.dtype != out.dtype:
+            raise ValueError(f"matmul: residual {tuple(residual.shape)} {residual.dtype} does not match the "
+                             f"output {tuple(out.shape)} {out.dtype}")
+        residual = residual.contiguous()
+    residual_ptr, has_residual = (out, False) if residual is None else (residual, True)
     ieee = x.dtype == torch.float32
     sums = dict(BLOCK_K=MATMUL_BLOCK_K, CHUNK_K=MATMUL_CHUNK_K, EVEN_K=k % MATMUL_BLOCK_K == 0, IEEE=ieee)
     strides = (x.stride(0), x.stride(1), weight.stride(0), weight.stride(1))
@@ -138,26 +163,30 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             _matmul_chunk_kernel[(tiles_m, tiles_n, chunks)](
                 x, weight, partial, m, n, k, *strides, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
                 num_stages=stages, **sums)
-            _sum_chunks_kernel[(triton.cdiv(m * n, ROW_BLOCK),)](partial, out, m * n, chunks, BLOCK=ROW_BLOCK)
+            _sum_chunks_kernel[(triton.cdiv(m * n, ROW_BLOCK),)](partial, out, residual_ptr, m * n, chunks,
+                                                                 BLOCK=ROW_BLOCK, HAS_RESIDUAL=has_residual)
             return out
     tiles = tiles_m * tiles_n
-    _matmul_kernel[(tiles,)](x, weight, out, m, n, k, *strides, out.stride(0), out.stride(1), BLOCK_M=block_m,
-                             BLOCK_N=block_n, GROUP_M=8, num_warps=warps, num_stages=stages, **sums)
+    _matmul_kernel[(tiles,)](x, weight, out, residual_ptr, m, n, k, *strides, out.stride(0), out.stride(1),
+                             BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8, num_warps=warps, num_stages=stages,
+                             HAS_RESIDUAL=has_residual, **sums)
     return out
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_out, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, heads, stride_xt, stride_xh, stride_out, eps, BLOCK: tl.constexpr):
+    """One row: ``x[t, h]`` of ``x[T, heads, N]`` (strided in T and heads), into ``out`` row ``t * heads + h``."""
     row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + (row // heads) * stride_xt + (row % heads) * stride_xh
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
     for c0 in range(0, N, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
         squares += x * x
     rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / N + eps)
     for c0 in range(0, N, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0)
         w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
         normed = (x.to(tl.float32) * rstd).to(x.dtype)
         scaled = w.to(tl.float32) * normed.to(tl.float32)
@@ -166,14 +195,17 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_out, eps, BLOCK:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
+    """Contiguous; ``x`` may be strided in its leading dims (per-head q/k: column blocks of a
+    stacked q/k/v product) without a copy."""
+    rows = x.reshape(-1, x.shape[-2], x.shape[-1]) if x.dim() >= 2 else x.reshape(1, 1, -1)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.shape[1], rows.stride(0), out.stride(0), eps,
-                                           BLOCK=min(ROW_BLOCK, triton.next_power_of_2(rows.shape[1])))
-    return out.view(*x.shape[:-1], x.shape[-1])
+    tokens, heads, n = rows.shape
+    out = torch.empty(tokens * heads, n, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if out.shape[0]:
+        _rms_norm_kernel[(out.shape[0],)](rows, weight, out, n, heads, rows.stride(0), rows.stride(1),
+                                          out.stride(0), eps, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(n)))
+    return out.view(x.shape)
 
 
 @triton.jit
@@ -206,22 +238,29 @@ def logsumexp(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK: tl.constexpr):
+    """Columns ``[BLOCK * program_id(1), ...)`` of row ``program_id(0)``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + offsets, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * n + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` in one kernel: silu in fp32 as ``g / (1 + exp(-g))`` rounded to the
-    dtype, times ``up`` rounded again (eager torch's roundings)."""
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    if gate.numel():
-        _silu_mul_kernel[(triton.cdiv(gate.numel(), ROW_BLOCK),)](gate, up, out, gate.numel(), BLOCK=ROW_BLOCK)
+    dtype, times ``up`` rounded again (eager torch's roundings). Contiguous; ``gate`` and ``up``
+    may be strided in their rows (column blocks of a stacked gate/up product) without a copy."""
+    rows_gate, rows_up = (t.reshape(-1, t.shape[-1]) for t in (gate, up))
+    if rows_gate.stride(-1) != 1 or rows_up.stride(-1) != 1:
+        rows_gate, rows_up = rows_gate.contiguous(), rows_up.contiguous()
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    rows, n = rows_gate.shape
+    if out.numel():
+        _silu_mul_kernel[(rows, triton.cdiv(n, ROW_BLOCK))](rows_gate, rows_up, out, n, rows_gate.stride(0),
+                                                            rows_up.stride(0), BLOCK=ROW_BLOCK)
     return out
 
 

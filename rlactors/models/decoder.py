@@ -85,8 +85,9 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: Attention) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention,
+                residual: torch.Tensor) -> torch.Tensor:
+        """``residual`` plus the attention's output (the o_proj adds it: one kernel on the engine's path)."""
         T = x.shape[0]
         q, k, v = bi.project(x, (self.q_proj, self.k_proj, self.v_proj))
         q = q.view(T, self.num_heads, self.head_dim)
@@ -97,7 +98,7 @@ class SelfAttention(nn.Module):
         rope = bi.rope if self.batch_invariant else bi.apply_rope
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         out = attention(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim), residual)
 
 
 class MLP(nn.Module):
@@ -109,10 +110,11 @@ class MLP(nn.Module):
         self.up_proj = bi.Linear(args.hidden_size, args.intermediate_size)
         self.down_proj = bi.Linear(args.intermediate_size, args.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual`` plus the MLP's output (the down_proj adds it)."""
         if self.batch_invariant:
-            return self.down_proj(bi.silu_mul(*bi.project(x, (self.gate_proj, self.up_proj))))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(bi.silu_mul(*bi.project(x, (self.gate_proj, self.up_proj))), residual)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -125,8 +127,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: Attention) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), cos, sin, attention, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class DecoderModel(nn.Module):

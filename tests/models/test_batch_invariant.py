@@ -392,6 +392,39 @@ def test_cuda_matmul_launches_give_a_row_the_same_bits():
 
 @pytest.mark.gpu
 @cuda
+def test_cuda_engine_fusions_have_the_bits_of_the_separate_ops():
+    """An engine's q/k/v and gate/up (``stack_weights``): one matmul whose column blocks are
+    bitwise each linear's own product, at decode and prefill sizes and after a weight load; the
+    per-head RMSNorm and silu*up read those blocks in place with the bits of contiguous copies;
+    a residual added in the matmul's launch has the bits of the separate addition."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = [bi.Linear(1024, n).cuda().bfloat16() for n in (2048, 1024, 1024)]
+    for layer in layers:
+        layer.batch_invariant = layer.weights_frozen = True
+    bi.stack_weights(layers)
+    x = torch.randn(4096, 1024, device="cuda", generator=g).bfloat16()
+    with torch.inference_mode():
+        for rows in (1, 64, 300, 4096):
+            q, k, v = bi.project(x[:rows], layers)
+            for part, layer in zip((q, k, v), layers):
+                assert torch.equal(part, bi.linear(x[:rows], layer.weight)), rows
+        layers[1].weight.copy_(torch.randn(1024, 1024, device="cuda", generator=g).bfloat16())  # a weight load
+        q, k, v = bi.project(x[:64], layers)
+        assert torch.equal(k, bi.linear(x[:64], layers[1].weight))
+        norm_w = torch.randn(128, device="cuda", generator=g).bfloat16()
+        heads = q.view(64, 16, 128)
+        assert not heads.is_contiguous()
+        assert torch.equal(bi.rms_norm(heads, norm_w, 1e-6), bi.rms_norm(heads.contiguous(), norm_w, 1e-6))
+        assert torch.equal(bi.silu_mul(q[:, :1024], q[:, 1024:]),
+                           bi.silu_mul(q[:, :1024].contiguous(), q[:, 1024:].contiguous()))
+        residual = torch.randn(4096, 2048, device="cuda", generator=g).bfloat16()
+        for rows in (1, 64, 300, 4096):  # split K, small and large tiles
+            fused = bi.linear(x[:rows], layers[0].weight, residual=residual[:rows])
+            assert torch.equal(fused, residual[:rows] + bi.linear(x[:rows], layers[0].weight)), rows
+
+
+@pytest.mark.gpu
+@cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_ops_are_batch_invariant_and_close_to_default(dtype):
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}

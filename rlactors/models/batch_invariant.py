@@ -199,17 +199,15 @@ def _linear_values(x: torch.Tensor, weight: torch.Tensor, rounded_weight: torch.
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           rounded_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+           rounded_weight: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with each row of ``x[..., K]`` computed independently of
     the others: a row's result does not depend on the leading shape of ``x``.
 
     CPU: ``exact_matmul``'s exact integer sums (the same bits on any BLAS, CPU and thread count),
     rounded once to ``x``'s dtype; ``rounded_weight`` is ``rounded_rows(weight)`` when the caller
     keeps it. CUDA: a Triton matmul with one fixed tile shape and the whole K reduction inside each
-    tile, in order. ``bias``, then ``residual`` (a decoder layer's residual stream, shaped as the
-    output), are added to that result, elementwise (so invariant too); without autograd on CUDA
-    the residual is added in the matmul's own launch, with the same roundings. Backward uses the
-    default matmuls.
+    tile, in order. ``bias`` is added to that result, elementwise (so invariant too). Backward
+    uses the default matmuls.
     """
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
@@ -219,17 +217,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: bias {tuple(bias.shape)} {bias.dtype} does not match weight "
                          f"{tuple(weight.shape)} {weight.dtype}")
     rows = x.reshape(-1, x.shape[-1])
-    out_shape = (*x.shape[:-1], weight.shape[0])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         out = _Linear.apply(rows, weight)
-    elif x.is_cuda and bias is None and residual is not None:
-        return _triton().matmul(rows, weight, residual.reshape(rows.shape[0], -1)).view(out_shape)
     else:
         out = _linear_values(rows, weight, rounded_weight)
     if bias is not None:
         out = out + bias
-    out = out.view(out_shape)
-    return out if residual is None else residual + out
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):
@@ -238,7 +232,9 @@ class Linear(nn.Linear):
 
     With ``weights_frozen`` (an inference engine, whose weights change only by in-place loads) the
     CPU path keeps ``rounded_rows(weight)`` until the weight's version counter moves, instead of
-    rounding the weight on every call.
+    rounding the weight on every call, and the CUDA path adds a residual in the matmul's launch.
+    A trainer's linears (not frozen) always run the separate ops, so the GPU bitwise tests of
+    trainer against engine cover the engine's fusions.
     """
 
     batch_invariant = False
@@ -254,13 +250,21 @@ class Linear(nn.Linear):
         """The projection of ``x``, plus ``residual`` (shaped as the output) when given."""
         if not self.batch_invariant:
             out = F.linear(x, self.weight, self.bias)
-            return out if residual is None else residual + out
-        if not self.weights_frozen or x.is_cuda:
-            return linear(x, self.weight, self.bias, residual=residual)
-        weight = self.weight
-        if self._rounded is None or self._rounded[0] is not weight or self._rounded[1] != weight._version:
-            self._rounded = (weight, weight._version, rounded_rows(weight))
-        return linear(x, weight, self.bias, rounded_weight=self._rounded[2], residual=residual)
+        elif self.weights_frozen and x.is_cuda and residual is not None and self.bias is None \
+                and not torch.is_grad_enabled():
+            # An engine's decode steps pay for every launch: the residual is added in the
+            # matmul's own, with the roundings of the addition below (a GPU test checks).
+            rows = x.reshape(-1, x.shape[-1])
+            out = _triton().matmul(rows, self.weight, residual.reshape(rows.shape[0], -1))
+            return out.view(*x.shape[:-1], -1)
+        elif not self.weights_frozen or x.is_cuda:
+            out = linear(x, self.weight, self.bias)
+        else:
+            weight = self.weight
+            if self._rounded is None or self._rounded[0] is not weight or self._rounded[1] != weight._version:
+                self._rounded = (weight, weight._version, rounded_rows(weight))
+            out = linear(x, weight, self.bias, rounded_weight=self._rounded[2])
+        return out if residual is None else residual + out
 
 
 def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:

@@ -197,7 +197,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, heads, stride_xt, stride_xh, stri
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Contiguous; ``x`` may be strided in its leading dims (per-head q/k: column blocks of a
     stacked q/k/v product) without a copy."""
-    rows = x.reshape(-1, x.shape[-2], x.shape[-1]) if x.dim() >= 2 else x.reshape(1, 1, -1)
+    rows = x.reshape(-1, x.shape[-2], x.shape[-1]) if x.dim() > 2 else x.reshape(1, -1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     tokens, heads, n = rows.shape

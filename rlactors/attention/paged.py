@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from rlactors.attention.invariant import AttentionPlan, prepare_keys_values
+from rlactors.attention.invariant import AttentionPlan
 from rlactors.engines.kv_cache import Chunk, PagedKVCache, blocks_for
 
 # Decode groups: fewer SDPA calls cost less overhead, more calls pad less. Measured on CPU with 64
@@ -111,8 +111,7 @@ class PagedAttention:
 class BatchInvariantPagedAttention:
     """`attention(layer_idx, q, k, v)` of the true on-policy mode over a `PagedKVCache`.
 
-    Writes the step's k/v into the cache like `PagedAttention`, as `prepare_keys_values` returns
-    them (on CPU every row rounded once, here, for the exact products), then every query attends to its
+    Writes the step's k/v into the cache like `PagedAttention`, then every query attends to its
     sequence's context, read in place from the cache's slots, through
     `batch_invariant.AttentionPlan`: keys in fixed blocks from position 0, in order, as the
     trainer's `BatchInvariantAttention` does, so a query's output does not depend on the other
@@ -136,6 +135,5 @@ class BatchInvariantPagedAttention:
         self.slot_mapping = torch.tensor(slots, device=device)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.write(layer_idx, self.slot_mapping, *prepare_keys_values(k, v))
-        powers = None if self.cache.value_powers is None else self.cache.value_powers[layer_idx]
-        return self.plan.paged(q, self.cache.kv[layer_idx], self.key_slots, powers)
+        self.cache.write(layer_idx, self.slot_mapping, k, v)
+        return self.plan.paged(q, self.cache.kv[layer_idx], self.key_slots)

@@ -119,27 +119,19 @@ class PagedKVCache:
     """K and V of every layer, `[num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim]`.
 
     Head-major, so that a gather of whole blocks lands directly in the `[n, Hkv, C, D]` layout
-    that SDPA reads, K and V in one call. With `value_powers` (the CPU true on-policy attention)
-    it also keeps, per layer, kv head and slot, the fp64 power of two of each stored value row
-    (`rlactors.attention.invariant.prepare_keys_values`), `[num_layers, num_kv_heads, slots]`.
+    that SDPA reads, K and V in one call.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str, value_powers: bool = False):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
         self.kv = torch.zeros((num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim),
                               dtype=dtype, device=device)
-        # 1.0, not 0, in slots never written: finite wherever it is read.
-        self.value_powers = (torch.ones((num_layers, num_kv_heads, num_blocks * block_size), dtype=torch.float64,
-                                        device=device) if value_powers else None)
         self.num_blocks = num_blocks
         self.block_size = block_size
 
-    def write(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              value_powers: torch.Tensor | None = None) -> None:
-        """Stores `k, v [T, Hkv, D]` at `slots [T]`, and `value_powers [T, Hkv]` when the cache keeps them."""
-        self.kv[layer_idx].index_copy_(2, slots, torch.stack((k, v)).transpose(1, 2))
-        if self.value_powers is not None:
-            self.value_powers[layer_idx].index_copy_(1, slots, value_powers.t())
+    def write(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores `k, v [T, Hkv, D]` at `slots [T]` (in the cache's dtype)."""
+        self.kv[layer_idx].index_copy_(2, slots, torch.stack((k, v)).transpose(1, 2).to(self.kv.dtype))
 
     def gather(self, layer_idx: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of whole blocks: `blocks [n, B]` -> `[n, Hkv, B * block_size, D]` each."""

@@ -44,9 +44,10 @@ class NativeEngine(Engine):
         self.device = param.device
         num_blocks = blocks_for(config.kv_cache_tokens, config.block_size)
         self.pool = BlockPool(num_blocks, config.block_size)
+        # CPU true on-policy: the attention kernel reads fp32, which holds any model dtype's K/V exactly.
+        cache_dtype = torch.float32 if true_on_policy and self.device.type == "cpu" else param.dtype
         self.cache = PagedKVCache(args.num_hidden_layers, num_blocks, config.block_size, args.num_key_value_heads,
-                                  args.head_dim, param.dtype, self.device,
-                                  value_powers=true_on_policy and self.device.type == "cpu")
+                                  args.head_dim, cache_dtype, self.device)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_tokens)
         self.sequences: dict[str, SeqState] = {}
         self.aborted: list[Completion] = []

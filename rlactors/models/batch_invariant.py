@@ -13,16 +13,17 @@ an H200; pinned by tests/models/test_batch_invariant.py):
   shape, and on CPU also from the CPU's vendor and instruction set, so a row's dot products are
   summed in another order when the number of rows changes (MKL fp32 on one Intel CPU: M < 16
   takes another path, for K >= 1024 rows differ up to M ~ 256; on an AMD CPU rows differ even in
-  MKL's strict reproducibility mode). CPU fix: ``exact_matmul``. Every row is rounded to integers
-  times a power of two (20 to 23 bits) and the products are summed in fp64, where each partial
-  sum is an exact integer, so the BLAS's order cannot change a bit, on any CPU. CUDA fix: a
+  MKL's strict reproducibility mode). CPU fix: no BLAS. ``cpu_kernels.matmul`` (C, compiled on
+  first use) computes every output element as one fmaf chain over K, in order, and vectorizes
+  only across independent elements, so a row's bits depend on that row alone, on any x86-64 CPU,
+  instruction set and compiler flags. CUDA fix: a
   Triton matmul with one fixed tile shape that sums K in fixed chunks, each in order, and adds
   the chunks in order (cuBLAS picks split-K by shape).
 - silu / sigmoid: torch's vectorized CPU loop computes the tail of a tensor with the scalar
   function, which rounds differently, so an element's value depends on its index in the tensor.
   Fix: ``silu_mul`` spells silu with exp and a division, which round the same on both paths.
 - attention: each side splits keys and batches queries its own way. Fix: one function for both,
-  in ``rlactors.attention.invariant`` (it uses the exact products below on CPU).
+  in ``rlactors.attention.invariant`` (on CPU ``cpu_kernels.attend``, fixed per query).
 - row reductions on CUDA (RMSNorm's mean, log_softmax): torch sizes its blocks by the number of
   rows. Fix: one-program-per-row Triton kernels. On CPU torch's own kernels (not the BLAS)
   reduce a contiguous row in an order set by its length and the vector width alone, whatever the
@@ -45,130 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# ------------------------------------------------------------------------------------------------
-# Exact CPU matmuls
-
-# fp64 represents every integer of magnitude <= 2**53 exactly.
-_EXACT_BITS = 53
-
-
-def fixed_point_bits(reduced: int) -> int:
-    """Integer bits per operand for an exact fp64 dot product of ``reduced`` terms: with both
-    operands' integers of magnitude <= 2**bits, every partial sum is an integer of magnitude <=
-    reduced * 2**(2 * bits) <= 2**53."""
-    return (_EXACT_BITS - max(reduced - 1, 0).bit_length()) // 2
-
-
-# An fp64 with its mantissa bits cleared is the largest power of two <= it (for a normal number).
-_EXPONENT_FIELD = 0x7FF0000000000000
-# A row whose largest magnitude is below this is rounded as if it were this: every scale stays a
-# normal fp64, and no fp32, bf16 or fp16 value is that small, so their rows never take this path.
-_SMALLEST_LEADING_POWER = 2.0**-200
-
-
-def _leading_power(x: torch.Tensor, nonnegative: bool = False) -> torch.Tensor:
-    """fp64 ``[..., 1]``: per row of ``x`` (last dim), the largest power of two <= its largest
-    magnitude, or ``2**-200`` when that is smaller (a zero row). ``nonnegative``: ``x`` has no
-    negative entries, so its largest entry is its largest magnitude."""
-    largest = x.amax(-1, keepdim=True)
-    if not nonnegative:  # amax and amin: no |x| temporary; torch's aminmax is several times slower here
-        largest = torch.maximum(largest, x.amin(-1, keepdim=True).neg_())
-    largest = largest.double().clamp_(min=_SMALLEST_LEADING_POWER)
-    return (largest.view(torch.int64) & _EXPONENT_FIELD).view(torch.float64)
-
-
-def _round_at(x: torch.Tensor, leading_power: torch.Tensor, bits: int, overwrite: bool = False) -> torch.Tensor:
-    """``x`` in fp64 with each row rounded to a multiple of ``2 * leading_power * 2**-bits``.
-
-    ``(x + c) - c`` with ``c = 1.5 * 2**52`` times that unit: ``c``'s last mantissa bit is the
-    unit, and ``x + c`` stays in ``c``'s binade (``|x| < 2 * leading_power``), so the one IEEE
-    addition rounds ``x`` at the unit (to nearest, ties to even) and the subtraction is exact.
-    ``overwrite``: an fp64 ``x`` is rounded in place."""
-    shift = leading_power * (1.5 * 2.0 ** (53 - bits))
-    # Converted first, then in place: torch.add(fp32, fp64) converts into a temporary of its own.
-    rounded = x if overwrite and x.dtype == torch.float64 else x.to(torch.float64, copy=True)
-    return rounded.add_(shift).sub_(shift)
-
-
-def rounded_rows(x: torch.Tensor, bits: int | None = None) -> torch.Tensor:
-    """``x`` in fp64 with each row (last dim) rounded to a multiple of ``2**(e - bits)``, where
-    ``2**e`` is the least power of two above the row's largest magnitude (at least ``2**-199``);
-    ``bits`` defaults to the most that keeps a dot product of two such rows exact
-    (``fixed_point_bits``).
-
-    So a rounded row is an integer times ``2**(e - bits)``, at most ``2**bits`` in magnitude, and
-    it depends on that row's values alone (rounded to nearest, ties to even). Cast back to ``x``'s
-    dtype it is exact (a multiple of a power of two no finer than the entry's own last bit, or the
-    entry itself), unless a row within one ulp of the dtype's largest finite value rounds up.
-    """
-    bits = bits or fixed_point_bits(x.shape[-1])
-    return _round_at(x, _leading_power(x), bits)
-
-
-def exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """fp32 ``a @ b.mT`` (``a [..., M, K]``, ``b [..., N, K]``, broadcast batch dims) in which an
-    output element depends only on its own row of ``a`` and row of ``b``, on any BLAS.
-
-    ``rounded_rows`` turns every row into integers times one power of two, with ``bits`` from
-    ``fixed_point_bits(K)``. The terms of a dot product then share one power of two, and every
-    partial sum, in fp64, is an integer small enough to be exact: the sum is the same in any
-    order, so whatever blocking, thread split, kernel or instruction set the BLAS picks for this
-    shape, the result is the exact dot product of the rounded rows, rounded once to fp32. The
-    input rounding costs at most ``2**-bits`` of the row's largest entry (22 or more bits for
-    K <= 512, 20 for K <= 8192): results are close to fp32 matmuls, not equal to them.
-    """
-    return torch.matmul(rounded_rows(a), rounded_rows(b).mT).float()
-
-
-def weighted_sum_bits(reduced: int) -> int:
-    """Bits to which ``exact_weighted_sum`` rounds the rows of its values and of its scaled
-    weights, for ``reduced`` values: ``fixed_point_bits(2 * reduced)``, one bit short of
-    ``fixed_point_bits(reduced)`` at most, for the value integers may reach ``2**(bits + 1)``."""
-    return fixed_point_bits(2 * reduced)
-
-
-def exact_weighted_sum(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """fp32 ``weights @ values`` (``weights [..., M, K]``, ``values [..., K, N]``), exact as in
-    ``exact_matmul``, with each row of ``values`` rounded on its own (``rounded_rows`` at
-    ``weighted_sum_bits(K)``): ``weighted_sum_of_rounded`` of those rows."""
-    bits = weighted_sum_bits(values.shape[-2])
-    return weighted_sum_of_rounded(weights, rounded_rows(values, bits), bits)
-
-
-def row_powers(x: torch.Tensor) -> torch.Tensor:
-    """fp64 ``x.shape[:-1]``: per row of ``x``, the largest power of two <= its largest magnitude
-    (at least ``2**-200``): for a row of values ``rounded_rows`` made, the power of two that
-    ``weighted_sum_of_rounded`` reads back from it, for a caller that keeps it with the row."""
-    return _leading_power(x)[..., 0]
-
-
-def weighted_sum_of_rounded(weights: torch.Tensor, values: torch.Tensor, bits: int, *,
-                            value_powers: torch.Tensor | None = None, nonnegative_weights: bool = False,
-                            overwrite_values: bool = False, scaled_out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 ``weights @ values``, summed exactly, for ``values`` whose rows ``rounded_rows(., bits)``
-    made (in any dtype that holds them exactly) with ``bits = weighted_sum_bits(K)``.
-
-    Rounding the columns of ``values`` would tie a value's rounding to every other row of
-    ``values``. Here row ``k`` is an integer (at most ``2**(bits + 1)``: a rounded row's largest
-    entry may have reached the next power of two) times ``2**s_k``, where ``2**(s_k + bits)`` is
-    the largest power of two <= the row's largest magnitude, read back from the rounded row
-    itself (``row_powers``; ``value_powers [..., K]`` when the caller kept them); that power of
-    two moves, exactly, into column ``k`` of ``weights``, whose rows are then rounded to
-    ``bits``, and the fp64 sums of integers are exact in any order. A zero weight stays an exact
-    zero, so a row of ``values`` that the weights ignore (a hidden key) changes no result,
-    whatever it holds, as long as it is finite.
-
-    Passes and temporaries the caller can spare: ``nonnegative_weights`` (softmax weights) skips
-    the weights' minimum; ``overwrite_values`` turns fp64 ``values`` into their integers in
-    place; ``scaled_out`` (fp64, ``weights``' shape) receives the scaled weights.
-    """
-    power = _leading_power(values) if value_powers is None else value_powers[..., None]  # [..., K, 1]
-    value_ints = values if overwrite_values and values.dtype == torch.float64 else values.to(torch.float64, copy=True)
-    value_ints.mul_(power.reciprocal().mul_(2.0**bits))  # exact
-    scaled = torch.mul(weights, (power * 2.0**-bits).mT, out=scaled_out)  # exact, in fp64
-    rounded = _round_at(scaled, _leading_power(scaled, nonnegative_weights), bits, overwrite=True)
-    return torch.matmul(rounded, value_ints).float()
-
+from rlactors.models import cpu_kernels
 
 # ------------------------------------------------------------------------------------------------
 # Linear
@@ -190,22 +68,20 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_weight
 
 
-def _linear_values(x: torch.Tensor, weight: torch.Tensor, rounded_weight: torch.Tensor | None = None) -> torch.Tensor:
+def _linear_values(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None = None) -> torch.Tensor:
     if x.is_cuda:
         return _triton().matmul(x, weight)
-    if rounded_weight is None:
-        rounded_weight = rounded_rows(weight)
-    return torch.matmul(rounded_rows(x), rounded_weight.mT).to(x.dtype)
+    return cpu_kernels.matmul(x, weight.t() if weight_t is None else weight_t).to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           rounded_weight: torch.Tensor | None = None) -> torch.Tensor:
+           weight_t: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with each row of ``x[..., K]`` computed independently of
     the others: a row's result does not depend on the leading shape of ``x``.
 
-    CPU: ``exact_matmul``'s exact integer sums (the same bits on any BLAS, CPU and thread count),
-    rounded once to ``x``'s dtype; ``rounded_weight`` is ``rounded_rows(weight)`` when the caller
-    keeps it. CUDA: a Triton matmul with one fixed tile shape and the whole K reduction inside each
+    CPU: ``cpu_kernels.matmul`` in fp32 (each element one fmaf chain over K, in order: the same
+    bits on any CPU), rounded once to ``x``'s dtype; ``weight_t`` is ``weight``'s fp32 transpose
+    when the caller keeps it. CUDA: a Triton matmul with one fixed tile shape and the whole K reduction inside each
     tile, in order. ``bias`` is added to that result, elementwise (so invariant too). Backward
     uses the default matmuls.
     """
@@ -220,7 +96,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         out = _Linear.apply(rows, weight)
     else:
-        out = _linear_values(rows, weight, rounded_weight)
+        out = _linear_values(rows, weight, weight_t)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -231,8 +107,8 @@ class Linear(nn.Linear):
     (the model's ``set_batch_invariant`` sets it); parameter names and init are nn.Linear's.
 
     With ``weights_frozen`` (an inference engine, whose weights change only by in-place loads) the
-    CPU path keeps ``rounded_rows(weight)`` until the weight's version counter moves, instead of
-    rounding the weight on every call, and the CUDA path adds a residual in the matmul's launch.
+    CPU path keeps the weight's fp32 transpose, which its kernel reads, until the weight's version
+    counter moves, and the CUDA path adds a residual in the matmul's launch.
     A trainer's linears (not frozen) always run the separate ops, so the GPU bitwise tests of
     trainer against engine cover the engine's fusions.
     """
@@ -242,8 +118,8 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
-        self._rounded: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (weight, version, rounded)
-        self._stacked: tuple[tuple, torch.Tensor] | None = None  # project()'s: ((weight, version)s, rounded)
+        self._transposed: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (weight, version, fp32 w.T)
+        self._stacked: tuple[tuple, torch.Tensor] | None = None  # project()'s: ((weight, version)s, fp32 w.T)
         self.stacked_weight: torch.Tensor | None = None  # stack_weights()'s, on the first of the linears
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -261,9 +137,9 @@ class Linear(nn.Linear):
             out = linear(x, self.weight, self.bias)
         else:
             weight = self.weight
-            if self._rounded is None or self._rounded[0] is not weight or self._rounded[1] != weight._version:
-                self._rounded = (weight, weight._version, rounded_rows(weight))
-            out = linear(x, weight, self.bias, rounded_weight=self._rounded[2])
+            if self._transposed is None or self._transposed[0] is not weight or self._transposed[1] != weight._version:
+                self._transposed = (weight, weight._version, _transposed(weight))
+            out = linear(x, weight, self.bias, weight_t=self._transposed[2])
         return out if residual is None else residual + out
 
 
@@ -271,11 +147,11 @@ def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
     """``[m(x) for m in linears]``, bit for bit: several projections of one input (q/k/v,
     gate/up).
 
-    For CPU linears in batch-invariant mode, ``x`` is rounded once and multiplied once by their
-    rounded weights stacked: ``exact_matmul``'s sums give each output element the bits it has
-    when computed alone. An inference engine's frozen linears keep the stacked rounded weights
-    until a weight's version moves; otherwise (a trainer) they are rounded at each call, and
-    backward uses the default matmuls, as ``linear``'s does. On CUDA, linears whose weights
+    For CPU linears in batch-invariant mode, ``x`` is multiplied once by their weights stacked:
+    the kernel computes each output element alone (``cpu_kernels.matmul``), so it has the bits of
+    the separate products. An inference engine's frozen linears keep the stacked transpose until
+    a weight's version moves; otherwise (a trainer) it is made at each call, and backward uses
+    the default matmuls, as ``linear``'s does. On CUDA, linears whose weights
     ``stack_weights`` made one tensor (an inference engine's) run as one matmul without autograd,
     others one by one.
     """
@@ -298,7 +174,7 @@ def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
         if all(m.weights_frozen for m in linears):
             key = tuple((w, w._version) for w in weights)
             if first._stacked is None or any(a is not b or u != v for (a, u), (b, v) in zip(first._stacked[0], key)):
-                first._stacked = (key, rounded_rows(torch.cat(weights)))
+                first._stacked = (key, _transposed(torch.cat(weights)))
             stacked = first._stacked[1]
         parts = _project_values(rows, weights, stacked)
     outputs = []
@@ -341,14 +217,18 @@ def _project_stacked(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.T
 
 
 def _project_values(rows: torch.Tensor, weights: Sequence[torch.Tensor],
-                    rounded_stacked: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """``rows @ w.T`` for each of ``weights``, exact (``exact_matmul``) in one product, each
-    contiguous; ``rounded_stacked`` is ``rounded_rows(torch.cat(weights))`` when the caller keeps
-    it (a row of the stack is rounded on its own, so that is each weight's rounding)."""
-    if rounded_stacked is None:
-        rounded_stacked = rounded_rows(torch.cat(weights))
-    out = torch.matmul(rounded_rows(rows), rounded_stacked.mT).to(rows.dtype)
+                    stacked_t: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``rows @ w.T`` for each of ``weights``, in one ``cpu_kernels.matmul``, each contiguous;
+    ``stacked_t`` is ``_transposed(torch.cat(weights))`` when the caller keeps it."""
+    if stacked_t is None:
+        stacked_t = _transposed(torch.cat(weights))
+    out = cpu_kernels.matmul(rows, stacked_t).to(rows.dtype)
     return [part.contiguous() for part in out.split([w.shape[0] for w in weights], dim=-1)]
+
+
+def _transposed(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` as the CPU matmul kernel reads it: fp32 ``[K, N]``, contiguous."""
+    return weight.detach().t().to(torch.float32).contiguous()
 
 
 class _Project(torch.autograd.Function):

@@ -75,37 +75,28 @@ def test_attend_same_bits_for_whole_sequence_decode_chunks_and_batches(dtype):
     assert torch.equal(out[mine:mine + 2], whole[99:101])
 
 
-def test_long_documents_are_attended_in_chunks_of_linear_memory_with_the_same_bits(monkeypatch):
+def test_long_documents_same_bits_for_every_query_alone():
     length, hq, hkv, d = 1100, 4, 2, 16
     q, k, v = torch.randn(length, hq, d), torch.randn(1, hkv, length, d), torch.randn(1, hkv, length, d)
-    plan = attn.AttentionPlan(torch.arange(length), one_segment(length))
-    chunked = plan(q, k, v)
-    reads = plan._reads
-    chunk_rows = [sum(count for _, count in reads.blocks[a:b]) for a, b in reads.spans]
-    assert len(chunk_rows) > 1 and max(chunk_rows) <= attn.CHUNK_ROWS  # not all ~630 rows at once
-    torch.testing.assert_close(chunked, causal_reference(q, head_major(k)[0], head_major(v)[0]), atol=1e-5, rtol=1e-3)
-    # A decode query against the same keys reads far fewer rows: still the same bits.
-    last = attn.AttentionPlan(torch.tensor([length - 1]), one_segment(1))(q[-1:], k, v)
-    assert torch.equal(last, chunked[-1:])
-
-    monkeypatch.setattr(attn, "CHUNK_ROWS", 10**9)  # every block in one pass, as for short documents
-    whole = attn.AttentionPlan(torch.arange(length), one_segment(length))
-    assert torch.equal(whole(q, k, v), chunked) and len(whole._reads.spans) == 1
+    whole = attn.AttentionPlan(torch.arange(length), one_segment(length))(q, k, v)
+    torch.testing.assert_close(whole, causal_reference(q, head_major(k)[0], head_major(v)[0]), atol=1e-5, rtol=1e-3)
+    for position in (0, 15, 16, 17, 63, 64, 1099):  # decode queries, at and around the kernel's lanes
+        alone = attn.AttentionPlan(torch.tensor([position]), one_segment(1))(q[position:position + 1], k, v)
+        assert torch.equal(alone, whole[position:position + 1]), position
 
 
 def test_paged_attend_same_bits_as_whole_keys_in_any_query_order():
     """plan.paged (keys read in place from slots of a shared buffer: the engine's and the
-    trainer's CPU path) == plan(q, keys, values), for decodes in the engine's order (the CPU
-    path then skips its output gather), the same decodes reversed, and a step with
-    prefill chunks, with or without the value powers kept; slots no query may read hold NaN."""
+    trainer's CPU path) == plan(q, keys, values), for decodes in the engine's order, the same
+    decodes reversed, and a step with prefill chunks; slots no query may read hold NaN."""
     hq, hkv, d, length = 4, 2, 32, 200
     lengths = [30, 64, 65, 130, 199, 7]
     keys, values = torch.randn(len(lengths), hkv, length, d), torch.randn(len(lengths), hkv, length, d)
-    kv, powers = torch.full((2, hkv, 1600, d), float("nan")), torch.full((hkv, 1600), float("nan"), dtype=torch.float64)
+    kv = torch.full((2, hkv, 1600, d), float("nan"))
     key_slots = torch.randperm(1600)[:len(lengths) * length].view(len(lengths), length)
     for s, n in enumerate(lengths):  # segment s's keys 0 .. n-1 in its slots; the rest stay NaN
         slots = key_slots[s, :n]
-        kv[0, :, slots], kv[1, :, slots], powers[:, slots] = attn.prepare_keys_values(keys[s, :, :n], values[s, :, :n])
+        kv[0, :, slots], kv[1, :, slots] = keys[s, :, :n], values[s, :, :n]
 
     decodes = (torch.tensor([n - 1 for n in lengths]), torch.arange(len(lengths)))
     order = torch.argsort(decodes[0])  # by length, as the engine packs decodes
@@ -117,9 +108,8 @@ def test_paged_attend_same_bits_as_whole_keys_in_any_query_order():
         q = torch.randn(len(positions), hq, d)
         plan = attn.AttentionPlan(positions, segments)
         paged = plan.paged(q, kv, key_slots)
-        assert (plan._reads.out_index is None) == (name == "decodes in order")
+        assert not paged.isnan().any(), name
         assert torch.equal(paged, attn.AttentionPlan(positions, segments)(q, keys, values)), name
-        assert torch.equal(plan.paged(q, kv, key_slots, powers), paged), name  # the kept value powers
 
 
 def test_packed_attention_same_bits_as_attend_over_padded_documents():
@@ -183,18 +173,6 @@ def test_packed_attention_same_bits_however_documents_are_packed():
     idx = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in order])
     repacked = attn.BatchInvariantAttention.from_positions(positions[idx])(0, q[idx], k[idx], v[idx])
     assert torch.equal(repacked, packed[idx])
-
-
-def test_cpu_tile_size_changes_no_bit(monkeypatch):
-    """CPU_QUERY_TILE is a speed knob: tiles of any size give every query the same bits."""
-    positions, q, k, v = packed_documents([40, 7, 90, 1, 33, 150])
-    outputs = []
-    for tile in (1, 5, 16, 32, 64):
-        monkeypatch.setattr(attn, "CPU_QUERY_TILE", tile)
-        attention = attn.BatchInvariantAttention.from_positions(positions)
-        assert attention.plan.tile_size == tile
-        outputs.append(attention.forward_values(q, k, v))
-    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
 
 
 def test_packed_attention_gradients_are_the_default_ones():

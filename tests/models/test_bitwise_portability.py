@@ -1,7 +1,9 @@
 """The bitwise promises hold whatever code path the CPU's math libraries take.
 
-CPU true on-policy sums every matmul exactly (``batch_invariant.exact_matmul``), so no setting
-of the BLAS may change a bit. Each setting below runs the bitwise tests in a fresh process (MKL
+CPU true on-policy runs no BLAS in any op that shapes a logprob: its matmuls and attention are
+fixed-order C kernels (``rlactors/models/cpu_kernels.c``), so no setting of the BLAS may change a
+bit (tests/models/test_cpu_kernels.py builds those kernels for other instruction sets). Each
+setting below runs the bitwise tests in a fresh process (MKL
 reads its settings once, at its first call): MKL's AVX2 and AVX-512 code paths (what differs
 between CPUs), its conditional-reproducibility modes, 2 threads instead of 1, and torch's own
 kernels compiled for AVX2 instead of this CPU's best. Then a generator and a trainer that run

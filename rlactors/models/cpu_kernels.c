@@ -85,7 +85,7 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-#define TILE 16 /* queries attended together: they share each key row read */
+#define TILE 16 /* consecutive queries of a segment attended together: they share key and value reads */
 
 /* Causal attention, one query at a time in effect: query i (segment s = segments[i], position
  * pos = positions[i]) attends to keys 0 .. pos of segment s, key p in slot key_slots[s][p].
@@ -93,17 +93,18 @@ static inline float exp_nonpositive(float x) {
  * For query i and head h (kv head h / (Hq / Hkv)): s_p = scale * (fmaf chain over d of q.k_p),
  * m = max_p s_p, w_p = exp_nonpositive(s_p - m), out = (fmaf chain over p of w_p v_p) / sum_p w_p,
  * the sum in LANES lanes by p % LANES, then halved in a fixed tree. Consecutive queries of one
- * segment are tiled only to share key reads; no value of one query depends on another.
- * scratch: rl_attend_scratch(N, positions, D) floats. Returns 0, or 1 (nothing computed) when a
- * segment, position or slot to be read is out of range. */
+ * segment, and the query heads of one kv head, are tiled only to share key and value reads; no
+ * value of one query depends on another.
+ * scratch: rl_attend_scratch(N, positions, Hq / Hkv, D) floats. Returns 0, or 1 (nothing
+ * computed) when a segment, position or slot to be read is out of range. */
 static int64_t score_width(int64_t N, const int64_t *positions) {
     int64_t keys = 0;
     for (int64_t i = 0; i < N; i++) keys = positions[i] + 1 > keys ? positions[i] + 1 : keys;
     return (keys + LANES - 1) / LANES * LANES;
 }
 
-int64_t rl_attend_scratch(int64_t N, const int64_t *positions, int64_t D) {
-    return TILE * score_width(N, positions) + D * LANES + D;
+int64_t rl_attend_scratch(int64_t N, const int64_t *positions, int64_t group, int64_t D) {
+    return TILE * group * (score_width(N, positions) + 1) + D * LANES + 4 * D;
 }
 
 int rl_attend(const float *q, const float *kv, const int64_t *key_slots, const int64_t *segments,
@@ -117,16 +118,20 @@ int rl_attend(const float *q, const float *kv, const int64_t *key_slots, const i
             if (key_slots[segments[i] * L + p] < 0 || key_slots[segments[i] * L + p] >= R) return 1;
     }
     const int64_t width = score_width(N, positions);
-    float *scores = scratch, *key_block = scratch + TILE * width, *acc = key_block + D * LANES;
+    float *scores = scratch, *sums = scores + TILE * group * width, *key_block = sums + TILE * group,
+          *acc = key_block + D * LANES;
     for (int64_t i0 = 0; i0 < N;) {
         int64_t t_count = 1;
         while (t_count < TILE && i0 + t_count < N && segments[i0 + t_count] == segments[i0]) t_count++;
         const int64_t *slots = key_slots + segments[i0] * L;
         int64_t last = 0;
         for (int64_t t = 0; t < t_count; t++) last = positions[i0 + t] > last ? positions[i0 + t] : last;
-        for (int64_t h = 0; h < Hq; h++) {
-            const int64_t g = h / group;
-            /* scores[t][p] for p <= last, 16 keys at a time, their rows laid out d-major */
+        /* Rows r = (query head in the group) * t_count + t share each key and value row read. */
+        const int64_t rows = group * t_count;
+#define ROW_Q(r) (q + ((i0 + (r) % t_count) * Hq + g * group + (r) / t_count) * D)
+#define ROW_POS(r) (positions[i0 + (r) % t_count])
+        for (int64_t g = 0; g < Hkv; g++) {
+            /* scores[r][p] for p <= last, 16 keys at a time, their rows laid out d-major */
             for (int64_t p0 = 0; p0 <= last; p0 += LANES) {
                 for (int j = 0; j < LANES; j++) {
                     const int64_t p = p0 + j;
@@ -137,17 +142,33 @@ int rl_attend(const float *q, const float *kv, const int64_t *key_slots, const i
                         for (int64_t d = 0; d < D; d++) key_block[d * LANES + j] = 0.0f;
                     }
                 }
-                for (int64_t t = 0; t < t_count; t++) {
-                    const float *query = q + ((i0 + t) * Hq + h) * D;
+                int64_t r = 0;
+                for (; r + 4 <= rows; r += 4) { /* four rows' chains interleaved: the same chains */
+                    const float *q0 = ROW_Q(r), *q1 = ROW_Q(r + 1), *q2 = ROW_Q(r + 2), *q3 = ROW_Q(r + 3);
+                    float dot[4][LANES] = {{0}};
+                    for (int64_t d = 0; d < D; d++) {
+                        const float *k = key_block + d * LANES;
+                        for (int j = 0; j < LANES; j++) {
+                            dot[0][j] = fmaf(q0[d], k[j], dot[0][j]);
+                            dot[1][j] = fmaf(q1[d], k[j], dot[1][j]);
+                            dot[2][j] = fmaf(q2[d], k[j], dot[2][j]);
+                            dot[3][j] = fmaf(q3[d], k[j], dot[3][j]);
+                        }
+                    }
+                    for (int u = 0; u < 4; u++)
+                        for (int j = 0; j < LANES; j++) scores[(r + u) * width + p0 + j] = dot[u][j] * scale;
+                }
+                for (; r < rows; r++) {
+                    const float *query = ROW_Q(r);
                     float dot[LANES] = {0};
                     for (int64_t d = 0; d < D; d++)
                         for (int j = 0; j < LANES; j++) dot[j] = fmaf(query[d], key_block[d * LANES + j], dot[j]);
-                    for (int j = 0; j < LANES; j++) scores[t * width + p0 + j] = dot[j] * scale;
+                    for (int j = 0; j < LANES; j++) scores[r * width + p0 + j] = dot[j] * scale;
                 }
             }
-            for (int64_t t = 0; t < t_count; t++) {
-                const int64_t pos = positions[i0 + t];
-                float *w = scores + t * width;
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t pos = ROW_POS(r);
+                float *w = scores + r * width;
                 float m = w[0];
                 for (int64_t p = 1; p <= pos; p++) m = w[p] > m ? w[p] : m;
                 for (int64_t p = 0; p <= pos; p++) w[p] = exp_nonpositive(w[p] - m);
@@ -157,17 +178,33 @@ int rl_attend(const float *q, const float *kv, const int64_t *key_slots, const i
                     for (int j = 0; j < LANES; j++) lanes[j] += w[p0 + j];
                 for (int half = LANES / 2; half > 0; half /= 2)
                     for (int j = 0; j < half; j++) lanes[j] += lanes[j + half];
-                const float sum = lanes[0];
-                memset(acc, 0, sizeof(float) * D);
-                for (int64_t p = 0; p <= pos; p++) {
-                    const float *v = values + (g * R + slots[p]) * D;
-                    const float weight = w[p];
-                    for (int64_t d = 0; d < D; d++) acc[d] = fmaf(weight, v[d], acc[d]);
+                sums[r] = lanes[0];
+            }
+            for (int64_t r = 0; r < rows; r += 4) { /* four rows share each value row read */
+                const int u_count = rows - r < 4 ? (int)(rows - r) : 4;
+                int64_t pos[4] = {0}, reach = 0;
+                for (int u = 0; u < u_count; u++) {
+                    pos[u] = ROW_POS(r + u);
+                    reach = pos[u] > reach ? pos[u] : reach;
                 }
-                float *o = out + ((i0 + t) * Hq + h) * D;
-                for (int64_t d = 0; d < D; d++) o[d] = acc[d] / sum;
+                memset(acc, 0, sizeof(float) * 4 * D);
+                for (int64_t p = 0; p <= reach; p++) {
+                    const float *v = values + (g * R + slots[p]) * D;
+                    for (int u = 0; u < u_count; u++) {
+                        if (p > pos[u]) continue;
+                        const float weight = scores[(r + u) * width + p];
+                        float *a = acc + u * D;
+                        for (int64_t d = 0; d < D; d++) a[d] = fmaf(weight, v[d], a[d]);
+                    }
+                }
+                for (int u = 0; u < u_count; u++) {
+                    float *o = out + (ROW_Q(r + u) - q);
+                    for (int64_t d = 0; d < D; d++) o[d] = acc[u * D + d] / sums[r + u];
+                }
             }
         }
+#undef ROW_Q
+#undef ROW_POS
         i0 += t_count;
     }
     return 0;

@@ -61,7 +61,7 @@ def load_library(path: Path) -> ctypes.CDLL:
     library.rl_matmul.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     library.rl_matmul.restype = None
     library.rl_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
-    library.rl_attend_scratch.argtypes = [i64, ptr, i64]
+    library.rl_attend_scratch.argtypes = [i64, ptr, i64, i64]
     library.rl_attend_scratch.restype = i64
     library.rl_attend.restype = ctypes.c_int
     return library
@@ -105,7 +105,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, key_slots: torch.Tensor, segments:
     segments, positions = segments.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
     library = library or _library()
     out = torch.empty(n, heads, dim)
-    scratch = torch.empty(library.rl_attend_scratch(n, positions.data_ptr(), dim))
+    scratch = torch.empty(library.rl_attend_scratch(n, positions.data_ptr(), heads // kv_heads, dim))
     failed = library.rl_attend(
         q.data_ptr(), kv.data_ptr(), key_slots.data_ptr(), segments.data_ptr(), positions.data_ptr(),
         out.data_ptr(), scratch.data_ptr(), n, heads, kv_heads, num_slots, dim, *key_slots.shape, dim**-0.5)

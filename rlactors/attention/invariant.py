@@ -2,12 +2,12 @@
 the native engine in true on-policy mode.
 
 Each side splits keys and batches queries its own way (SDPA over a whole document in training, one
-query against a KV cache in decode), which rounds differently. ``attend`` reads keys in blocks of
-``KEY_BLOCK`` from position 0 and folds them in order by an online softmax; a block past a query's
-position is an exact no-op, so a query's output depends only on its own row and its sequence's
-keys. On CPU a C kernel computes each query on its own, in a fixed order
-(``rlactors.models.cpu_kernels.attend``); on CUDA a Triton kernel (``invariant_triton``) fixes
-the tile shape and the order.
+query against a KV cache in decode), which rounds differently. ``attend`` computes a query's
+output from its own row and its sequence's keys alone, in one fixed order. On CPU a C kernel does
+so for each query (``rlactors.models.cpu_kernels.attend``). On CUDA a Triton kernel
+(``invariant_triton``) reads keys in blocks of ``KEY_BLOCK`` from position 0 and folds them in
+order by an online softmax, with a fixed tile shape; a block past a query's position is an exact
+no-op.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from on_policy_cost import cpu_model  # noqa: E402  (this script's directory is on sys.path)
 
 from rlactors.models import cpu_kernels  # noqa: E402
 
@@ -35,8 +36,7 @@ def digest(t: torch.Tensor) -> str:
 
 
 def main() -> None:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.machine())
+    cpu = cpu_model()
     compiler = subprocess.run([os.environ.get("CC", "cc"), "--version"], capture_output=True,
                               text=True).stdout.splitlines()[0]
     matmul = cpu_kernels.matmul(values((300, 1024), 0), values((1024, 4096), 1))

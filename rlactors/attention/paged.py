@@ -113,9 +113,8 @@ class BatchInvariantPagedAttention:
 
     Writes the step's k/v into the cache like `PagedAttention`, then every query attends to its
     sequence's context, read in place from the cache's slots, through
-    `batch_invariant.AttentionPlan`: keys in fixed blocks from position 0, in order, as the
-    trainer's `BatchInvariantAttention` does, so a query's output does not depend on the other
-    sequences of the step or on chunking.
+    `rlactors.attention.invariant.AttentionPlan`, as the trainer's `BatchInvariantAttention` does,
+    so a query's output does not depend on the other sequences of the step or on chunking.
     """
 
     def __init__(self, cache: PagedKVCache, chunks: Sequence[Chunk]):

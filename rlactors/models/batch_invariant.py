@@ -71,7 +71,7 @@ class _Linear(torch.autograd.Function):
 def _linear_values(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None = None) -> torch.Tensor:
     if x.is_cuda:
         return _triton().matmul(x, weight)
-    return cpu_kernels.matmul(x, weight.t() if weight_t is None else weight_t).to(x.dtype)
+    return cpu_kernels.matmul(x, _transposed(weight) if weight_t is None else weight_t).to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -105,3 +105,10 @@ def test_attend_refuses_what_it_cannot_read():
             cpu_kernels.attend(q, kv, slots, segs, pos)
     bad_slots[1, 8] = 0  # beyond every query's position: never read
     cpu_kernels.attend(q[:13], kv, bad_slots, segments[:13], positions[:13])
+
+
+def test_a_failing_build_shows_the_compiler_output(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(RuntimeError, match="(?s)compiling .*cpu_kernels.c failed:.*no-such-option"):
+        cpu_kernels.compile_library(("-fno-such-option", "-fPIC", "-shared"))
+    assert not list((tmp_path / "rlactors").glob("*.so"))  # nothing half-built is left to load

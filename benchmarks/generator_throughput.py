@@ -152,8 +152,9 @@ def raw_vllm_run(ckpt: str, prompt_sets, max_tokens: int, config, shard: int = 0
 
     from rlactors.engines.vllm_engine import one_start_per_gpu
 
-    with one_start_per_gpu(1):  # as the router's replicas start: in turn on a shared GPU
+    with one_start_per_gpu(config.tp):  # as the router's replicas start: in turn on a shared GPU
         llm = LLM(model=ckpt, dtype="bfloat16", gpu_memory_utilization=config.gpu_memory_utilization,
+                  tensor_parallel_size=config.tp,
                   max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                   max_num_batched_tokens=config.max_num_tokens, enable_prefix_caching=True)
     params = [VLLMSamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True, logprobs=0,
@@ -185,7 +186,7 @@ async def router_vllm_run(ckpt: str, prompt_sets, max_tokens: int, config) -> li
 
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     router = procs.spawn("router", GeneratorRouter, config, ModelConfig(path=ckpt, dtype="bfloat16"),
-                         [[0]] * config.replicas)  # the replicas share GPU 0
+                         [list(range(config.tp))] * config.replicas)  # the replicas share GPUs 0..tp-1
     warm = [router.generate.call_one(p[:4], SamplingParams(max_tokens=max_tokens, seed=i), f"w{i}")
             for i, p in enumerate(prompt_sets[0][:8])]
     await asyncio.gather(*warm)
@@ -226,7 +227,7 @@ def gpu_benchmark(args) -> str:
             args.checkpoint = str(make_tiny_checkpoint(Path(tmp) / f"qwen3_{args.size}", size=args.size, seed=0))
             return gpu_benchmark(args)
     ckpt = args.checkpoint
-    config = GeneratorConfig(engine="vllm", replicas=args.replicas, max_num_seqs=256, max_num_tokens=8192,
+    config = GeneratorConfig(engine="vllm", replicas=args.replicas, tp=args.tp, max_num_seqs=256, max_num_tokens=8192,
                              max_model_len=2048, gpu_memory_utilization=0.8 / (args.replicas + 1))
     prompt_sets = [make_prompts(args.num_prompts, args.min_prompt, args.max_prompt, 151936, seed=run)
                    for run in range(args.repeats)]
@@ -256,7 +257,8 @@ def gpu_benchmark(args) -> str:
     return "\n".join([
         "# Generator throughput (GPU)",
         "",
-        f"Date: {datetime.date.today()}; {torch.cuda.get_device_name(0)}; torch {torch.__version__}.",
+        f"Date: {datetime.date.today()}; {torch.cuda.get_device_name(0)}"
+        f"{f' x {args.tp}, tensor parallel' if args.tp > 1 else ''}; torch {torch.__version__}.",
         f"Command: `{' '.join(['python benchmarks/generator_throughput.py', *sys.argv[1:]])}`",
         "",
         f"Qwen3-{args.size.upper()}-shaped random weights (bf16); {args.num_prompts} prompts of {args.min_prompt}-"
@@ -292,7 +294,8 @@ def main() -> None:
     parser.add_argument("--method", choices=("raw", "router"), help=argparse.SUPPRESS)  # GPU child process
     parser.add_argument("--checkpoint", help="GPU: an existing checkpoint dir instead of a new random one")
     parser.add_argument("--size", choices=("0.6b", "1.7b"), default="0.6b", help="GPU: the random checkpoint's shape")
-    parser.add_argument("--replicas", type=int, default=1, help="GPU: vLLM replicas, all on GPU 0")
+    parser.add_argument("--replicas", type=int, default=1, help="GPU: vLLM replicas, all on GPU 0 (or GPUs 0..tp-1)")
+    parser.add_argument("--tp", type=int, default=1, help="GPU: tensor-parallel GPUs per replica")
     parser.add_argument("--shard", type=int, default=0, help=argparse.SUPPRESS)  # GPU raw child: its replica
     parser.add_argument("--barrier", help=argparse.SUPPRESS)  # GPU raw children: where they meet before each run
     args = parser.parse_args()
@@ -303,7 +306,7 @@ def main() -> None:
     report = gpu_benchmark(args) if on_gpu else cpu_benchmark(args)
     if report:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        replicas = f"_{args.replicas}replicas" if args.replicas > 1 else ""
+        replicas = (f"_{args.replicas}replicas" if args.replicas > 1 else "") + (f"_tp{args.tp}" if args.tp > 1 else "")
         name = f"generator_throughput_gpu_{args.size}{replicas}.md" if on_gpu else "generator_throughput_cpu.md"
         out = RESULTS / name
         out.write_text(report)

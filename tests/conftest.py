@@ -1,9 +1,13 @@
-"""Shared fixtures: random-init tiny checkpoints of each model family, built once per test session."""
+"""Shared fixtures: random-init tiny checkpoints of each model family, built once per test session;
+on a GPU machine, every test module gives back the GPU memory it took."""
 
+import gc
 import os
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlactors.supervision import use_fast_supervision
 
@@ -42,3 +46,36 @@ def tiny_ckpt(family_ckpt) -> Path:
 def tiny_ckpt_untied(family_ckpt) -> Path:
     """Like ``tiny_ckpt`` but with a separate ``lm_head.weight``."""
     return family_ckpt("qwen3", tie=False)
+
+
+# What a module may keep on a GPU after its last test: the CUDA context's own allocations
+# (cuBLAS workspaces, kernels loaded) but no engine, model or cached block.
+GPU_MEMORY_KEPT_BYTES = 1 << 30
+
+
+def _free_gpu_bytes() -> list[int]:
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [torch.cuda.mem_get_info(d)[0] for d in range(torch.cuda.device_count())]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu_memory_given_back(request):
+    """On a GPU machine: each module leaves every GPU with the free memory it found (engines in
+    this process closed, engine and actor processes exited, the caching allocator emptied), so
+    a later test (a vLLM engine that asks for a share of the card) finds the card as a fresh
+    process would. Processes exit a little after they are told to: wait up to 30 s for them."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    before = _free_gpu_bytes()
+    yield
+    deadline = time.monotonic() + 30
+    while True:
+        held = [b - a for b, a in zip(before, _free_gpu_bytes())]
+        if max(held) <= GPU_MEMORY_KEPT_BYTES or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert max(held) <= GPU_MEMORY_KEPT_BYTES, (
+        f"{request.module.__name__} kept GPU memory: " + ", ".join(f"GPU {d}: {h / 2**30:.2f} GiB" for d, h in
+                                                                   enumerate(held) if h > GPU_MEMORY_KEPT_BYTES))

@@ -1,6 +1,7 @@
 """The GPU path as a system, on the device machines: FSDP2/NCCL trainer -> NCCL weight sync ->
-vLLM replicas, checksum verification, trainer-vs-vLLM logprob parity, alphabet_sort steps with
-vLLM generators. Skipped without CUDA and vLLM; tests needing 2+ GPUs skip on fewer."""
+vLLM replicas, checksum verification, trainer-vs-vLLM logprob parity, a tensor-parallel replica,
+alphabet_sort steps with vLLM generators. Skipped without CUDA and vLLM; tests needing 2+ GPUs
+skip on fewer."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ pytestmark = NEEDS_VLLM_GPU
 
 
 def gpus(n):
-    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPUs")
+    """Marks a test that needs `n` GPUs (the suite selects by the mark) and skips it on fewer."""
+    def mark(test):
+        test = pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPUs")(test)
+        return {2: pytest.mark.two_gpus, 4: pytest.mark.four_gpus}[n](test)
+    return mark
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +138,15 @@ def test_alphabet_sort_steps_on_two_trainer_gpus_and_two_vllm_replicas(ckpt, tmp
     history = asyncio.run(Controller(config).run())
     assert [m["policy/version"] for m in history] == [1.0, 2.0]
     assert all(m["generator/serving_replicas"] == 2 and m["rollout/rollouts"] == 16 for m in history)
+
+
+@gpus(2)
+def test_a_tensor_parallel_vllm_replica_trains_colocated_on_two_gpus(ckpt, tmp_path):
+    """generator.tp=2 in default mode: one vLLM replica over GPUs 0 and 1, the trainer on GPU 0."""
+    config = _config(ckpt, tmp_path, "controller.colocate=true", "generator.tp=2")
+    history = asyncio.run(Controller(config).run())
+    assert [m["policy/version"] for m in history] == [1.0, 2.0]
+    assert all(m["rollout/rollouts"] == 16 and m["loss/logprob_diff/mean"] < 0.05 for m in history), history
 
 
 def test_colocated_single_gpu_run(ckpt, tmp_path):

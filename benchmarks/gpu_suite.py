@@ -1,0 +1,140 @@
+"""The GPU test suite in groups, each in a pytest process of its own, on a device machine.
+
+    python benchmarks/gpu_suite.py 1gpu   # every test that runs on one GPU (one H100 80 GB is enough)
+    python benchmarks/gpu_suite.py 2gpu   # the tests that need two GPUs (NCCL, FSDP2, tensor parallel)
+
+A group is a pytest process, so nothing one group leaves in memory reaches the next; inside a
+group, tests/conftest.py checks that each module gives the GPU memory back. `1gpu` runs its groups
+side by side when more GPUs are visible (one GPU each, by CUDA_VISIBLE_DEVICES); `2gpu` runs its
+groups one after another on the first two GPUs, and fails a test that skips for want of GPUs.
+Prints a table of groups, counts and seconds, appends it to benchmarks/results/gpu_suite.md with
+the machine, date and commit, and exits non-zero when any group failed. Expects vLLM and Monarch
+importable (on the device machines, staged as ../shared/device/README.md says).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "gpu_suite.md"
+GROUP_TIMEOUT_S = 600
+PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rfEs"]
+
+
+@dataclass
+class Group:
+    name: str
+    args: list[str]  # test paths and selections
+    gpus: int
+    counts: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    returncode: int | None = None
+    log: str = ""
+
+
+# Marks (pyproject.toml): `gpu` needs CUDA; `two_gpus` / `four_gpus` need that many.
+ONE = ["-m", "gpu and not two_gpus and not four_gpus"]
+# Each group stays well under GROUP_TIMEOUT_S on one H100.
+SINGLE = [
+    Group("kernels", [*ONE, "tests/models", "tests/attention", "tests/trainer"], 1),
+    Group("vllm engine", [*ONE, "tests/engines/test_vllm_engine.py", "tests/engines/test_vllm_families.py",
+                          "tests/engines/test_vllm_start_lock.py"], 1),
+    Group("true on-policy 0.6b", [*ONE, "tests/engines/test_vllm_true_on_policy.py", "-k", "not demo"], 1),
+    Group("true on-policy demo", [*ONE, "tests/engines/test_vllm_true_on_policy.py", "-k", "demo"], 1),
+    Group("system", [*ONE, "tests/test_gpu_system.py", "tests/test_eval_gpu.py"], 1),
+]
+# Every other one-GPU test: the groups above name their files, this one takes the rest.
+NAMED = {a for g in SINGLE for a in g.args if a.startswith("tests/")}
+SINGLE.append(Group("other", [*ONE, "tests", *(f"--ignore={p}" for p in sorted(NAMED))], 1))
+DOUBLE = [Group("two gpus", ["-m", "two_gpus", "tests"], 2)]
+
+
+def run_group(group: Group, devices: str) -> Group:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
+    start = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, *PYTEST, *group.args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=GROUP_TIMEOUT_S)
+        group.returncode, group.log = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        group.returncode = -1
+        group.log = f"{(e.stdout or b'').decode(errors='replace')}\ntimed out after {GROUP_TIMEOUT_S} s"
+    group.seconds = time.monotonic() - start
+    summary = group.log.strip().splitlines()[-1] if group.log.strip() else ""
+    group.counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", summary)}
+    group.counts["errors"] = group.counts.pop("error", 0) + group.counts.pop("errors", 0)
+    print(f"[{group.name}] on GPU {devices}: {summary or 'no summary'} ({group.seconds:.0f} s)", flush=True)
+    return group
+
+
+def gpu_names() -> list[str]:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def failed(group: Group, mode: str) -> bool:
+    lacking_gpus = mode == "2gpu" and re.search(r"SKIPPED.*needs 2 GPUs", group.log) is not None
+    return group.returncode not in (0, 5) or group.counts.get("failed", 0) > 0 or group.counts["errors"] > 0 \
+        or lacking_gpus
+
+
+def table(groups: list[Group], mode: str) -> str:
+    rows = ["| group | GPUs | passed | failed | errors | skipped | seconds | result |", "|---" * 8 + "|"]
+    for g in groups:
+        c = g.counts
+        rows.append(f"| {g.name} | {g.gpus} | {c.get('passed', 0)} | {c.get('failed', 0)} | {c['errors']} | "
+                    f"{c.get('skipped', 0)} | {g.seconds:.0f} | {'FAIL' if failed(g, mode) else 'ok'} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=("1gpu", "2gpu"))
+    parser.add_argument("--log", type=Path, default=None, help="a file for every group's whole pytest output")
+    args = parser.parse_args()
+    names = gpu_names()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(len(names))]
+    start = time.monotonic()
+    if args.mode == "1gpu":
+        groups = SINGLE
+        with ThreadPoolExecutor(max_workers=max(1, len(devices))) as pool:  # one group per GPU at a time
+            slots = [devices[i % len(devices)] for i in range(len(groups))]
+            list(pool.map(run_group, groups, slots))
+    else:
+        if len(devices) < 2:
+            sys.exit(f"error: 2gpu needs two visible GPUs, found {len(devices)}")
+        groups = [run_group(g, ",".join(devices[:2])) for g in DOUBLE]
+    wall = time.monotonic() - start
+    if args.log:
+        args.log.write_text("".join(f"\n===== {g.name} =====\n{g.log}" for g in groups))
+    for g in groups:
+        if failed(g, args.mode):
+            print(f"\n--- {g.name} ---\n" + "\n".join(g.log.splitlines()[-40:]))
+    result = table(groups, args.mode)
+    print("\n" + result)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    machine = f"{len(names)} x {names[0]}" if names else "no GPU"
+    used = f"{min(len(devices), len(groups))} of them, one group per GPU" if args.mode == "1gpu" else "2 of them"
+    with RESULTS.open("a") as f:
+        f.write(f"\n## {args.mode}, {datetime.date.today()}, commit {commit}\n\nMachine: {machine} ({used}). "
+                f"Command: `python benchmarks/gpu_suite.py {args.mode}`. "
+                f"Wall time {wall:.0f} s.\n\n"
+                f"{result}\n")
+    sys.exit(1 if any(failed(g, args.mode) for g in groups) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Generator replicas killed around a weight sync over NCCL, on two GPUs: the trainer on GPU 0,
+one vLLM replica on GPU 1, weights broadcast by NCCL. The CPU suite shows the same protocol over
+gloo (test_training_faults.py); here NCCL's own waiting is real. Needs 2 GPUs and vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+from support.vllm_checks import NEEDS_VLLM_GPU
+
+from rlactors.config import load_config
+from rlactors.controller import Controller, TrainingError
+from rlactors.models.tiny import make_tiny_checkpoint
+
+pytestmark = [*NEEDS_VLLM_GPU, pytest.mark.two_gpus,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("nccl_ckpt"), size="small", seed=0, dtype="bfloat16")
+
+
+def nccl_config(ckpt, run_dir, *extra):
+    return load_config(None, [
+        f'model.path="{ckpt}"', 'model.dtype="bfloat16"', f'controller.run_dir="{run_dir}"', 'controller.device="cuda"',
+        'generator.engine="vllm"', "generator.replicas=1", 'generator.weight_sync="broadcast"',
+        "generator.gpu_memory_utilization=0.3", "generator.max_model_len=512", "trainer.ranks=1", "trainer.lr=1e-3",
+        "controller.steps=3", "controller.checkpoint_every=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
+        "rollout.max_turns=2", "rollout.max_tokens_per_turn=48", "rollout.max_total_tokens=512",
+        "rollout.keep_zero_variance_groups=true", "batcher.row_tokens=2048",
+        "env.args={ max_turns = 2, max_names_per_turn = 2 }", *extra])
+
+
+async def kill_replica(router) -> float:
+    """SIGKILLs the replica's proc; returns when, by time.monotonic()."""
+    stats = await router.stats.call_one()
+    os.kill(stats["replicas"][0]["engine"]["pid"], signal.SIGKILL)
+    return time.monotonic()
+
+
+class ReplicaKilledBetweenSyncs(Controller):
+    """SIGKILLs the replica after step 1 has trained, before its weight sync; records how long the
+    router took to count it dead and to have its restart up, then lets the sync go on."""
+
+    async def _push_weights(self):
+        if self.step == 1:
+            killed = await kill_replica(self.router)
+            while (await self.router.stats.call_one())["deaths"] != 1:
+                assert time.monotonic() - killed < 30, "the router did not count the replica dead"
+                await asyncio.sleep(0.05)
+            self.detection_s = time.monotonic() - killed
+            while (await self.router.plan_weight_group.call_one())["members"] != [0]:
+                assert time.monotonic() - killed < 300, "the replica was not restarted"
+                await asyncio.sleep(0.1)
+            self.restart_s = time.monotonic() - killed
+        timings = await super()._push_weights()
+        self.router_stats = await self.router.stats.call_one()
+        return timings
+
+
+def test_a_replica_killed_between_nccl_syncs_is_restarted_into_a_new_group(ckpt, tmp_path, fault_record):
+    controller = ReplicaKilledBetweenSyncs(nccl_config(ckpt, tmp_path, "generator.restart_dead=true"))
+    metrics = asyncio.run(controller.run())
+    assert [m["policy/version"] for m in metrics] == [1.0, 2.0, 3.0]
+    stats = controller.router_stats
+    assert stats["deaths"] == 1 and stats["restarts"] == 1 and stats["weight_groups"] == 2
+    assert [(r["state"], r["version"]) for r in stats["replicas"]] == [("serving", 3)]
+    assert controller.detection_s <= 3, controller.detection_s
+    fault_record("generator replica SIGKILLed between NCCL weight syncs (2 x H100: trainer GPU 0, vLLM GPU 1)",
+                 "the only replica's proc, after step 1 trained, before its NCCL broadcast",
+                 controller.detection_s, "nothing: the restarted replica joined a new NCCL group and received "
+                 "step 1's weights; 3/3 steps trained", restart_s=controller.restart_s)
+
+
+class ReplicaKilledDuringBroadcast(Controller):
+    """SIGKILLs the replica as the trainer's NCCL broadcast starts (the replica may or may not have
+    entered it), then lets the real broadcast run."""
+
+    async def start(self) -> None:
+        await super().start()
+        trainer, controller = self.trainer, self
+
+        class Broadcast:
+            def call(self):
+                async def kill_then_broadcast():
+                    controller.killed_at = await kill_replica(controller.router)
+                    return await trainer.broadcast_weights.call()
+                return kill_then_broadcast()
+
+        class Trainer:
+            broadcast_weights = Broadcast()
+
+            def __getattr__(self, name):
+                return getattr(trainer, name)
+
+        self.trainer = self.weight_sync.trainer = Trainer()
+
+    async def _push_weights(self):
+        try:
+            return await super()._push_weights()
+        finally:
+            self.given_up_at = time.monotonic()
+
+
+def test_a_replica_killed_during_an_nccl_broadcast_stops_the_run_naming_it(ckpt, tmp_path, fault_record):
+    controller = ReplicaKilledDuringBroadcast(nccl_config(ckpt, tmp_path, "generator.restart_dead=false"))
+    start = time.monotonic()
+    with pytest.raises(TrainingError) as raised:
+        asyncio.run(asyncio.wait_for(controller.run(), 240))  # a regression hangs: fail instead
+    stopped_s = controller.given_up_at - controller.killed_at
+    assert str(raised.value) == ("weight sync of policy version 1: generator replica(s) [0] died during the "
+                                 "broadcast, which waits for every member; no checkpoint was completed; "
+                                 "continue with --resume")
+    assert stopped_s < 10, stopped_s
+    fault_record("generator replica SIGKILLed during an NCCL broadcast (2 x H100: trainer GPU 0, vLLM GPU 1)",
+                 "the only replica's proc, as step 1's NCCL broadcast starts", None,
+                 f"step 1's update: the sync gave up {stopped_s:.1f} s after the kill and the run stopped with the "
+                 f"documented line (whole run, shutdown included: {time.monotonic() - start:.0f} s)")

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_suite.py 1gpu   # every test that runs on one GPU (one H100 80 GB is enough)
     python benchmarks/gpu_suite.py 2gpu   # the tests that need two GPUs (NCCL, FSDP2, tensor parallel)
+    python benchmarks/gpu_suite.py 1gpu --groups kernels "vllm engine"   # some groups only
 
 A group is a pytest process, so nothing one group leaves in memory reaches the next; inside a
 group, tests/conftest.py checks that each module gives the GPU memory back. `1gpu` runs its groups
@@ -56,24 +57,36 @@ SINGLE = [
 # Every other one-GPU test: the groups above name their files, this one takes the rest.
 NAMED = {a for g in SINGLE for a in g.args if a.startswith("tests/")}
 SINGLE.append(Group("other", [*ONE, "tests", *(f"--ignore={p}" for p in sorted(NAMED))], 1))
-DOUBLE = [Group("two gpus", ["-m", "two_gpus", "tests"], 2)]
+TWO = ["-m", "two_gpus"]
+DOUBLE = [
+    Group("fsdp and nccl sync", [*TWO, "tests/test_gpu_system.py", "-k", "not tensor_parallel"], 2),
+    Group("tensor parallel", [*TWO, "tests/test_gpu_system.py", "-k", "tensor_parallel"], 2),
+    Group("nccl faults", [*TWO, "tests/faults/test_nccl_faults.py"], 2),
+]
 
 
-def run_group(group: Group, devices: str) -> Group:
+def run_group(group: Group, devices: str, log: Path | None, timeout_s: float) -> Group:
+    """Runs `group` on `devices`; its whole output goes to `log` (appended as soon as the group
+    ends, so a caller stopped later keeps it) and its failures to stdout."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
     start = time.monotonic()
     try:
         done = subprocess.run([sys.executable, *PYTEST, *group.args], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=GROUP_TIMEOUT_S)
+                              text=True, timeout=timeout_s)
         group.returncode, group.log = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
         group.returncode = -1
-        group.log = f"{(e.stdout or b'').decode(errors='replace')}\ntimed out after {GROUP_TIMEOUT_S} s"
+        group.log = f"{(e.stdout or b'').decode(errors='replace')}\ntimed out after {timeout_s:.0f} s"
     group.seconds = time.monotonic() - start
     summary = group.log.strip().splitlines()[-1] if group.log.strip() else ""
     group.counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", summary)}
     group.counts["errors"] = group.counts.pop("error", 0) + group.counts.pop("errors", 0)
-    print(f"[{group.name}] on GPU {devices}: {summary or 'no summary'} ({group.seconds:.0f} s)", flush=True)
+    if log is not None:
+        with log.open("a") as f:
+            f.write(f"\n===== {group.name} (GPU {devices}) =====\n{group.log}")
+    problems = [line for line in group.log.splitlines() if line.startswith(("FAILED", "ERROR", "SKIPPED"))]
+    print("\n".join([f"[{group.name}] on GPU {devices}: {summary or 'no summary'} ({group.seconds:.0f} s)",
+                     *(f"  {line[:400]}" for line in problems)]), flush=True)
     return group
 
 
@@ -101,38 +114,40 @@ def table(groups: list[Group], mode: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=("1gpu", "2gpu"))
+    parser.add_argument("--groups", nargs="+", help="run only these groups (by name; default: every group)")
+    parser.add_argument("--timeout", type=float, default=GROUP_TIMEOUT_S, help="seconds a group may take")
     parser.add_argument("--log", type=Path, default=None, help="a file for every group's whole pytest output")
     args = parser.parse_args()
+    groups = SINGLE if args.mode == "1gpu" else DOUBLE
+    if args.groups:
+        unknown = set(args.groups) - {g.name for g in groups}
+        if unknown:
+            sys.exit(f"error: --groups: no group {sorted(unknown)} in {args.mode}: {[g.name for g in groups]}")
+        groups = [g for g in groups if g.name in args.groups]
     names = gpu_names()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(len(names))]
     start = time.monotonic()
     if args.mode == "1gpu":
-        groups = SINGLE
+        slots = [devices[i % len(devices)] for i in range(len(groups))]
         with ThreadPoolExecutor(max_workers=max(1, len(devices))) as pool:  # one group per GPU at a time
-            slots = [devices[i % len(devices)] for i in range(len(groups))]
-            list(pool.map(run_group, groups, slots))
+            list(pool.map(lambda g, d: run_group(g, d, args.log, args.timeout), groups, slots))
     else:
         if len(devices) < 2:
             sys.exit(f"error: 2gpu needs two visible GPUs, found {len(devices)}")
-        groups = [run_group(g, ",".join(devices[:2])) for g in DOUBLE]
+        for g in groups:
+            run_group(g, ",".join(devices[:2]), args.log, args.timeout)
     wall = time.monotonic() - start
-    if args.log:
-        args.log.write_text("".join(f"\n===== {g.name} =====\n{g.log}" for g in groups))
-    for g in groups:
-        if failed(g, args.mode):
-            print(f"\n--- {g.name} ---\n" + "\n".join(g.log.splitlines()[-40:]))
     result = table(groups, args.mode)
     print("\n" + result)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     machine = f"{len(names)} x {names[0]}" if names else "no GPU"
     used = f"{min(len(devices), len(groups))} of them, one group per GPU" if args.mode == "1gpu" else "2 of them"
+    command = " ".join(["python benchmarks/gpu_suite.py", *sys.argv[1:]])
     with RESULTS.open("a") as f:
         f.write(f"\n## {args.mode}, {datetime.date.today()}, commit {commit}\n\nMachine: {machine} ({used}). "
-                f"Command: `python benchmarks/gpu_suite.py {args.mode}`. "
-                f"Wall time {wall:.0f} s.\n\n"
-                f"{result}\n")
+                f"Command: `{command}`. Wall time {wall:.0f} s.\n\n{result}\n")
     sys.exit(1 if any(failed(g, args.mode) for g in groups) else 0)
 
 

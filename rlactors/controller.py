@@ -27,7 +27,6 @@ import logging
 import math
 import sys
 import time
-import tomllib
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
-from rlactors.config import Config, ConfigError, dump_toml
+from rlactors.config import Config, ConfigError, dump_toml, read_toml
 from rlactors.evaluation import Evaluator, eval_due, eval_samples
 from rlactors.losses import LossNorm
 from rlactors.metrics import EnvErrorLog, MetricsLogger, WandbSink, check_wandb
@@ -165,7 +164,7 @@ class Controller:
         self.weight_sync = create_weight_sync(c, self.trainer, self.router)
         await self._sync_call(self.weight_sync.start())
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(dump_toml(c))
+        (self.run_dir / "config.toml").write_text(dump_toml(c), encoding="utf-8")
         if resume_from is not None:
             await self._restore(resume_from)
 
@@ -208,7 +207,7 @@ class Controller:
         saved_file = self.run_dir / "config.toml"
         if not saved_file.is_file():
             return
-        saved = _flat_config(tomllib.loads(saved_file.read_text()))
+        saved = _flat_config(read_toml(saved_file))
         now = _flat_config(json.loads(json.dumps(self.config.to_dict())))  # tuples as lists, like TOML's
         changed = {key: (saved[key], now[key]) for key in now if key in saved and saved[key] != now[key]}
         for key in FIXED_ON_RESUME:

@@ -116,7 +116,7 @@ class Controller:
 
         from rlactors.actors.router import GeneratorRouter
         from rlactors.actors.trainer import spawn_trainer
-        from rlactors.models import load_tokenizer
+        from rlactors.models import load_checked_tokenizer
 
         # Monarch's default for a fault nobody handled is to kill this process; record it instead,
         # so the loop can stop cleanly (the failing call raises too).
@@ -124,15 +124,7 @@ class Controller:
 
         c = self.config
         resume_from = self._check_run_dir()  # fails (or finds the run complete) before any proc starts
-        if not Path(c.model.path).is_dir():
-            raise TrainingError(f"model.path: checkpoint directory not found: {c.model.path}")
-        if not (Path(c.model.path) / "config.json").is_file():
-            raise TrainingError(f"model.path: {c.model.path} is not a HF checkpoint directory (no config.json)")
-        try:
-            self.tokenizer = load_tokenizer(c.model.path)
-        except (OSError, ValueError) as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise TrainingError(f"model.path: cannot load the tokenizer of {c.model.path}: {reason}") from None
+        self.tokenizer = load_checked_tokenizer(c.model.path)
         env = load_env(c.env, self.tokenizer)
         dataset = env.dataset("train")
         if len(dataset) == 0:

@@ -89,10 +89,10 @@ async def evaluate(config: Config, checkpoint: Checkpoint, progress: bool = True
     from tqdm import tqdm
 
     from rlactors.actors.router import GeneratorRouter
-    from rlactors.models import load_tokenizer
+    from rlactors.models import load_checked_tokenizer
     from rlactors.rollout.env import load_env
 
-    env = load_env(config.env, load_tokenizer(config.model.path))
+    env = load_env(config.env, load_checked_tokenizer(config.model.path))
     samples = eval_samples(env, config.env.name, config.eval)  # fails before any proc starts
     # Monarch's default for a fault nobody handled is to kill this process: the failing call raises instead.
     monarch.actor.unhandled_fault_hook = lambda failure: logging.getLogger(__name__).error("Monarch fault: %s", failure)

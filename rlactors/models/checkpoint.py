@@ -33,6 +33,48 @@ TOKENIZER_FILES = (
     "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
     "generation_config.json",
 )
+# A tokenizer's vocabulary is in one of these (vocab.json comes with merges.txt); without any,
+# transformers builds a tokenizer of one token and says nothing.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_checkpoint_dir(ckpt_dir: str | Path) -> ModelArgs:
+    """Checks, without loading a weight, that ``ckpt_dir`` holds what a run loads: a ``config.json``
+    of a supported family, weight files whose tensors match it, and a tokenizer vocabulary.
+    Returns its ModelArgs; raises ValueError (one line, naming what is missing or wrong)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise ValueError(f"checkpoint directory not found: {ckpt_dir}")
+    if not (ckpt_dir / CONFIG_FILE).is_file():
+        raise ValueError(f"{ckpt_dir} is not a HF checkpoint directory (no {CONFIG_FILE})")
+    try:
+        config = json.loads((ckpt_dir / CONFIG_FILE).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{ckpt_dir / CONFIG_FILE} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{ckpt_dir / CONFIG_FILE} is not a JSON object")
+    try:
+        args = ModelArgs.from_hf_config(config)
+    except ValueError as e:
+        raise ValueError(f"{ckpt_dir}: {e}") from None
+    index = ckpt_dir / INDEX_FILE
+    if not index.is_file() and not (ckpt_dir / SINGLE_FILE).is_file():
+        raise ValueError(f"{ckpt_dir} holds no weights (neither {SINGLE_FILE} nor {INDEX_FILE})")
+    if index.is_file():
+        absent = [name for name in _weight_files(ckpt_dir) if not (ckpt_dir / name).is_file()]
+        if absent:
+            raise ValueError(f"{ckpt_dir}: {INDEX_FILE} names weight files that are missing: {', '.join(absent)}")
+    try:
+        with open_tensors(ckpt_dir):
+            pass
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type for a damaged file
+        raise ValueError(f"{ckpt_dir}: cannot read the weights: {' '.join(str(e).split())}") from None
+    if not any((ckpt_dir / name).is_file() for name in VOCABULARY_FILES):
+        raise ValueError(f"{ckpt_dir} has no tokenizer files (none of {', '.join(VOCABULARY_FILES)}); "
+                         "copy them from the model the weights come from")
+    return args
 
 
 def load_args(ckpt_dir: str | Path) -> ModelArgs:

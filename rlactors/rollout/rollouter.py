@@ -20,6 +20,7 @@ from rlactors.config import RolloutConfig
 from rlactors.rewards import OVERLONG, overlong_penalty
 from rlactors.rollout.advantages import group_advantages, is_zero_variance
 from rlactors.rollout.env import (
+    EnvOutputError,
     TokenEnv,
     check_observation,
     check_reward_scores,
@@ -182,6 +183,8 @@ class Rollouter:
         except TimeoutError as e:
             raise _RolloutEnded(RolloutStatus.ERROR_TIMEOUT,
                                 f"env {what} ran past step_timeout_s={self.config.step_timeout_s}") from e
+        except EnvOutputError as e:  # a MessageEnv's start/respond returned the wrong type
+            raise _RolloutEnded(RolloutStatus.ERROR_PARSE, f"env {what}: {e}") from e
         except Exception as e:  # noqa: BLE001 - user env code
             raise _RolloutEnded(RolloutStatus.ERROR_ENV, f"env {what} raised {type(e).__name__}: {e}", e) from e
 

@@ -9,7 +9,10 @@ import pytest
 from support.rollouts import STOP, FakeGenerate, LengthRewardEnv, rollouter
 
 from rlactors.config import ConfigError, EnvConfig
+from rlactors.models import load_tokenizer
 from rlactors.rollout import (
+    MessageEnv,
+    MessageStep,
     RewardFunc,
     RolloutStatus,
     Rubric,
@@ -272,3 +275,40 @@ def test_sample_stream_is_deterministic_and_resumable():
         SampleStream(data, seed=4).load_state_dict(b.state_dict())
     with pytest.raises(ValueError, match="non-empty"):
         SampleStream([], seed=0)
+
+
+class WrongTypesChatEnv(MessageEnv):
+    """Each clone plays the next of `modes`: a MessageEnv whose start or respond returns the wrong type."""
+
+    def __init__(self, tokenizer, modes, mode="ok"):
+        super().__init__(None, tokenizer)
+        self.modes, self.mode = modes, mode
+
+    def clone(self):
+        return WrongTypesChatEnv(self.tokenizer, self.modes, self.modes.pop(0))
+
+    async def start(self, sample):
+        return {"start_int": 42, "start_no_content": [{"role": "user"}]}.get(
+            self.mode, [{"role": "user", "content": "hi"}])
+
+    async def respond(self, reply, completion):
+        if self.mode == "respond_dict":
+            return {"messages": None, "reward": 1.0}
+        if self.mode == "respond_text":
+            return MessageStep("more please", reward=0.5)
+        return MessageStep(None, reward=1.0, done=True)
+
+
+def test_message_env_returning_wrong_types_ends_error_parse_saying_what_was_expected(tiny_ckpt):
+    modes = ["ok", "start_int", "start_no_content", "respond_dict", "respond_text"]
+    env = WrongTypesChatEnv(load_tokenizer(tiny_ckpt), list(modes))
+    group = asyncio.run(rollouter(env, group_size=len(modes), step_timeout_s=60).run_group({}))
+    assert [ro.status for ro in group.rollouts] == [RolloutStatus.COMPLETED] + [RolloutStatus.ERROR_PARSE] * 4
+    messages = "must return a non-empty list of {'role': str, 'content': str} messages, got"
+    assert [ro.error for ro in group.rollouts] == [
+        None,
+        f"env reset: start {messages} int 42",
+        f"env reset: start {messages} list [{{'role': 'user'}}]",
+        "env step: respond must return a MessageStep, got dict {'messages': None, 'reward': 1.0}",
+        f"env step: MessageStep.messages {messages} str 'more please'"]
+    assert [ro.error_traceback for ro in group.rollouts[1:]] == [None] * 4

@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
 
     from rlactors.config import ConfigError, load_config
     from rlactors.controller import NO_SIGNAL_HINT, Controller, TrainingError
-    from rlactors.metrics import EVAL_REWARD_MEAN, read_metrics
+    from rlactors.metrics import EVAL_REWARD_MEAN, REWARD_MEAN, read_metrics
 
     controller = None
     try:
@@ -55,19 +55,23 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
         if controller is None or controller.interrupt_report is None:  # else the controller said what it kept
             print("interrupted", file=sys.stderr)
         return 130
-    rewards = [m["rollout/reward_mean"] for m in history if "rollout/reward_mean" in m]
-    if rewards:
-        untrained = sum(m["train/trained"] == 0 for m in history)
+    # The whole run's steps (a resumed run's metrics.jsonl holds those before the resume too).
+    records = read_metrics(config.controller.run_dir) if history else []
+    steps = [r for r in records if REWARD_MEAN in r]
+    if steps:
+        untrained = sum(r["train/trained"] == 0 for r in steps)
         trained = f"; {untrained} of them trained nothing (see their step lines)" if untrained else ""
-        print(f"done: {len(history)} steps, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}{trained}; "
-              f"run dir {config.controller.run_dir}")
-        evals = [r for r in read_metrics(config.controller.run_dir) if EVAL_REWARD_MEAN in r]
+        resumed = steps[-1]["step"] - len(history)
+        session = f" ({len(history)} in this session, resumed after step {resumed})" if resumed else ""
+        print(f"done: {len(steps)} steps{session}, reward {steps[0][REWARD_MEAN]:.3f} -> "
+              f"{steps[-1][REWARD_MEAN]:.3f}{trained}; run dir {config.controller.run_dir}")
+        evals = [r for r in records if EVAL_REWARD_MEAN in r]
         if evals:
             first, last = min(evals, key=lambda r: r["step"]), max(evals, key=lambda r: r["step"])
             sampling = "greedy" if config.eval.temperature == 0 else f"temperature {config.eval.temperature:g}"
             print(f"eval reward {first[EVAL_REWARD_MEAN]:.3f} at step {first['step']} -> {last[EVAL_REWARD_MEAN]:.3f} "
                   f"at step {last['step']} ({last['eval/samples']:.0f} held-out samples, {sampling})")
-        if all(m["rollout/groups_dropped"] == m["rollout/groups"] for m in history):
+        if all(r["rollout/groups_dropped"] == r["rollout/groups"] for r in steps):
             print(f"no step trained: the rollouts of each group earned equal rewards, so GRPO had nothing to "
                   f"learn from; {NO_SIGNAL_HINT}")
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,14 +197,22 @@ def save_pretrained(model_or_state_dict: nn.Module | dict[str, torch.Tensor], ar
     config = dataclasses.replace(args, torch_dtype=saved_dtype).to_hf_config()
     (ckpt_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
+    # safetensors writes its files 0600 (a private temp file renamed into place): give them the
+    # mode config.json got from the umask, like every other file of the dir.
+    mode = (ckpt_dir / CONFIG_FILE).stat().st_mode & 0o777
+
+    def save(shard: dict[str, torch.Tensor], name: str) -> None:
+        save_file(shard, ckpt_dir / name, metadata={"format": "pt"})
+        os.chmod(ckpt_dir / name, mode)
+
     shards = _split_into_shards(tensors, max_shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], ckpt_dir / SINGLE_FILE, metadata={"format": "pt"})
+        save(shards[0], SINGLE_FILE)
         return ckpt_dir
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, ckpt_dir / name, metadata={"format": "pt"})
+        save(shard, name)
         weight_map.update(dict.fromkeys(shard, name))
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
     (ckpt_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

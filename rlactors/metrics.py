@@ -123,10 +123,12 @@ def eval_line(step: int, metrics: dict[str, float]) -> str:
         parts.append(f"errors {errors:.0f}/{rollouts:.0f}")
     samples = metrics.get("eval/samples", 0.0)
     per_prompt = f" x {rollouts / samples:.0f}" if samples and rollouts != samples else ""
-    version, newest = metrics.get("eval/policy_version", 0.0), metrics.get("eval/policy_version_max", 0.0)
-    versions = f"{version:.0f}" if newest == version else f"{version:.0f}-{newest:.0f}"
+    # Async mode: the generators may take newer policies while an eval runs (a range, oldest first).
+    version = metrics.get("eval/policy_version", 0.0)
+    newest = max(version, metrics.get("eval/policy_version_max", version))
+    versions = f"version {version:.0f}" if newest == version else f"versions {version:.0f} to {newest:.0f}"
     parts.append(f"{samples:.0f} held-out samples{per_prompt}, {metrics.get('eval/generated_tokens_mean', 0.0):.0f} "
-                 f"tokens each, policy version {versions}, {metrics.get('eval/time_s', 0.0):.1f}s")
+                 f"tokens each, policy {versions}, {metrics.get('eval/time_s', 0.0):.1f}s")
     return "  ".join(parts)
 
 

@@ -246,6 +246,9 @@ def summarize(groups: Sequence[RolloutGroup]) -> dict[str, float]:
             "rollout/reward_std": statistics.pstdev(rewards),
             "rollout/reward_min": min(rewards),
             "rollout/reward_max": max(rewards),
+            # The middle half of the rollouts' rewards (the reward curve's band).
+            "rollout/reward_p25": _quartiles(rewards)[0],
+            "rollout/reward_p75": _quartiles(rewards)[1],
             "rollout/turns_mean": statistics.fmean(len(r.turns) for r in rollouts),
             "rollout/generated_tokens_mean": statistics.fmean(r.num_generated_tokens for r in rollouts),
         })
@@ -256,3 +259,11 @@ def summarize(groups: Sequence[RolloutGroup]) -> dict[str, float]:
         metrics["rollout/episode_tokens_mean"] = statistics.fmean(len(ep) for ep in episodes)
         metrics["rollout/episode_tokens_max"] = float(max(len(ep) for ep in episodes))
     return metrics
+
+
+def _quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """The 25th and 75th percentiles, interpolated between the sorted values."""
+    if len(values) == 1:
+        return values[0], values[0]
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return low, high

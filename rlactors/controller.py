@@ -42,7 +42,7 @@ from rlactors.placement import Hosts, allocate_hosts, first_value, gpu_layout
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.env import SampleStream, load_env
 from rlactors.rollout.producer import RolloutProducer
-from rlactors.rollout.rollouter import Rollouter, group_number
+from rlactors.rollout.rollouter import Rollouter, group_number, prompts_too_long_line
 from rlactors.rollout.rollouter import summarize as summarize_groups
 from rlactors.rollout.types import Episode, Rollout, RolloutGroup
 from rlactors.trainer.checkpoint import checkpoint_dir, is_complete, latest_checkpoint
@@ -131,6 +131,9 @@ class Controller:
             raise TrainingError(f"env {c.env.name}: the train split is empty")
         self.samples = SampleStream(dataset, seed=c.controller.seed)
         self.rollouter = Rollouter(env, self._generate, c.rollout, seed=c.controller.seed)
+        too_long = await self.rollouter.prompts_too_long(dataset)
+        if too_long:
+            print(prompts_too_long_line(too_long, len(dataset), c.rollout.max_total_tokens), flush=True)
         if c.controller.eval_every:
             try:
                 held_out = eval_samples(env, c.env.name, c.eval)
@@ -552,6 +555,8 @@ class Controller:
         return out
 
     def _decoded_turns(self, rollout: Rollout) -> list[dict[str, str]]:
+        if not rollout.turns and rollout.prompt_token_ids:  # a prompt that left no room to generate
+            return [{"prompt": self.tokenizer.decode(rollout.prompt_token_ids), "completion": ""}]
         turns, context = [], []
         for turn in rollout.turns:
             prompt = turn.prompt_token_ids

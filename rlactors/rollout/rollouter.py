@@ -12,7 +12,8 @@ import asyncio
 import statistics
 import traceback
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,32 @@ from rlactors.types import Completion, SamplingParams
 MAX_ABS_REWARD = 3.4028234663852886e38 / 2
 
 GenerateFn = Callable[[list[int], SamplingParams, str, "str | None"], Awaitable[Completion]]
+
+
+@dataclass(frozen=True)
+class PromptTooLong:
+    """A dataset sample whose first prompt leaves no room to generate."""
+
+    index: int  # in the dataset
+    name: str  # its id (DatasetEnv: FILE:ROW or id_field), else "sample INDEX"
+    tokens: int  # the prompt's length
+
+
+def sample_name(sample: Any, index: int) -> str:
+    """How a sample is named in messages: its "id" when it has one, else its index in the dataset."""
+    if isinstance(sample, Mapping) and isinstance(sample.get("id"), (str, int)):
+        return str(sample["id"])
+    return f"sample {index}"
+
+
+def prompts_too_long_line(found: Sequence[PromptTooLong], total: int, max_total_tokens: int, shown: int = 5) -> str:
+    """The console line that counts and names the samples of `found` (of `total`)."""
+    names = ", ".join(f"{p.name} ({p.tokens} tokens)" for p in found[:shown])
+    more = f" and {len(found) - shown} more" if len(found) > shown else ""
+    return (f"warning: {len(found)} of {total} train samples have a prompt of at least rollout.max_total_tokens="
+            f"{max_total_tokens} tokens, which leaves no room to generate: {names}{more}. Their rollouts end "
+            "truncated_context without a turn and train nothing (counted per step as rollout/prompts_too_long); "
+            "raise rollout.max_total_tokens (and generator.max_model_len) or shorten those prompts")
 
 
 class _RolloutEnded(Exception):
@@ -141,7 +168,7 @@ class Rollouter:
         top_p, top_k = (cfg.top_p, cfg.top_k) if temperature is None else (1.0, 0)
         temperature = cfg.temperature if temperature is None else temperature
         obs = self._checked(check_observation, await self._env_call(env.reset(rollout.sample), "reset"), "reset")
-        prompt = obs.prompt_token_ids
+        prompt = rollout.prompt_token_ids = obs.prompt_token_ids
         rollout.info.update(obs.info)
         for k in range(cfg.max_turns):
             room = cfg.max_total_tokens - len(prompt)
@@ -165,6 +192,21 @@ class Rollouter:
                 return result.status or RolloutStatus.COMPLETED
             prompt = result.next_token_ids
         return RolloutStatus.TRUNCATED_TURNS
+
+    async def prompts_too_long(self, samples: Sequence[Any]) -> list[PromptTooLong]:
+        """The samples whose first prompt leaves no room to generate within
+        `rollout.max_total_tokens` (their rollouts would end truncated_context without a turn),
+        found by `reset` on a fresh clone of the env for each; a sample whose reset fails is left
+        to its rollouts, which report the failure."""
+        found = []
+        for i, sample in enumerate(samples):
+            try:
+                obs = check_observation(await self._env_call(self.env.clone().reset(sample), "reset"))
+            except Exception:  # noqa: BLE001 - its rollouts will end error_* and say why
+                continue
+            if len(obs.prompt_token_ids) >= self.config.max_total_tokens:
+                found.append(PromptTooLong(i, sample_name(sample, i), len(obs.prompt_token_ids)))
+        return found
 
     async def _generate(self, prompt: list[int], sampling: SamplingParams, request_id: str,
                         session_id: str) -> Completion:
@@ -237,6 +279,8 @@ def summarize(groups: Sequence[RolloutGroup]) -> dict[str, float]:
         "rollout/rollouts": float(len(rollouts)),
         "rollout/episodes": float(len(episodes)),
         "rollout/branch_episodes": float(sum(ep.branch > 0 for ep in episodes)),
+        # Records whose prompt alone fills rollout.max_total_tokens: their rollouts train nothing.
+        "rollout/prompts_too_long": float(sum(any(r.prompt_too_long for r in g.rollouts) for g in groups)),
     }
     metrics.update({f"rollout/status/{s.value}": float(statuses[s]) for s in RolloutStatus})
     if rollouts:

@@ -13,6 +13,7 @@ from rlactors.models import load_tokenizer
 from rlactors.rollout import (
     MessageEnv,
     MessageStep,
+    Observation,
     RewardFunc,
     RolloutStatus,
     Rubric,
@@ -22,6 +23,7 @@ from rlactors.rollout import (
     load_env,
 )
 from rlactors.rollout.advantages import group_advantages
+from rlactors.rollout.rollouter import PromptTooLong, prompts_too_long_line
 
 
 class FlakyEnv(LengthRewardEnv):
@@ -312,3 +314,31 @@ def test_message_env_returning_wrong_types_ends_error_parse_saying_what_was_expe
         "env step: respond must return a MessageStep, got dict {'messages': None, 'reward': 1.0}",
         f"env step: MessageStep.messages {messages} str 'more please'"]
     assert [ro.error_traceback for ro in group.rollouts[1:]] == [None] * 4
+
+
+def test_prompts_that_leave_no_room_are_named_at_load_and_counted_per_step():
+    class PromptOfSampleLength(LengthRewardEnv):
+        def clone(self):
+            return PromptOfSampleLength()
+
+        async def reset(self, sample):
+            self.prompt = [1] * sample["length"]
+            return Observation(self.prompt)
+
+    samples = [{"id": "a.jsonl:1", "length": 10}, {"id": "a.jsonl:2", "length": 64}, {"length": 63},
+               {"length": 100}, {"id": "a.jsonl:5", "length": 3}]
+    r = rollouter(PromptOfSampleLength(), max_total_tokens=64, step_timeout_s=60, keep_zero_variance_groups=True)
+    found = asyncio.run(r.prompts_too_long(samples))
+    assert found == [PromptTooLong(1, "a.jsonl:2", 64), PromptTooLong(3, "sample 3", 100)]
+    assert prompts_too_long_line(found, len(samples), 64, shown=1) == (
+        "warning: 2 of 5 train samples have a prompt of at least rollout.max_total_tokens=64 tokens, which leaves "
+        "no room to generate: a.jsonl:2 (64 tokens) and 1 more. Their rollouts end truncated_context without a "
+        "turn and train nothing (counted per step as rollout/prompts_too_long); raise rollout.max_total_tokens "
+        "(and generator.max_model_len) or shorten those prompts")
+    batch = asyncio.run(r.collect(samples))
+    assert batch.metrics["rollout/prompts_too_long"] == 2
+    for group, sample in zip(batch.groups, samples):
+        assert all(ro.prompt_token_ids == [1] * sample["length"] for ro in group.rollouts)  # kept, turn or no turn
+        too_long = sample["length"] >= 64
+        assert all(ro.prompt_too_long == too_long and (ro.turns == []) == too_long for ro in group.rollouts)
+        assert (group.episodes == []) == too_long

@@ -47,6 +47,7 @@ from rlactors.rollout.rollouter import summarize as summarize_groups
 from rlactors.rollout.types import Episode, Rollout, RolloutGroup
 from rlactors.trainer.checkpoint import checkpoint_dir, is_complete, latest_checkpoint
 from rlactors.types import Completion, SamplingParams
+from rlactors.watchdog import LoopWatchdog
 from rlactors.weight_sync.sync import BroadcastStuck, NoReplicaUp, WeightSync, WeightSyncError, create_weight_sync
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class Controller:
         self.trainer = None
         self.router = None
         self.weight_sync: WeightSync | None = None
+        # An env call that blocks the loop is named after step_timeout_s (the timeout itself cannot fire).
+        self.watchdog = LoopWatchdog(after_s=config.rollout.step_timeout_s)
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -292,6 +295,7 @@ class Controller:
 
         Cancelled (Ctrl-C under asyncio.run), it keeps the last completed step: saved unless its
         checkpoint exists; `interrupt_report` says what was kept."""
+        self.watchdog.start()
         try:
             await self.start()
             return await self.train()
@@ -302,7 +306,10 @@ class Controller:
             await self._keep_last_step()
             raise
         finally:
-            await self.shutdown()
+            try:
+                await self.shutdown()
+            finally:
+                self.watchdog.stop()
 
     async def _keep_last_step(self) -> None:
         """After Ctrl-C: saves the last completed step unless its checkpoint is complete, and says

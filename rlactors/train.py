@@ -18,9 +18,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlactors.controller import Controller
 
 
 def main(argv: Sequence[str] | None = None, default_config: Path | None = None) -> int:
@@ -47,7 +54,7 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
     try:
         config = load_config(args.config, args.overrides)
         controller = Controller(config, resume=args.resume)
-        history = asyncio.run(controller.run())
+        history = run_controller(controller)
     except (ConfigError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -76,6 +83,45 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
                   f"learn from; {NO_SIGNAL_HINT}")
     return 0
 
+
+def run_controller(controller: Controller) -> list[dict[str, float]]:
+    """`controller.run()` on an event loop of its own, with Ctrl-C in two steps that hold even
+    while a call blocks the loop: the first cancels the run (Controller.run saves the last
+    completed step) and, when the loop is blocked, says where; the second quits at once, naming
+    the last complete checkpoint (the actor procs end with this process)."""
+    from rlactors.trainer.checkpoint import latest_checkpoint
+
+    with asyncio.Runner() as runner:  # closing it cancels what is left, as asyncio.run does
+        loop = runner.get_loop()
+        task = loop.create_task(controller.run())
+        interrupts = 0
+
+        def on_sigint(signum: int, frame: FrameType | None) -> None:
+            nonlocal interrupts
+            interrupts += 1
+            if interrupts == 1:
+                loop.call_soon_threadsafe(task.cancel)  # runs once the loop does
+                if controller.watchdog.blocked_for() >= 1.0:
+                    print(f"interrupted: the event loop is blocked in {controller.watchdog.where(frame)}; the run "
+                          "stops once that call returns (Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
+                return
+            last = latest_checkpoint(controller.checkpoint_root)
+            kept = f"the last complete checkpoint is {last}; continue with --resume" if last else "nothing is saved"
+            print(f"interrupted again: quitting at once; {kept}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(130)
+
+        async def until_done() -> list[dict[str, float]]:
+            return await task
+
+        # Set before runner.run, which then keeps it instead of installing asyncio's own.
+        previous = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            return runner.run(until_done())
+        except asyncio.CancelledError:
+            raise KeyboardInterrupt from None
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,16 +1,22 @@
 """Inputs that a run survives but must not pass over in silence, through the real controller with
-real Monarch procs on CPU: records whose prompt alone fills rollout.max_total_tokens."""
+real Monarch procs on CPU: records whose prompt alone fills rollout.max_total_tokens, and an env
+that blocks the event loop (named by the watchdog; Ctrl-C still ends the run)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import time
+from pathlib import Path
 
-from faultkit import small_run_overrides
+import hazard_envs
+from faultkit import CliProcess, child_pids, small_run_overrides, wait_until
 
 from rlactors.config import load_config
 from rlactors.controller import Controller
 from rlactors.metrics import read_metrics
+from rlactors.trainer.checkpoint import checkpoint_dir
 
 
 def test_records_whose_prompt_leaves_no_room_are_named_at_load_counted_per_step_and_kept_in_samples(
@@ -43,3 +49,61 @@ def test_records_whose_prompt_leaves_no_room_are_named_at_load_counted_per_step_
     fault_record("bad inputs", "a dataset record whose prompt alone fills rollout.max_total_tokens", None,
                  "nothing: the record is named at load (FILE:ROW, prompt tokens), counted per step "
                  "(rollout/prompts_too_long), its rollouts end truncated_context with the prompt in samples.jsonl")
+
+
+def _descendants(pid: int) -> list[int]:
+    children = child_pids(pid)
+    return children + [d for child in children for d in _descendants(child)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return stat[0] != "Z"  # a zombie has exited
+
+
+def test_an_env_that_blocks_the_loop_is_named_and_ctrl_c_twice_ends_the_run(tiny_ckpt, tmp_path, fault_record):
+    """BlockingEnv's step sleeps 600 s in the loop's thread from step 2 on: the step timeout cannot
+    fire and the first Ctrl-C's cancellation cannot run, so the second must quit at once."""
+    run_dir = tmp_path / "run"
+    cli = CliProcess(*small_run_overrides(tiny_ckpt, run_dir, 'env.name="hazard_envs:BlockingEnv"',
+                                          "env.args={ block_s = 600.0, block_from_group = 2 }",
+                                          "rollout.step_timeout_s=2.0", "controller.steps=5"), new_session=True)
+    try:
+        warned = wait_until(lambda: cli.first_line_after("stderr", 0, "event loop has been blocked")
+                            or cli.proc.poll() is not None, 180, what="the watchdog's line")
+        stderr = cli.text("stderr")
+        assert cli.proc.poll() is None, stderr[-3000:]
+        warning = next(line for line in stderr.splitlines() if "event loop has been blocked" in line)
+        assert f"s in BlockingEnv.step ({hazard_envs.__file__}:" in warning
+        assert ": time.sleep(self.config.block_s)): " in warning
+        procs = _descendants(cli.proc.pid)
+        assert procs  # the trainer, router and replica procs
+
+        cli.interrupt()
+        wait_until(lambda: cli.first_line_after("stderr", warned, "interrupted: the event loop is blocked in"), 30,
+                   what="the first Ctrl-C's line")
+        assert cli.proc.poll() is None  # blocked: the run cannot stop by itself
+        interrupted_at = time.monotonic()
+        cli.interrupt()
+        code = cli.wait(60)
+        quit_s = time.monotonic() - interrupted_at
+    finally:
+        if cli.proc.poll() is None:
+            os.killpg(cli.proc.pid, 9)
+            cli.wait(30)
+    stderr = cli.text("stderr").splitlines()
+    assert code == 130 and not any("Traceback" in line for line in stderr), stderr[-30:]
+    assert stderr[-2].startswith("interrupted: the event loop is blocked in BlockingEnv.step (")
+    assert stderr[-2].endswith("; the run stops once that call returns (Ctrl-C again to quit at once)")
+    saved = checkpoint_dir(run_dir / "checkpoints", 1)
+    assert stderr[-1] == f"interrupted again: quitting at once; the last complete checkpoint is {saved}; continue " \
+                         "with --resume"
+    wait_until(lambda: not any(_alive(pid) for pid in procs), 30, what="the actor procs' exit")
+    fault_record("env blocks the loop", "time.sleep(600) in an env's step from step 2 on "
+                 "(rollout.step_timeout_s=2), then Ctrl-C twice", None,
+                 f"the rollouts of step 2: the watchdog named BlockingEnv.step and its line after 2 s, the first "
+                 f"Ctrl-C said where the loop is blocked, the second quit in {quit_s:.1f} s naming step 1's "
+                 "checkpoint; no actor proc left")

@@ -293,8 +293,8 @@ class Controller:
     async def run(self) -> list[dict[str, float]]:
         """Starts the meshes, trains `controller.steps` steps, shuts down; per-step metrics.
 
-        Cancelled (Ctrl-C under asyncio.run), it keeps the last completed step: saved unless its
-        checkpoint exists; `interrupt_report` says what was kept."""
+        Cancelled (the first Ctrl-C, `rlactors.train.run_controller`), it keeps the last completed
+        step: saved unless its checkpoint exists; `interrupt_report` says what was kept."""
         self.watchdog.start()
         try:
             await self.start()

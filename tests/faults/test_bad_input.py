@@ -1,7 +1,10 @@
 """Bad configs and inputs through the CLI (examples/alphabet_sort/run.py): every config field with
-a wrong type or an impossible value, a checkpoint dir that is missing or is not one, a tokenizer
-without a chat template, an empty dataset, a bad env name, a new run into a run dir that holds a
-run, --resume with nothing to resume or with another env or seed than the run's. Each gives one
+a wrong type or an impossible value, a checkpoint dir that is missing or is not one, that lacks
+its tokenizer files, weights or a shard, whose config.json is not JSON or of an unsupported
+model_type, or whose tokenizer outgrows the model's vocabulary, a tokenizer without a chat
+template, an empty dataset, a bad env name, a new run into a run dir that holds a run, --resume
+with nothing to resume, with another env or seed than the run's or with a config.toml that is not
+TOML. Each gives one
 line `error: <what>: ...` naming the problem and exit code 2, before anything trains; --resume of
 a run that has all its steps says so and exits 0."""
 

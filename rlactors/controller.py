@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import ActorError
 
 from rlactors.config import Config, ConfigError, dump_toml, read_toml
 from rlactors.evaluation import Evaluator, eval_due, eval_samples
@@ -518,8 +519,13 @@ class Controller:
         resume = (self.producer.resume_state(self.step + 1) if self.producer is not None else
                   {"samples": self.samples.state_dict(), "rollouter": self.rollouter.state_dict()})
         state = ResumeState(self.step, self.policy_version, **resume)
-        path = await self.trainer.save_checkpoint.call(str(self.checkpoint_root), self.step,
-                                                       {CONTROLLER_STATE: json.dumps(state.__dict__)})
+        try:
+            path = await self.trainer.save_checkpoint.call(str(self.checkpoint_root), self.step,
+                                                           {CONTROLLER_STATE: json.dumps(state.__dict__)})
+        except ActorError as e:  # the trainer could not write it (every rank raises, none is left waiting)
+            reason = " ".join(f"{type(e.exception).__name__}: {e.exception}".split())
+            raise TrainingError(f"saving the checkpoint of step {self.step} failed: {reason}; "
+                                f"{self._last_checkpoint()}") from None
         return Path(first_value(path))
 
     async def _generator_metrics(self) -> dict[str, float]:

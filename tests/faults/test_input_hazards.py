@@ -1,21 +1,25 @@
 """Inputs that a run survives but must not pass over in silence, through the real controller with
-real Monarch procs on CPU: records whose prompt alone fills rollout.max_total_tokens, and an env
-that blocks the event loop (named by the watchdog; Ctrl-C still ends the run)."""
+real Monarch procs on CPU: records whose prompt alone fills rollout.max_total_tokens, an env that
+blocks the event loop (named by the watchdog; Ctrl-C still ends the run), and a checkpoint save
+that fails on one trainer rank (one line, no hang)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
 import hazard_envs
+import pytest
 from faultkit import CliProcess, child_pids, small_run_overrides, wait_until
 
 from rlactors.config import load_config
-from rlactors.controller import Controller
+from rlactors.controller import Controller, TrainingError
 from rlactors.metrics import read_metrics
+from rlactors.models.checkpoint import TOKENIZER_FILES
 from rlactors.trainer.checkpoint import checkpoint_dir
 
 
@@ -107,3 +111,37 @@ def test_an_env_that_blocks_the_loop_is_named_and_ctrl_c_twice_ends_the_run(tiny
                  f"the rollouts of step 2: the watchdog named BlockingEnv.step and its line after 2 s, the first "
                  f"Ctrl-C said where the loop is blocked, the second quit in {quit_s:.1f} s naming step 1's "
                  "checkpoint; no actor proc left")
+
+
+def test_a_checkpoint_save_that_fails_stops_the_run_with_one_line_instead_of_hanging(tiny_ckpt, tmp_path,
+                                                                                     fault_record):
+    """model.path loses its tokenizer files after the start (the check before the start would
+    refuse the dir): the step-1 save fails on trainer rank 0, and before the fix rank 1 waited at
+    a barrier for ever, and the run with it."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_ckpt, model)
+    config = load_config(None, small_run_overrides(model, tmp_path / "run", "trainer.ranks=2"))
+    controller = Controller(config)
+
+    async def run():
+        controller.watchdog.start()
+        try:
+            await controller.start()
+            for name in TOKENIZER_FILES:
+                (model / name).unlink(missing_ok=True)
+            return await controller.train()
+        finally:
+            await controller.shutdown()
+            controller.watchdog.stop()
+
+    started = time.monotonic()
+    with pytest.raises(TrainingError) as error:
+        asyncio.run(asyncio.wait_for(run(), 300))
+    stopped_s = time.monotonic() - started
+    assert str(error.value) == ("saving the checkpoint of step 1 failed: ValueError: "
+                                f"{model} holds no tokenizer files; no checkpoint was completed")
+    assert list((tmp_path / "run" / "checkpoints").iterdir()) == []  # no .step_00000001.partial
+    fault_record("checkpoint save fails", "model.path's tokenizer files removed after the start, 2 trainer ranks "
+                 "(the save's HF export on rank 0 fails)", None,
+                 f"the run stops in {stopped_s:.0f} s with one line `saving the checkpoint of step 1 failed: "
+                 "ValueError: ... holds no tokenizer files; ...` and no partial dir (it hung before)")

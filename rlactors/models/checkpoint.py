@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from rlactors.models.args import DTYPES, ModelArgs
 from rlactors.models.decoder import DecoderForCausalLM
+from rlactors.models.tokenizer import VOCABULARY_FILES
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,9 +35,6 @@ TOKENIZER_FILES = (
     "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
     "generation_config.json",
 )
-# A tokenizer's vocabulary is in one of these (vocab.json comes with merges.txt); without any,
-# transformers builds a tokenizer of one token and says nothing.
-VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def check_checkpoint_dir(ckpt_dir: str | Path) -> ModelArgs:
@@ -66,11 +64,9 @@ def check_checkpoint_dir(ckpt_dir: str | Path) -> ModelArgs:
         if absent:
             raise ValueError(f"{ckpt_dir}: {INDEX_FILE} names weight files that are missing: {', '.join(absent)}")
     try:
-        with open_tensors(ckpt_dir):
+        with open_tensors(ckpt_dir):  # reads the files' headers: names and shapes against config.json
             pass
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - safetensors' own error type for a damaged file
+    except (OSError, SafetensorError) as e:
         raise ValueError(f"{ckpt_dir}: cannot read the weights: {' '.join(str(e).split())}") from None
     if not any((ckpt_dir / name).is_file() for name in VOCABULARY_FILES):
         raise ValueError(f"{ckpt_dir} has no tokenizer files (none of {', '.join(VOCABULARY_FILES)}); "

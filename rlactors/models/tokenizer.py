@@ -9,6 +9,9 @@ if TYPE_CHECKING:  # transformers is imported when a tokenizer is loaded: it is 
     from transformers import PreTrainedTokenizerBase
 
 Message = dict[str, Any]
+# A tokenizer's vocabulary is in one of these (vocab.json comes with merges.txt); without any,
+# transformers builds a tokenizer of one token and says nothing.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 # A stand-in conversation used to find what the chat template adds around new messages.
 # Its assistant content is a marker that no real template emits by itself.
@@ -24,8 +27,6 @@ def load_tokenizer(ckpt_dir: str | Path, model_vocab_size: int | None = None) ->
     """The checkpoint's tokenizer, from local files only (never the network). Raises ValueError
     when the dir holds no vocabulary file, or when the tokenizer has more tokens than
     `model_vocab_size` (the model's embedding rows), given."""
-    from rlactors.models.checkpoint import VOCABULARY_FILES
-
     if not Path(ckpt_dir).is_dir():
         raise ValueError(f"tokenizer directory {ckpt_dir} does not exist")
     if not any((Path(ckpt_dir) / name).is_file() for name in VOCABULARY_FILES):

@@ -26,13 +26,12 @@ from rlactors.evaluate import main as evaluate_main
 from rlactors.models.checkpoint import (
     SINGLE_FILE,
     TOKENIZER_FILES,
-    VOCABULARY_FILES,
     load_args,
     load_state_dict,
     save_pretrained,
 )
 from rlactors.models.tiny import random_state_dict
-from rlactors.models.tokenizer import load_tokenizer
+from rlactors.models.tokenizer import VOCABULARY_FILES, load_tokenizer
 from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir
 
 # Any value is well-typed here; what matters is that load_config rejects it before the run.
@@ -241,12 +240,14 @@ def test_bad_model_dirs_and_envs_are_named_before_any_proc_starts(capsys, tmp_pa
 def _broken_copies(tiny_ckpt, root):
     """Copies of tiny_ckpt, each missing or spoiling one thing a run loads: {name: dir}."""
     dirs = {}
-    for name in ("no_tokenizer", "no_weights", "missing_shard", "gemma2", "config_not_json", "small_vocab"):
+    for name in ("no_tokenizer", "no_weights", "damaged_weights", "missing_shard", "gemma2", "config_not_json",
+                 "small_vocab"):
         dirs[name] = root / name
         shutil.copytree(tiny_ckpt, dirs[name])
     for name in TOKENIZER_FILES:
         (dirs["no_tokenizer"] / name).unlink(missing_ok=True)
     (dirs["no_weights"] / SINGLE_FILE).unlink()
+    (dirs["damaged_weights"] / SINGLE_FILE).write_bytes(b"\xff" * 64)
     weights = load_state_dict(tiny_ckpt)
     (dirs["missing_shard"] / SINGLE_FILE).unlink()
     save_pretrained(weights, load_args(tiny_ckpt), dirs["missing_shard"], max_shard_bytes=200_000)
@@ -272,6 +273,7 @@ def test_incomplete_or_unsupported_checkpoints_are_named_before_any_proc_starts(
                         "model the weights come from",
         "no_weights": f"{dirs['no_weights']} holds no weights (neither model.safetensors nor "
                       "model.safetensors.index.json)",
+        "damaged_weights": f"{dirs['damaged_weights']}: cannot read the weights: ",
         "missing_shard": f"{dirs['missing_shard']}: model.safetensors.index.json names weight files that are "
                          f"missing: {missing_shard}",
         "gemma2": f"{dirs['gemma2']}: config.json has model_type 'gemma2'; rlactors supports "
@@ -285,14 +287,15 @@ def test_incomplete_or_unsupported_checkpoints_are_named_before_any_proc_starts(
         for env in ("fault_envs:FaultyEnv", "rlactors_examples.alphabet_sort.env:AlphabetSortEnv"):  # token, chat
             line = cli_error(capsys, f'model.path="{dirs[name]}"', f'controller.run_dir="{tmp_path / "run"}"',
                              f'env.name="{env}"', "env.args={}")
-            assert line == f"error: model.path: {message}"
+            assert line == f"error: model.path: {message}" or (name == "damaged_weights" and line.startswith(
+                f"error: model.path: {message}")), line
     assert not (tmp_path / "run").exists()  # nothing was started, nothing written
     # The evaluation CLI checks the same before it starts its replicas.
     assert evaluate_main([str(dirs["no_tokenizer"]), "--config", str(DEFAULT_CONFIG)]) == 2
     assert capsys.readouterr().err == f"error: model.path: {cases['no_tokenizer']}\n"
     fault_record("bad inputs", "model.path without tokenizer files, without weights or one of its shards, with "
-                 "config.json not JSON or of an unsupported model_type (gemma2), or with a tokenizer larger than "
-                 "the model's vocabulary; under a TokenEnv and a MessageEnv", None,
+                 "a damaged weight file, with config.json not JSON or of an unsupported model_type (gemma2), or "
+                 "with a tokenizer larger than the model's vocabulary; under a TokenEnv and a MessageEnv", None,
                  "nothing starts: one line `error: model.path: ...` naming what is missing, exit code 2")
 
 

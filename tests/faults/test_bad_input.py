@@ -400,12 +400,20 @@ def test_resume_of_a_run_that_has_all_its_steps_says_so_and_starts_nothing(capsy
     assert all(path.read_bytes() == data for path, data in files.items())
 
 
-def test_resume_with_a_run_config_that_is_not_toml_is_one_line(capsys, tmp_path, fault_record):
+def test_resume_or_evaluate_with_a_run_config_that_is_not_toml_is_one_line(capsys, tmp_path, tiny_ckpt,
+                                                                          fault_record):
     """A config.toml of an older rlactors, which wrote a string's newline as is, is not TOML."""
     _run_dir_after(tmp_path, 1)
     saved = tmp_path / "config.toml"
     saved.write_text(saved.read_text().replace('run_dir = "', 'run_dir = "line\n'))
     line = cli_error(capsys, "--resume", *RUN, f'controller.run_dir="{tmp_path}"')
     assert line.startswith(f"error: {saved}: invalid TOML: Illegal character ")
-    fault_record("bad inputs", "--resume of a run whose config.toml is not TOML (a raw newline in a string)", None,
-                 "nothing trains: one line `error: RUN_DIR/config.toml: invalid TOML: ...`, exit code 2")
+    checkpoint = checkpoint_dir(tmp_path / "checkpoints", 1)
+    shutil.copytree(tiny_ckpt, checkpoint / "hf")
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 1, "policy_version": 1}))
+    assert evaluate_main([str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {saved}: invalid TOML: Illegal character "), err
+    fault_record("bad inputs", "--resume of a run, or `rlactors.evaluate RUN_DIR`, whose config.toml is not TOML "
+                 "(a raw newline in a string)", None,
+                 "nothing starts: one line `error: RUN_DIR/config.toml: invalid TOML: ...`, exit code 2")

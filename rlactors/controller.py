@@ -109,7 +109,8 @@ class Controller:
         self.trainer = None
         self.router = None
         self.weight_sync: WeightSync | None = None
-        # An env call that blocks the loop is named after step_timeout_s (the timeout itself cannot fire).
+        # During training, a call that blocks the loop (an env's) is named after step_timeout_s,
+        # which cannot fire then.
         self.watchdog = LoopWatchdog(after_s=config.rollout.step_timeout_s)
 
     # -- setup --------------------------------------------------------------------------------
@@ -296,7 +297,6 @@ class Controller:
 
         Cancelled (the first Ctrl-C, `rlactors.train.run_controller`), it keeps the last completed
         step: saved unless its checkpoint exists; `interrupt_report` says what was kept."""
-        self.watchdog.start()
         try:
             await self.start()
             return await self.train()
@@ -307,10 +307,7 @@ class Controller:
             await self._keep_last_step()
             raise
         finally:
-            try:
-                await self.shutdown()
-            finally:
-                self.watchdog.stop()
+            await self.shutdown()
 
     async def _keep_last_step(self) -> None:
         """After Ctrl-C: saves the last completed step unless its checkpoint is complete, and says
@@ -347,6 +344,7 @@ class Controller:
                                         ahead=0 if c.controller.mode == "sync" else c.controller.max_staleness,
                                         first_step=self.step + 1, last_step=c.controller.steps)
         self.producer.start()
+        self.watchdog.start()  # while rollouts run: their env calls share this loop
         history = []
         try:
             while self.step < c.controller.steps:
@@ -359,6 +357,7 @@ class Controller:
             raise TrainingError(f"step {self.step + 1}: {' '.join(str(e).split())}; {self._last_checkpoint()}; "
                                 "continue with --resume") from None
         finally:
+            self.watchdog.stop()
             try:
                 await self.producer.stop()
             finally:

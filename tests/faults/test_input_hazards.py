@@ -124,7 +124,6 @@ def test_a_checkpoint_save_that_fails_stops_the_run_with_one_line_instead_of_han
     controller = Controller(config)
 
     async def run():
-        controller.watchdog.start()
         try:
             await controller.start()
             for name in TOKENIZER_FILES:
@@ -132,7 +131,6 @@ def test_a_checkpoint_save_that_fails_stops_the_run_with_one_line_instead_of_han
             return await controller.train()
         finally:
             await controller.shutdown()
-            controller.watchdog.stop()
 
     started = time.monotonic()
     with pytest.raises(TrainingError) as error:

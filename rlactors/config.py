@@ -9,6 +9,7 @@ number, got 'x'`). Whoever holds a section holds a valid one and checks nothing 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import math
 import re
@@ -458,13 +459,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), avail
     they were written for its env."""
     tree: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            tree = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        tree = read_toml(path)
     parsed = [parse_override(text) for text in overrides]
     _drop_args_of_another_env(tree, parsed)
     for keys, value in parsed:
@@ -474,25 +469,57 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), avail
     return config
 
 
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The TOML file at `path` (UTF-8) as a dict; ConfigError, one line, when it is missing or not TOML."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {' '.join(str(e).split())}") from None
+
+
+# TOML's short escapes; every other control character is written as \uXXXX.
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_string(text: str) -> str:
+    """`text` as a TOML basic string: one line, read back exactly."""
+    escaped = (_TOML_ESCAPES.get(ch) or (f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch)
+               for ch in text)
+    return '"' + "".join(escaped) + '"'
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)  # inf, -inf and nan are spelled as TOML spells them
+    if isinstance(v, str):
+        return _toml_string(v)
+    if isinstance(v, (datetime.date, datetime.time)):  # TOML's dates and times (datetime too)
+        return v.isoformat()
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
 def dump_toml(config: Config) -> str:
-    """The config as TOML text (written into each run dir so a run can be reproduced)."""
-
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
-        raise TypeError(f"cannot write {v!r} as TOML")
-
+    """The config as TOML text (written into each run dir, as UTF-8, so a run can be reproduced
+    and resumed): `read_toml` of it builds the same Config."""
     lines = []
     for section, table in config.to_dict().items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {value(v)}" for k, v in table.items()]
+        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()]
         lines.append("")
     return "\n".join(lines)

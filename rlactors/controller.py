@@ -27,15 +27,15 @@ import logging
 import math
 import sys
 import time
-import tomllib
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import ActorError
 
-from rlactors.config import Config, ConfigError, dump_toml
+from rlactors.config import Config, ConfigError, dump_toml, read_toml
 from rlactors.evaluation import Evaluator, eval_due, eval_samples
 from rlactors.losses import LossNorm
 from rlactors.metrics import EnvErrorLog, MetricsLogger, WandbSink, check_wandb
@@ -43,11 +43,12 @@ from rlactors.placement import Hosts, allocate_hosts, first_value, gpu_layout
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.env import SampleStream, load_env
 from rlactors.rollout.producer import RolloutProducer
-from rlactors.rollout.rollouter import Rollouter, group_number
+from rlactors.rollout.rollouter import Rollouter, group_number, prompts_too_long_line
 from rlactors.rollout.rollouter import summarize as summarize_groups
 from rlactors.rollout.types import Episode, Rollout, RolloutGroup
 from rlactors.trainer.checkpoint import checkpoint_dir, is_complete, latest_checkpoint
 from rlactors.types import Completion, SamplingParams
+from rlactors.watchdog import LoopWatchdog
 from rlactors.weight_sync.sync import BroadcastStuck, NoReplicaUp, WeightSync, WeightSyncError, create_weight_sync
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,9 @@ class Controller:
         self.trainer = None
         self.router = None
         self.weight_sync: WeightSync | None = None
+        # During training, a call that blocks the loop (an env's) is named after step_timeout_s,
+        # which cannot fire then.
+        self.watchdog = LoopWatchdog(after_s=config.rollout.step_timeout_s)
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -117,7 +121,7 @@ class Controller:
 
         from rlactors.actors.router import GeneratorRouter
         from rlactors.actors.trainer import spawn_trainer
-        from rlactors.models import load_tokenizer
+        from rlactors.models import load_checked_tokenizer
 
         # Monarch's default for a fault nobody handled is to kill this process; record it instead,
         # so the loop can stop cleanly (the failing call raises too).
@@ -125,21 +129,16 @@ class Controller:
 
         c = self.config
         resume_from = self._check_run_dir()  # fails (or finds the run complete) before any proc starts
-        if not Path(c.model.path).is_dir():
-            raise TrainingError(f"model.path: checkpoint directory not found: {c.model.path}")
-        if not (Path(c.model.path) / "config.json").is_file():
-            raise TrainingError(f"model.path: {c.model.path} is not a HF checkpoint directory (no config.json)")
-        try:
-            self.tokenizer = load_tokenizer(c.model.path)
-        except (OSError, ValueError) as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise TrainingError(f"model.path: cannot load the tokenizer of {c.model.path}: {reason}") from None
+        self.tokenizer = load_checked_tokenizer(c.model.path)
         env = load_env(c.env, self.tokenizer)
         dataset = env.dataset("train")
         if len(dataset) == 0:
             raise TrainingError(f"env {c.env.name}: the train split is empty")
         self.samples = SampleStream(dataset, seed=c.controller.seed)
         self.rollouter = Rollouter(env, self._generate, c.rollout, seed=c.controller.seed)
+        too_long = await self.rollouter.prompts_too_long(dataset)
+        if too_long:
+            print(prompts_too_long_line(too_long, len(dataset), c.rollout.max_total_tokens), flush=True)
         if c.controller.eval_every:
             try:
                 held_out = eval_samples(env, c.env.name, c.eval)
@@ -165,7 +164,7 @@ class Controller:
         self.weight_sync = create_weight_sync(c, self.trainer, self.router)
         await self._sync_call(self.weight_sync.start())
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(dump_toml(c))
+        (self.run_dir / "config.toml").write_text(dump_toml(c), encoding="utf-8")
         if resume_from is not None:
             await self._restore(resume_from)
 
@@ -208,7 +207,7 @@ class Controller:
         saved_file = self.run_dir / "config.toml"
         if not saved_file.is_file():
             return
-        saved = _flat_config(tomllib.loads(saved_file.read_text()))
+        saved = _flat_config(read_toml(saved_file))
         now = _flat_config(json.loads(json.dumps(self.config.to_dict())))  # tuples as lists, like TOML's
         changed = {key: (saved[key], now[key]) for key in now if key in saved and saved[key] != now[key]}
         for key in FIXED_ON_RESUME:
@@ -296,8 +295,8 @@ class Controller:
     async def run(self) -> list[dict[str, float]]:
         """Starts the meshes, trains `controller.steps` steps, shuts down; per-step metrics.
 
-        Cancelled (Ctrl-C under asyncio.run), it keeps the last completed step: saved unless its
-        checkpoint exists; `interrupt_report` says what was kept."""
+        Cancelled (the first Ctrl-C, `rlactors.train.run_controller`), it keeps the last completed
+        step: saved unless its checkpoint exists; `interrupt_report` says what was kept."""
         try:
             await self.start()
             return await self.train()
@@ -345,6 +344,7 @@ class Controller:
                                         ahead=0 if c.controller.mode == "sync" else c.controller.max_staleness,
                                         first_step=self.step + 1, last_step=c.controller.steps)
         self.producer.start()
+        self.watchdog.start()  # while rollouts run: their env calls share this loop
         history = []
         try:
             while self.step < c.controller.steps:
@@ -357,6 +357,7 @@ class Controller:
             raise TrainingError(f"step {self.step + 1}: {' '.join(str(e).split())}; {self._last_checkpoint()}; "
                                 "continue with --resume") from None
         finally:
+            self.watchdog.stop()
             try:
                 await self.producer.stop()
             finally:
@@ -517,8 +518,13 @@ class Controller:
         resume = (self.producer.resume_state(self.step + 1) if self.producer is not None else
                   {"samples": self.samples.state_dict(), "rollouter": self.rollouter.state_dict()})
         state = ResumeState(self.step, self.policy_version, **resume)
-        path = await self.trainer.save_checkpoint.call(str(self.checkpoint_root), self.step,
-                                                       {CONTROLLER_STATE: json.dumps(state.__dict__)})
+        try:
+            path = await self.trainer.save_checkpoint.call(str(self.checkpoint_root), self.step,
+                                                           {CONTROLLER_STATE: json.dumps(state.__dict__)})
+        except ActorError as e:  # the trainer could not write it (every rank raises, none is left waiting)
+            reason = " ".join(f"{type(e.exception).__name__}: {e.exception}".split())
+            raise TrainingError(f"saving the checkpoint of step {self.step} failed: {reason}; "
+                                f"{self._last_checkpoint()}") from None
         return Path(first_value(path))
 
     async def _generator_metrics(self) -> dict[str, float]:
@@ -561,6 +567,8 @@ class Controller:
         return out
 
     def _decoded_turns(self, rollout: Rollout) -> list[dict[str, str]]:
+        if not rollout.turns and rollout.prompt_token_ids:  # a prompt that left no room to generate
+            return [{"prompt": self.tokenizer.decode(rollout.prompt_token_ids), "completion": ""}]
         turns, context = [], []
         for turn in rollout.turns:
             prompt = turn.prompt_token_ids

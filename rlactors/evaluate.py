@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -89,10 +90,10 @@ async def evaluate(config: Config, checkpoint: Checkpoint, progress: bool = True
     from tqdm import tqdm
 
     from rlactors.actors.router import GeneratorRouter
-    from rlactors.models import load_tokenizer
+    from rlactors.models import load_checked_tokenizer
     from rlactors.rollout.env import load_env
 
-    env = load_env(config.env, load_tokenizer(config.model.path))
+    env = load_env(config.env, load_checked_tokenizer(config.model.path))
     samples = eval_samples(env, config.env.name, config.eval)  # fails before any proc starts
     # Monarch's default for a fault nobody handled is to kill this process: the failing call raises instead.
     monarch.actor.unhandled_fault_hook = lambda failure: logging.getLogger(__name__).error("Monarch fault: %s", failure)
@@ -102,7 +103,10 @@ async def evaluate(config: Config, checkpoint: Checkpoint, progress: bool = True
 
     async def generate(prompt_token_ids: list[int], sampling: SamplingParams, request_id: str,
                        session_id: str | None = None) -> Completion:
-        return await router.generate.call_one(prompt_token_ids, sampling, request_id, session_id)
+        completion = await router.generate.call_one(prompt_token_ids, sampling, request_id, session_id)
+        # The replicas number the weights they loaded 0: here those are the checkpoint's policy version.
+        versions = [checkpoint.policy_version + v if v >= 0 else v for v in completion.versions]
+        return dataclasses.replace(completion, versions=versions)
 
     evaluator = Evaluator(env, generate, config.rollout, config.eval, samples)
     bar = tqdm(total=evaluator.num_rollouts, desc="eval", unit="rollout", disable=not progress)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from rlactors.rollout.types import Rollout
 
 REWARD_MEAN, REWARD_MIN, REWARD_MAX = "rollout/reward_mean", "rollout/reward_min", "rollout/reward_max"
+REWARD_P25, REWARD_P75 = "rollout/reward_p25", "rollout/reward_p75"
 EVAL_REWARD_MEAN = "eval/reward_mean"
 WANDB_RUN_ID_FILE = "wandb_run_id"  # in the run dir: a resumed run goes on logging into the same W&B run
 
@@ -123,10 +124,12 @@ def eval_line(step: int, metrics: dict[str, float]) -> str:
         parts.append(f"errors {errors:.0f}/{rollouts:.0f}")
     samples = metrics.get("eval/samples", 0.0)
     per_prompt = f" x {rollouts / samples:.0f}" if samples and rollouts != samples else ""
-    version, newest = metrics.get("eval/policy_version", 0.0), metrics.get("eval/policy_version_max", 0.0)
-    versions = f"{version:.0f}" if newest == version else f"{version:.0f}-{newest:.0f}"
+    # Async mode: the generators may take newer policies while an eval runs (a range, oldest first).
+    version = metrics.get("eval/policy_version", 0.0)
+    newest = max(version, metrics.get("eval/policy_version_max", version))
+    versions = f"version {version:.0f}" if newest == version else f"versions {version:.0f} to {newest:.0f}"
     parts.append(f"{samples:.0f} held-out samples{per_prompt}, {metrics.get('eval/generated_tokens_mean', 0.0):.0f} "
-                 f"tokens each, policy version {versions}, {metrics.get('eval/time_s', 0.0):.1f}s")
+                 f"tokens each, policy {versions}, {metrics.get('eval/time_s', 0.0):.1f}s")
     return "  ".join(parts)
 
 
@@ -247,10 +250,25 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_reward_curve(run_dir: str | Path, title: str | None = None) -> Path | None:
-    """reward_curve.png: mean reward per step, its trailing 5-step mean, and the min-max band over
-    rollouts; beside them the held-out eval reward of each evaluation. None when no step has a
+    """reward_curve.png (`reward_curve_figure` of the run's metrics.jsonl); None when no step has a
     reward and no evaluation ran."""
     records = read_metrics(run_dir)
+    fig = reward_curve_figure(records, title or f"reward: {Path(run_dir).name}")
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt
+
+    out = Path(run_dir) / "reward_curve.png"
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def reward_curve_figure(records: list[dict[str, Any]], title: str) -> Any:
+    """A matplotlib Figure: mean reward per step, its trailing 5-step mean, and the band of the
+    middle half of the rollouts' rewards (25th to 75th percentile); beside them the held-out eval
+    reward of each evaluation; the legend right of the axes, off the data. None when there is
+    nothing to draw."""
     steps_with_reward = [r for r in records if isinstance(r.get(REWARD_MEAN), (int, float))]
     evals = sorted((r["step"], r[EVAL_REWARD_MEAN])
                    for r in records if isinstance(r.get(EVAL_REWARD_MEAN), (int, float)))
@@ -261,12 +279,13 @@ def plot_reward_curve(run_dir: str | Path, title: str | None = None) -> Path | N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     if steps_with_reward:
         steps = [r["step"] for r in steps_with_reward]
-        if all(REWARD_MIN in r and REWARD_MAX in r for r in steps_with_reward):
-            ax.fill_between(steps, [r[REWARD_MIN] for r in steps_with_reward],
-                            [r[REWARD_MAX] for r in steps_with_reward], alpha=0.12, label="min-max over rollouts")
+        if all(REWARD_P25 in r and REWARD_P75 in r for r in steps_with_reward):  # older runs have no quartiles
+            ax.fill_between(steps, [r[REWARD_P25] for r in steps_with_reward],
+                            [r[REWARD_P75] for r in steps_with_reward], alpha=0.2, linewidth=0,
+                            label="middle half of rollouts\n(25th-75th percentile)")
         means = [r[REWARD_MEAN] for r in steps_with_reward]
         ax.plot(steps, means, marker="o", markersize=3, linewidth=1, alpha=0.6, label="mean reward")
         # Step means are noisy (a few prompts each); the trailing mean shows the trend.
@@ -277,14 +296,11 @@ def plot_reward_curve(run_dir: str | Path, title: str | None = None) -> Path | N
                 label="eval reward (held-out)")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
-    ax.set_title(title or f"reward: {Path(run_dir).name}")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    out = Path(run_dir) / "reward_curve.png"
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
 
 
 if __name__ == "__main__":

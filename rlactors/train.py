@@ -18,9 +18,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlactors.controller import Controller
 
 
 def main(argv: Sequence[str] | None = None, default_config: Path | None = None) -> int:
@@ -41,13 +48,13 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
 
     from rlactors.config import ConfigError, load_config
     from rlactors.controller import NO_SIGNAL_HINT, Controller, TrainingError
-    from rlactors.metrics import EVAL_REWARD_MEAN, read_metrics
+    from rlactors.metrics import EVAL_REWARD_MEAN, REWARD_MEAN, read_metrics
 
     controller = None
     try:
         config = load_config(args.config, args.overrides)
         controller = Controller(config, resume=args.resume)
-        history = asyncio.run(controller.run())
+        history = run_controller(controller)
     except (ConfigError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -55,23 +62,66 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
         if controller is None or controller.interrupt_report is None:  # else the controller said what it kept
             print("interrupted", file=sys.stderr)
         return 130
-    rewards = [m["rollout/reward_mean"] for m in history if "rollout/reward_mean" in m]
-    if rewards:
-        untrained = sum(m["train/trained"] == 0 for m in history)
+    # The whole run's steps (a resumed run's metrics.jsonl holds those before the resume too).
+    records = read_metrics(config.controller.run_dir) if history else []
+    steps = [r for r in records if REWARD_MEAN in r]
+    if steps:
+        untrained = sum(r["train/trained"] == 0 for r in steps)
         trained = f"; {untrained} of them trained nothing (see their step lines)" if untrained else ""
-        print(f"done: {len(history)} steps, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}{trained}; "
-              f"run dir {config.controller.run_dir}")
-        evals = [r for r in read_metrics(config.controller.run_dir) if EVAL_REWARD_MEAN in r]
+        resumed = steps[-1]["step"] - len(history)
+        session = f" ({len(history)} in this session, resumed after step {resumed})" if resumed else ""
+        print(f"done: {len(steps)} steps{session}, reward {steps[0][REWARD_MEAN]:.3f} -> "
+              f"{steps[-1][REWARD_MEAN]:.3f}{trained}; run dir {config.controller.run_dir}")
+        evals = [r for r in records if EVAL_REWARD_MEAN in r]
         if evals:
             first, last = min(evals, key=lambda r: r["step"]), max(evals, key=lambda r: r["step"])
             sampling = "greedy" if config.eval.temperature == 0 else f"temperature {config.eval.temperature:g}"
             print(f"eval reward {first[EVAL_REWARD_MEAN]:.3f} at step {first['step']} -> {last[EVAL_REWARD_MEAN]:.3f} "
                   f"at step {last['step']} ({last['eval/samples']:.0f} held-out samples, {sampling})")
-        if all(m["rollout/groups_dropped"] == m["rollout/groups"] for m in history):
+        if all(r["rollout/groups_dropped"] == r["rollout/groups"] for r in steps):
             print(f"no step trained: the rollouts of each group earned equal rewards, so GRPO had nothing to "
                   f"learn from; {NO_SIGNAL_HINT}")
     return 0
 
+
+def run_controller(controller: Controller) -> list[dict[str, float]]:
+    """`controller.run()` on an event loop of its own, with Ctrl-C in two steps that hold even
+    while a call blocks the loop: the first cancels the run (Controller.run saves the last
+    completed step) and, when the loop is blocked, says where; the second quits at once, naming
+    the last complete checkpoint (the actor procs end with this process)."""
+    from rlactors.trainer.checkpoint import latest_checkpoint
+
+    with asyncio.Runner() as runner:  # closing it cancels what is left, as asyncio.run does
+        loop = runner.get_loop()
+        task = loop.create_task(controller.run())
+        interrupts = 0
+
+        def on_sigint(signum: int, frame: FrameType | None) -> None:
+            nonlocal interrupts
+            interrupts += 1
+            if interrupts == 1:
+                loop.call_soon_threadsafe(task.cancel)  # runs once the loop does
+                if controller.watchdog.blocked_for() >= 1.0:
+                    print(f"interrupted: the event loop is blocked in {controller.watchdog.where(frame)}; the run "
+                          "stops once that call returns (Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
+                return
+            last = latest_checkpoint(controller.checkpoint_root)
+            kept = f"the last complete checkpoint is {last}; continue with --resume" if last else "nothing is saved"
+            print(f"interrupted again: quitting at once; {kept}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(130)
+
+        async def until_done() -> list[dict[str, float]]:
+            return await task
+
+        # Set before runner.run, which then keeps it instead of installing asyncio's own.
+        previous = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            return runner.run(until_done())
+        except asyncio.CancelledError:
+            raise KeyboardInterrupt from None
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 if __name__ == "__main__":
     sys.exit(main())

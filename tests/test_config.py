@@ -185,6 +185,52 @@ def test_dump_round_trips(tmp_path):
     assert build_dataclass(Config, tomllib.loads(dump_toml(config))) == config
 
 
+# Strings a config may hold (the README's GSM8K prompt_template has a newline and a backslash).
+AWKWARD_STRINGS = ["{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.",
+                   'say "yes"', "a\ttab", "back\\slash\\", "trailing\\", "crlf\r\nline", "ünïcödé 数学 🙂",
+                   "\x00\x01\x1f\x7f\b\f", "''' and \"\"\"", "#not a comment", "= [] {}", ""]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_round_trips_through_the_run_dirs_config_toml(tmp_path, path):
+    config = load_config(path, available_gpus=8)
+    written = tmp_path / "config.toml"
+    written.write_text(dump_toml(config), encoding="utf-8")
+    assert config_module.load_config(written, available_gpus=8) == config
+
+
+def test_strings_with_newlines_quotes_tabs_backslashes_and_unicode_round_trip_exactly(tmp_path):
+    args = {f"s{i}": text for i, text in enumerate(AWKWARD_STRINGS)}
+    args.update({"list": AWKWARD_STRINGS, "nested": {"deep": {"x": AWKWARD_STRINGS[0]}, "k y": 1},
+                 "odd key \n\"": "v", "": "empty key", "inf": float("inf"), "big": 1e300, "small": 5e-324})
+    for text in AWKWARD_STRINGS[:8]:
+        config = load_config(overrides=[f"controller.run_dir={_toml_literal(text or 'x')}",
+                                        f"metrics.wandb_run={_toml_literal(text)}", "metrics.wandb_project=p"])
+        config.env.args = args
+        written = tmp_path / "config.toml"
+        written.write_text(dump_toml(config), encoding="utf-8")
+        assert config_module.read_toml(written)["env"]["args"] == args
+        assert config_module.load_config(written) == config
+        assert dump_toml(config_module.load_config(written)) == dump_toml(config)
+
+
+def _toml_literal(text: str) -> str:
+    """`text` as an override value (a TOML basic string), written independently of dump_toml."""
+    return '"' + "".join(f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ch in '"\\\x7f' else ch for ch in text) + '"'
+
+
+def test_config_read_errors_are_one_line(tmp_path):
+    cases = {"newline.toml": ('[env]\nname = "a\nb"\n', "invalid TOML: Illegal character"),
+             "not_utf8.toml": (b"[env]\nname = \"\xff\"\n", "not UTF-8 text (byte 14)"),
+             "unclosed.toml": ("[trainer\nlr = 1", "invalid TOML: ")}
+    for name, (text, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ConfigError) as error:
+            load_config(path)
+        assert str(error.value).startswith(f"{path}: {message}") and "\n" not in str(error.value), error.value
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_load(path):
     # GPU configs are checked as if on an 8-GPU node.

@@ -120,10 +120,13 @@ def test_a_resumed_run_keeps_the_eval_schedule_and_the_evaluate_command_agrees_w
     assert evaluate_main([str(run_dir), "--no-progress", "--out", str(out)]) == 0
     scored = json.loads(out.read_text())
     assert scored["checkpoint"] == str(run_dir / "checkpoints" / "step_00000004" / "hf") and scored["step"] == 4
-    for key in (EVAL_REWARD_MEAN, "eval/generated_tokens", "eval/samples", "eval/policy_version"):
+    for key in (EVAL_REWARD_MEAN, "eval/generated_tokens", "eval/samples", "eval/policy_version",
+                "eval/policy_version_max"):
         assert scored[key] == evals[3][key], key
-    assert capsys.readouterr().out.splitlines()[-1].startswith(
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith(
         f"{run_dir / 'checkpoints' / 'step_00000004' / 'hf'}: eval of step 4: reward {evals[3][EVAL_REWARD_MEAN]:.3f}")
+    assert ", policy version 4, " in line  # the replicas' weights are the checkpoint's policy, not a version 0
 
 
 def test_an_env_without_an_eval_split_stops_the_run_at_start(tiny_ckpt, tmp_path):

@@ -183,7 +183,7 @@ def test_eval_records_reach_jsonl_tensorboard_console_and_the_plot(tmp_path, cap
                                                                              (2, pytest.approx(0.3))]
     line = capsys.readouterr().out.splitlines()[-1]
     assert line == ("eval of step 1: reward 0.250  best@4 0.750  pass@1 0.125  pass@4 0.500  errors 2/32  "
-                    "8 held-out samples x 4, 17 tokens each, policy version 3-4, 2.2s")
+                    "8 held-out samples x 4, 17 tokens each, policy versions 3 to 4, 2.2s")
     assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -200,6 +200,9 @@ def test_a_run_with_only_an_eval_draws_its_plot_and_a_resume_drops_later_evals(t
     resumed.close()
     assert eval_line(0, {EVAL_REWARD_MEAN: 0.5, "eval/samples": 2.0, "eval/rollouts": 2.0}) == (
         "eval of step 0: reward 0.500  2 held-out samples, 0 tokens each, policy version 0, 0.0s")
+    # A newest version below the first (the evaluate command once counted the replicas' own 0) is no range.
+    assert eval_line(4, {EVAL_REWARD_MEAN: 0.5, "eval/samples": 2.0, "eval/rollouts": 2.0, "eval/policy_version": 4.0,
+                         "eval/policy_version_max": 0.0}).endswith("policy version 4, 0.0s")
 
 
 class FakeWandbRun:

@@ -1,6 +1,19 @@
 import json
 
-from rlactors.metrics import REWARD_MAX, REWARD_MEAN, REWARD_MIN, EnvErrorLog, MetricsLogger, read_metrics
+import pytest
+
+from rlactors.metrics import (
+    EVAL_REWARD_MEAN,
+    REWARD_MAX,
+    REWARD_MEAN,
+    REWARD_MIN,
+    REWARD_P25,
+    REWARD_P75,
+    EnvErrorLog,
+    MetricsLogger,
+    read_metrics,
+    reward_curve_figure,
+)
 from rlactors.rollout.types import Rollout, RolloutStatus
 
 
@@ -90,3 +103,37 @@ def test_env_errors_go_to_the_log_and_the_first_of_each_kind_to_the_console(tmp_
     assert (tmp_path / "env_errors.log").read_text().startswith(text + "--- resumed after step 2 ---\n")
     EnvErrorLog(tmp_path)
     assert (tmp_path / "env_errors.log").read_text() == ""
+
+
+def test_reward_curve_bands_the_middle_half_of_the_rollouts_and_keeps_its_legend_off_the_data(tmp_path):
+    records = [{"step": s, REWARD_MEAN: 0.1 * s, REWARD_MIN: 0.0, REWARD_MAX: 1.0, REWARD_P25: 0.1 * s - 0.05,
+                REWARD_P75: 0.1 * s + 0.05} for s in range(1, 9)] + [{"step": 8, EVAL_REWARD_MEAN: 0.7}]
+    fig = reward_curve_figure(records, "reward")
+    ax = fig.axes[0]
+    band = ax.collections[0].get_paths()[0].vertices[:, 1]
+    assert (band.min(), band.max()) == pytest.approx((0.05, 0.85))  # the quartiles, not min-max's 0..1
+    fig.canvas.draw()
+    legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 >= axes.x1  # right of the axes
+    assert ax.get_legend().get_texts()[0].get_text().startswith("middle half of rollouts")
+    # Older runs' records have no quartiles: no band, the rest is drawn.
+    old = reward_curve_figure([{k: v for k, v in r.items() if k not in (REWARD_P25, REWARD_P75)} for r in records],
+                              "reward")
+    assert not old.axes[0].collections and len(old.axes[0].lines) == 3
+
+
+def test_rollout_reward_quartiles_interpolate_between_rewards():
+    from rlactors.rollout.rollouter import summarize
+    from rlactors.rollout.types import RolloutGroup
+
+    def group(rewards):
+        rollouts = [Rollout(group_id="g0", index=i, session_id=f"g0/{i}", seed=i, sample={}, reward=r)
+                    for i, r in enumerate(rewards)]
+        return RolloutGroup(group_id="g0", sample={}, rollouts=rollouts, zero_variance=False, dropped=False,
+                            episodes=[])
+
+    metrics = summarize([group([0.0, 0.0, 1.0, 1.0, 0.5])])
+    assert (metrics[REWARD_P25], metrics[REWARD_P75]) == (0.0, 1.0)
+    metrics = summarize([group([0.0, 0.2, 0.4]), group([0.6, 0.8])])
+    assert (metrics[REWARD_P25], metrics[REWARD_P75]) == pytest.approx((0.2, 0.6))
+    assert summarize([group([0.3])])[REWARD_P25] == 0.3

@@ -8,7 +8,7 @@ from rlactors.attention.varlen import VarlenAttention
 from rlactors.models.args import ModelArgs
 from rlactors.models.checkpoint import copy_tokenizer_files, from_pretrained, load_args, save_pretrained
 from rlactors.models.decoder import Attention, DecoderForCausalLM
-from rlactors.models.tokenizer import extend_with_messages, load_tokenizer, render_messages
+from rlactors.models.tokenizer import extend_with_messages, load_checked_tokenizer, load_tokenizer, render_messages
 
 __all__ = [
     "Attention",
@@ -19,6 +19,7 @@ __all__ = [
     "extend_with_messages",
     "from_pretrained",
     "load_args",
+    "load_checked_tokenizer",
     "load_tokenizer",
     "render_messages",
     "save_pretrained",

@@ -9,18 +9,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from rlactors.models.args import DTYPES, ModelArgs
 from rlactors.models.decoder import DecoderForCausalLM
+from rlactors.models.tokenizer import VOCABULARY_FILES
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -33,6 +35,43 @@ TOKENIZER_FILES = (
     "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
     "generation_config.json",
 )
+
+
+def check_checkpoint_dir(ckpt_dir: str | Path) -> ModelArgs:
+    """Checks, without loading a weight, that ``ckpt_dir`` holds what a run loads: a ``config.json``
+    of a supported family, weight files whose tensors match it, and a tokenizer vocabulary.
+    Returns its ModelArgs; raises ValueError (one line, naming what is missing or wrong)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise ValueError(f"checkpoint directory not found: {ckpt_dir}")
+    if not (ckpt_dir / CONFIG_FILE).is_file():
+        raise ValueError(f"{ckpt_dir} is not a HF checkpoint directory (no {CONFIG_FILE})")
+    try:
+        config = json.loads((ckpt_dir / CONFIG_FILE).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{ckpt_dir / CONFIG_FILE} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{ckpt_dir / CONFIG_FILE} is not a JSON object")
+    try:
+        args = ModelArgs.from_hf_config(config)
+    except ValueError as e:
+        raise ValueError(f"{ckpt_dir}: {e}") from None
+    index = ckpt_dir / INDEX_FILE
+    if not index.is_file() and not (ckpt_dir / SINGLE_FILE).is_file():
+        raise ValueError(f"{ckpt_dir} holds no weights (neither {SINGLE_FILE} nor {INDEX_FILE})")
+    if index.is_file():
+        absent = [name for name in _weight_files(ckpt_dir) if not (ckpt_dir / name).is_file()]
+        if absent:
+            raise ValueError(f"{ckpt_dir}: {INDEX_FILE} names weight files that are missing: {', '.join(absent)}")
+    try:
+        with open_tensors(ckpt_dir):  # reads the files' headers: names and shapes against config.json
+            pass
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"{ckpt_dir}: cannot read the weights: {' '.join(str(e).split())}") from None
+    if not any((ckpt_dir / name).is_file() for name in VOCABULARY_FILES):
+        raise ValueError(f"{ckpt_dir} has no tokenizer files (none of {', '.join(VOCABULARY_FILES)}); "
+                         "copy them from the model the weights come from")
+    return args
 
 
 def load_args(ckpt_dir: str | Path) -> ModelArgs:
@@ -154,14 +193,22 @@ def save_pretrained(model_or_state_dict: nn.Module | dict[str, torch.Tensor], ar
     config = dataclasses.replace(args, torch_dtype=saved_dtype).to_hf_config()
     (ckpt_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
+    # safetensors writes its files 0600 (a private temp file renamed into place): give them the
+    # mode config.json got from the umask, like every other file of the dir.
+    mode = (ckpt_dir / CONFIG_FILE).stat().st_mode & 0o777
+
+    def save(shard: dict[str, torch.Tensor], name: str) -> None:
+        save_file(shard, ckpt_dir / name, metadata={"format": "pt"})
+        os.chmod(ckpt_dir / name, mode)
+
     shards = _split_into_shards(tensors, max_shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], ckpt_dir / SINGLE_FILE, metadata={"format": "pt"})
+        save(shards[0], SINGLE_FILE)
         return ckpt_dir
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, ckpt_dir / name, metadata={"format": "pt"})
+        save(shard, name)
         weight_map.update(dict.fromkeys(shard, name))
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
     (ckpt_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -9,6 +9,9 @@ if TYPE_CHECKING:  # transformers is imported when a tokenizer is loaded: it is 
     from transformers import PreTrainedTokenizerBase
 
 Message = dict[str, Any]
+# A tokenizer's vocabulary is in one of these (vocab.json comes with merges.txt); without any,
+# transformers builds a tokenizer of one token and says nothing.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 # A stand-in conversation used to find what the chat template adds around new messages.
 # Its assistant content is a marker that no real template emits by itself.
@@ -20,13 +23,35 @@ _DUMMY_HISTORY: list[Message] = [
 _ASSISTANT_MARKER = _DUMMY_HISTORY[-1]["content"]
 
 
-def load_tokenizer(ckpt_dir: str | Path) -> PreTrainedTokenizerBase:
-    """The checkpoint's tokenizer, from local files only (never the network)."""
+def load_tokenizer(ckpt_dir: str | Path, model_vocab_size: int | None = None) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer, from local files only (never the network). Raises ValueError
+    when the dir holds no vocabulary file, or when the tokenizer has more tokens than
+    `model_vocab_size` (the model's embedding rows), given."""
     if not Path(ckpt_dir).is_dir():
         raise ValueError(f"tokenizer directory {ckpt_dir} does not exist")
+    if not any((Path(ckpt_dir) / name).is_file() for name in VOCABULARY_FILES):
+        raise ValueError(f"{ckpt_dir} has no tokenizer files (none of {', '.join(VOCABULARY_FILES)})")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(ckpt_dir), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(ckpt_dir), local_files_only=True)
+    if model_vocab_size is not None and len(tok) > model_vocab_size:
+        raise ValueError(f"the tokenizer of {ckpt_dir} has {len(tok)} tokens but the model's vocab_size is "
+                         f"{model_vocab_size}: the tokenizer files belong to another model")
+    return tok
+
+
+def load_checked_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
+    """`model.path`'s tokenizer, once `check_checkpoint_dir` found the dir whole; before any proc
+    starts. Raises ConfigError, one line naming what is missing or wrong."""
+    from rlactors.config import ConfigError
+    from rlactors.models.checkpoint import check_checkpoint_dir
+
+    try:
+        args = check_checkpoint_dir(model_path)
+        return load_tokenizer(model_path, args.vocab_size)
+    except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError(f"model.path: {reason}") from None
 
 
 def render_text(tok: PreTrainedTokenizerBase, messages: list[Message], add_generation_prompt: bool) -> str:

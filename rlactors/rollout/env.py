@@ -99,6 +99,11 @@ class TokenEnv:
         raise NotImplementedError
 
 
+class EnvOutputError(ValueError):
+    """An env returned a value of the wrong type or shape: the rollout ends `error_parse`, with
+    what was expected."""
+
+
 @dataclass
 class MessageStep:
     """What `MessageEnv.respond` returns: the next messages to append (None when done)."""
@@ -146,19 +151,41 @@ class MessageEnv(TokenEnv):
         raise NotImplementedError
 
     async def reset(self, sample: Any) -> Observation:
-        messages = await self.start(sample)
+        messages = _check_messages(await self.start(sample), "start")
         self._prompt_ids = render_messages(self.tokenizer, messages, add_generation_prompt=True)
         return Observation(prompt_token_ids=self._prompt_ids)
 
     async def step(self, completion: Completion) -> StepResult:
         reply = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         result = await self.respond(reply, completion)
+        if not isinstance(result, MessageStep):
+            raise EnvOutputError(f"respond must return a MessageStep, got {_described(result)}")
+        if not isinstance(result.done, bool):
+            raise EnvOutputError(f"MessageStep.done must be a bool, got {result.done!r}")
+        if result.messages is not None:
+            _check_messages(result.messages, "MessageStep.messages")
         if result.done or result.messages is None:
             return StepResult(None, result.reward, done=True, status=result.status, info=result.info)
         self._prompt_ids = extend_with_messages(
             self.tokenizer, self._prompt_ids + list(completion.token_ids), result.messages,
             add_generation_prompt=True)
         return StepResult(self._prompt_ids, result.reward, done=False, status=result.status, info=result.info)
+
+
+def _check_messages(messages: Any, what: str) -> list[dict[str, str]]:
+    ok = isinstance(messages, list) and bool(messages) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages)
+    if not ok:
+        raise EnvOutputError(f"{what} must return a non-empty list of {{'role': str, 'content': str}} messages, "
+                             f"got {_described(messages)}")
+    return messages
+
+
+def _described(value: Any) -> str:
+    """The type and a short repr of a wrong value, for error lines."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
 
 
 def load_env(env_config: EnvConfig, tokenizer: Any = None) -> TokenEnv:

@@ -12,7 +12,8 @@ import asyncio
 import statistics
 import traceback
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from rlactors.config import RolloutConfig
 from rlactors.rewards import OVERLONG, overlong_penalty
 from rlactors.rollout.advantages import group_advantages, is_zero_variance
 from rlactors.rollout.env import (
+    EnvOutputError,
     TokenEnv,
     check_observation,
     check_reward_scores,
@@ -35,6 +37,32 @@ from rlactors.types import Completion, SamplingParams
 MAX_ABS_REWARD = 3.4028234663852886e38 / 2
 
 GenerateFn = Callable[[list[int], SamplingParams, str, "str | None"], Awaitable[Completion]]
+
+
+@dataclass(frozen=True)
+class PromptTooLong:
+    """A dataset sample whose first prompt leaves no room to generate."""
+
+    index: int  # in the dataset
+    name: str  # its id (DatasetEnv: FILE:ROW or id_field), else "sample INDEX"
+    tokens: int  # the prompt's length
+
+
+def sample_name(sample: Any, index: int) -> str:
+    """How a sample is named in messages: its "id" when it has one, else its index in the dataset."""
+    if isinstance(sample, Mapping) and isinstance(sample.get("id"), (str, int)):
+        return str(sample["id"])
+    return f"sample {index}"
+
+
+def prompts_too_long_line(found: Sequence[PromptTooLong], total: int, max_total_tokens: int, shown: int = 5) -> str:
+    """The console line that counts and names the samples of `found` (of `total`)."""
+    names = ", ".join(f"{p.name} ({p.tokens} tokens)" for p in found[:shown])
+    more = f" and {len(found) - shown} more" if len(found) > shown else ""
+    return (f"warning: {len(found)} of {total} train samples have a prompt of at least rollout.max_total_tokens="
+            f"{max_total_tokens} tokens, which leaves no room to generate: {names}{more}. Their rollouts end "
+            "truncated_context without a turn and train nothing (counted per step as rollout/prompts_too_long); "
+            "raise rollout.max_total_tokens (and generator.max_model_len) or shorten those prompts")
 
 
 class _RolloutEnded(Exception):
@@ -140,7 +168,7 @@ class Rollouter:
         top_p, top_k = (cfg.top_p, cfg.top_k) if temperature is None else (1.0, 0)
         temperature = cfg.temperature if temperature is None else temperature
         obs = self._checked(check_observation, await self._env_call(env.reset(rollout.sample), "reset"), "reset")
-        prompt = obs.prompt_token_ids
+        prompt = rollout.prompt_token_ids = obs.prompt_token_ids
         rollout.info.update(obs.info)
         for k in range(cfg.max_turns):
             room = cfg.max_total_tokens - len(prompt)
@@ -165,6 +193,21 @@ class Rollouter:
             prompt = result.next_token_ids
         return RolloutStatus.TRUNCATED_TURNS
 
+    async def prompts_too_long(self, samples: Sequence[Any]) -> list[PromptTooLong]:
+        """The samples whose first prompt leaves no room to generate within
+        `rollout.max_total_tokens` (their rollouts would end truncated_context without a turn),
+        found by `reset` on a fresh clone of the env for each; a sample whose reset fails is left
+        to its rollouts, which report the failure."""
+        found = []
+        for i, sample in enumerate(samples):
+            try:
+                obs = check_observation(await self._env_call(self.env.clone().reset(sample), "reset"))
+            except Exception:  # noqa: BLE001 - its rollouts will end error_* and say why
+                continue
+            if len(obs.prompt_token_ids) >= self.config.max_total_tokens:
+                found.append(PromptTooLong(i, sample_name(sample, i), len(obs.prompt_token_ids)))
+        return found
+
     async def _generate(self, prompt: list[int], sampling: SamplingParams, request_id: str,
                         session_id: str) -> Completion:
         try:
@@ -182,6 +225,8 @@ class Rollouter:
         except TimeoutError as e:
             raise _RolloutEnded(RolloutStatus.ERROR_TIMEOUT,
                                 f"env {what} ran past step_timeout_s={self.config.step_timeout_s}") from e
+        except EnvOutputError as e:  # a MessageEnv's start/respond returned the wrong type
+            raise _RolloutEnded(RolloutStatus.ERROR_PARSE, f"env {what}: {e}") from e
         except Exception as e:  # noqa: BLE001 - user env code
             raise _RolloutEnded(RolloutStatus.ERROR_ENV, f"env {what} raised {type(e).__name__}: {e}", e) from e
 
@@ -234,6 +279,8 @@ def summarize(groups: Sequence[RolloutGroup]) -> dict[str, float]:
         "rollout/rollouts": float(len(rollouts)),
         "rollout/episodes": float(len(episodes)),
         "rollout/branch_episodes": float(sum(ep.branch > 0 for ep in episodes)),
+        # Records whose prompt alone fills rollout.max_total_tokens: their rollouts train nothing.
+        "rollout/prompts_too_long": float(sum(any(r.prompt_too_long for r in g.rollouts) for g in groups)),
     }
     metrics.update({f"rollout/status/{s.value}": float(statuses[s]) for s in RolloutStatus})
     if rollouts:
@@ -243,6 +290,9 @@ def summarize(groups: Sequence[RolloutGroup]) -> dict[str, float]:
             "rollout/reward_std": statistics.pstdev(rewards),
             "rollout/reward_min": min(rewards),
             "rollout/reward_max": max(rewards),
+            # The middle half of the rollouts' rewards (the reward curve's band).
+            "rollout/reward_p25": _quartiles(rewards)[0],
+            "rollout/reward_p75": _quartiles(rewards)[1],
             "rollout/turns_mean": statistics.fmean(len(r.turns) for r in rollouts),
             "rollout/generated_tokens_mean": statistics.fmean(r.num_generated_tokens for r in rollouts),
         })
@@ -253,3 +303,11 @@ def summarize(groups: Sequence[RolloutGroup]) -> dict[str, float]:
         metrics["rollout/episode_tokens_mean"] = statistics.fmean(len(ep) for ep in episodes)
         metrics["rollout/episode_tokens_max"] = float(max(len(ep) for ep in episodes))
     return metrics
+
+
+def _quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """The 25th and 75th percentiles, interpolated between the sorted values."""
+    if len(values) == 1:
+        return values[0], values[0]
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return low, high

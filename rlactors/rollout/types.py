@@ -73,6 +73,7 @@ class Rollout:
     session_id: str
     seed: int
     sample: Any
+    prompt_token_ids: list[int] = field(default_factory=list)  # the first prompt (reset's), turn or no turn
     turns: list[Turn] = field(default_factory=list)
     status: RolloutStatus = RolloutStatus.COMPLETED
     reward: float = 0.0  # weighted total that advantages are computed from
@@ -85,6 +86,11 @@ class Rollout:
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(t.token_ids) for t in self.turns)
+
+    @property
+    def prompt_too_long(self) -> bool:
+        """Its first prompt left no room to generate: it ended truncated_context without a turn."""
+        return self.status is RolloutStatus.TRUNCATED_CONTEXT and not self.turns
 
 
 @dataclass

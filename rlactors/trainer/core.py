@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -360,10 +360,12 @@ class PolicyTrainerCore:
             raise ValueError(f"save_checkpoint after {self._accumulated} forward_backward call(s) without "
                              "optim_step: accumulated gradients are not part of a checkpoint")
         final, partial = ckpt.checkpoint_dir(root, step), ckpt.partial_dir(root, step)
-        if self.rank == 0:
+
+        def make_partial_dir() -> None:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crashed save
             partial.mkdir(parents=True)
-        dist.barrier()
+
+        self._on_rank_0(make_partial_dir, f"save the checkpoint of step {step}", partial)
         # Before the first optim_step AdamW has no state, and asking DCP for it would create
         # some (a zero-gradient step): save the model alone then.
         has_optimizer_state = bool(self.optimizer.state)
@@ -374,7 +376,8 @@ class PolicyTrainerCore:
             state = {"model": get_model_state_dict(self.model)}
         dcp.save(state, checkpoint_id=partial / ckpt.DCP_DIR)
         weights = self.full_weights(DTYPES[self.model_config.dtype])
-        if self.rank == 0:
+
+        def export_and_commit() -> None:
             save_pretrained(weights, self.args, partial / ckpt.HF_DIR)
             copy_tokenizer_files(self.model_config.path, partial / ckpt.HF_DIR)
             for name, text in (extra_files or {}).items():
@@ -382,8 +385,27 @@ class PolicyTrainerCore:
             ckpt.commit(partial, final, {"step": step, "policy_version": self.version,
                                          "optimizer_state": has_optimizer_state,
                                          "world_size": self.world_size})
-        dist.barrier()
+
+        self._on_rank_0(export_and_commit, f"save the checkpoint of step {step}", partial)
         return str(final)
+
+    def _on_rank_0(self, work: Callable[[], None], what: str, partial: Path) -> None:
+        """Runs `work` on rank 0 while the other ranks wait for it (a barrier), and fails every
+        rank when it fails: a rank never waits for one that has raised. A failed save removes its
+        partial dir."""
+        error = None
+        if self.rank == 0:
+            try:
+                work()
+            except Exception as e:  # noqa: BLE001 - raised again below, on every rank
+                error = e
+                shutil.rmtree(partial, ignore_errors=True)
+        outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(outcome, src=0)
+        if error is not None:
+            raise error
+        if outcome[0] is not None:
+            raise RuntimeError(f"rank 0 failed to {what}: {outcome[0]}")
 
     def load_checkpoint(self, path: str | Path) -> dict[str, int]:
         """Resumes from a complete trainer checkpoint, or starts over from an HF dir (step 0).

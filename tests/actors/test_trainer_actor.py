@@ -3,6 +3,7 @@ step however the batch is split and for every model family, and resuming from a 
 new mesh is bitwise exact."""
 
 import asyncio
+import shutil
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from support.trainer_inputs import cat, rows
 from rlactors.actors.trainer import spawn_trainer
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm
+from rlactors.models.checkpoint import TOKENIZER_FILES, copy_tokenizer_files
 from rlactors.trainer.checkpoint import latest_checkpoint
 
 LOSS = LossConfig(name="dapo", clip_high=0.28)
@@ -167,3 +169,30 @@ def test_each_rank_loads_only_its_rows_of_a_sharded_hf_checkpoint(loop, tiny_ckp
     assert weights.keys() == expected.keys() and "lm_head.weight" in weights
     for name, tensor in expected.items():
         assert torch.equal(weights[name], tensor), name
+
+
+def test_a_save_that_fails_on_rank_0_fails_on_every_rank_and_leaves_no_partial_dir(loop, tiny_ckpt, tmp_path):
+    """Rank 0 alone writes the HF export: its failure (here model.path lost its tokenizer files
+    after the start) must reach the other ranks instead of leaving them at a barrier."""
+    ckpt = tmp_path / "model"
+    shutil.copytree(tiny_ckpt, ckpt)
+
+    async def save_without_tokenizer():
+        procs, trainer = await spawn(ckpt, 2)
+        try:
+            for name in TOKENIZER_FILES:
+                (ckpt / name).unlink(missing_ok=True)
+            with pytest.raises(ActorError) as failed:  # before the fix, rank 1 waited at a barrier for good
+                await asyncio.wait_for(trainer.save_checkpoint.call(str(tmp_path / "ckpts"), 2), 120)
+            left = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
+            # No rank is stuck: with the files back, the same mesh saves the step.
+            copy_tokenizer_files(tiny_ckpt, ckpt)
+            saved = (await asyncio.wait_for(trainer.save_checkpoint.call(str(tmp_path / "ckpts"), 2), 120)).item(gpus=1)
+            return str(failed.value), left, saved
+        finally:
+            await procs.stop()
+
+    error, left, saved = loop.run_until_complete(save_without_tokenizer())
+    assert f"ValueError: {ckpt} holds no tokenizer files" in error
+    assert left == []  # no .step_00000002.partial
+    assert saved == str(latest_checkpoint(tmp_path / "ckpts")) == str(tmp_path / "ckpts" / "step_00000002")

@@ -1,7 +1,10 @@
 """Bad configs and inputs through the CLI (examples/alphabet_sort/run.py): every config field with
-a wrong type or an impossible value, a checkpoint dir that is missing or is not one, a tokenizer
-without a chat template, an empty dataset, a bad env name, a new run into a run dir that holds a
-run, --resume with nothing to resume or with another env or seed than the run's. Each gives one
+a wrong type or an impossible value, a checkpoint dir that is missing or is not one, that lacks
+its tokenizer files, weights or a shard, whose config.json is not JSON or of an unsupported
+model_type, or whose tokenizer outgrows the model's vocabulary, a tokenizer without a chat
+template, an empty dataset, a bad env name, a new run into a run dir that holds a run, --resume
+with nothing to resume, with another env or seed than the run's or with a config.toml that is not
+TOML. Each gives one
 line `error: <what>: ...` naming the problem and exit code 2, before anything trains; --resume of
 a run that has all its steps says so and exits 0."""
 
@@ -19,6 +22,16 @@ from faultkit import run_cli
 from rlactors_examples.alphabet_sort.run import DEFAULT_CONFIG, main
 
 from rlactors.config import Config, dump_toml, load_config
+from rlactors.evaluate import main as evaluate_main
+from rlactors.models.checkpoint import (
+    SINGLE_FILE,
+    TOKENIZER_FILES,
+    load_args,
+    load_state_dict,
+    save_pretrained,
+)
+from rlactors.models.tiny import random_state_dict
+from rlactors.models.tokenizer import VOCABULARY_FILES, load_tokenizer
 from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir
 
 # Any value is well-typed here; what matters is that load_config rejects it before the run.
@@ -224,6 +237,68 @@ def test_bad_model_dirs_and_envs_are_named_before_any_proc_starts(capsys, tmp_pa
                  "nothing starts: one line `error: ...` naming the input, exit code 2")
 
 
+def _broken_copies(tiny_ckpt, root):
+    """Copies of tiny_ckpt, each missing or spoiling one thing a run loads: {name: dir}."""
+    dirs = {}
+    for name in ("no_tokenizer", "no_weights", "damaged_weights", "missing_shard", "gemma2", "config_not_json",
+                 "small_vocab"):
+        dirs[name] = root / name
+        shutil.copytree(tiny_ckpt, dirs[name])
+    for name in TOKENIZER_FILES:
+        (dirs["no_tokenizer"] / name).unlink(missing_ok=True)
+    (dirs["no_weights"] / SINGLE_FILE).unlink()
+    (dirs["damaged_weights"] / SINGLE_FILE).write_bytes(b"\xff" * 64)
+    weights = load_state_dict(tiny_ckpt)
+    (dirs["missing_shard"] / SINGLE_FILE).unlink()
+    save_pretrained(weights, load_args(tiny_ckpt), dirs["missing_shard"], max_shard_bytes=200_000)
+    shards = sorted(dirs["missing_shard"].glob("model-*-of-*.safetensors"))
+    shards[-1].unlink()
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    (dirs["gemma2"] / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
+    (dirs["config_not_json"] / "config.json").write_text("{model_type: qwen3")
+    # A model with fewer embedding rows than the tokenizer has tokens.
+    small = dataclasses.replace(load_args(tiny_ckpt), vocab_size=64)
+    save_pretrained(random_state_dict(small, seed=0), small, dirs["small_vocab"])
+    return dirs, shards[-1].name
+
+
+def test_incomplete_or_unsupported_checkpoints_are_named_before_any_proc_starts(capsys, tmp_path, tiny_ckpt,
+                                                                                fault_record):
+    """Without tokenizer files transformers builds a one-token tokenizer and says nothing; an
+    unsupported model_type failed in the trainer's procs with a remote traceback."""
+    dirs, missing_shard = _broken_copies(tiny_ckpt, tmp_path)
+    vocab = ", ".join(VOCABULARY_FILES)
+    cases = {
+        "no_tokenizer": f"{dirs['no_tokenizer']} has no tokenizer files (none of {vocab}); copy them from the "
+                        "model the weights come from",
+        "no_weights": f"{dirs['no_weights']} holds no weights (neither model.safetensors nor "
+                      "model.safetensors.index.json)",
+        "damaged_weights": f"{dirs['damaged_weights']}: cannot read the weights: ",
+        "missing_shard": f"{dirs['missing_shard']}: model.safetensors.index.json names weight files that are "
+                         f"missing: {missing_shard}",
+        "gemma2": f"{dirs['gemma2']}: config.json has model_type 'gemma2'; rlactors supports "
+                  "['llama', 'qwen2', 'qwen3']",
+        "config_not_json": f"{dirs['config_not_json'] / 'config.json'} is not JSON: Expecting property name "
+                           "enclosed in double quotes: line 1 column 2 (char 1)",
+        "small_vocab": f"the tokenizer of {dirs['small_vocab']} has {len(load_tokenizer(tiny_ckpt))} tokens but "
+                       "the model's vocab_size is 64: the tokenizer files belong to another model",
+    }
+    for name, message in cases.items():
+        for env in ("fault_envs:FaultyEnv", "rlactors_examples.alphabet_sort.env:AlphabetSortEnv"):  # token, chat
+            line = cli_error(capsys, f'model.path="{dirs[name]}"', f'controller.run_dir="{tmp_path / "run"}"',
+                             f'env.name="{env}"', "env.args={}")
+            assert line == f"error: model.path: {message}" or (name == "damaged_weights" and line.startswith(
+                f"error: model.path: {message}")), line
+    assert not (tmp_path / "run").exists()  # nothing was started, nothing written
+    # The evaluation CLI checks the same before it starts its replicas.
+    assert evaluate_main([str(dirs["no_tokenizer"]), "--config", str(DEFAULT_CONFIG)]) == 2
+    assert capsys.readouterr().err == f"error: model.path: {cases['no_tokenizer']}\n"
+    fault_record("bad inputs", "model.path without tokenizer files, without weights or one of its shards, with "
+                 "a damaged weight file, with config.json not JSON or of an unsupported model_type (gemma2), or "
+                 "with a tokenizer larger than the model's vocabulary; under a TokenEnv and a MessageEnv", None,
+                 "nothing starts: one line `error: model.path: ...` naming what is missing, exit code 2")
+
+
 def test_bad_data_is_named_before_any_proc_starts(capsys, tmp_path, tiny_ckpt, fault_record):
     """DatasetEnv's data: a missing file or field, an empty file, a row that is not JSON."""
     files = {"missing_field.jsonl": '{"question": "1 + 1?", "answer": "2"}\n{"problem": "2 + 2?", "answer": "4"}\n',
@@ -323,3 +398,22 @@ def test_resume_of_a_run_that_has_all_its_steps_says_so_and_starts_nothing(capsy
         f"nothing to train: the run in {tmp_path} is at step 2 and controller.steps is 2; "
         "raise controller.steps to train further"]
     assert all(path.read_bytes() == data for path, data in files.items())
+
+
+def test_resume_or_evaluate_with_a_run_config_that_is_not_toml_is_one_line(capsys, tmp_path, tiny_ckpt,
+                                                                          fault_record):
+    """A config.toml of an older rlactors, which wrote a string's newline as is, is not TOML."""
+    _run_dir_after(tmp_path, 1)
+    saved = tmp_path / "config.toml"
+    saved.write_text(saved.read_text().replace('run_dir = "', 'run_dir = "line\n'))
+    line = cli_error(capsys, "--resume", *RUN, f'controller.run_dir="{tmp_path}"')
+    assert line.startswith(f"error: {saved}: invalid TOML: Illegal character ")
+    checkpoint = checkpoint_dir(tmp_path / "checkpoints", 1)
+    shutil.copytree(tiny_ckpt, checkpoint / "hf")
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 1, "policy_version": 1}))
+    assert evaluate_main([str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {saved}: invalid TOML: Illegal character "), err
+    fault_record("bad inputs", "--resume of a run, or `rlactors.evaluate RUN_DIR`, whose config.toml is not TOML "
+                 "(a raw newline in a string)", None,
+                 "nothing starts: one line `error: RUN_DIR/config.toml: invalid TOML: ...`, exit code 2")

@@ -51,6 +51,9 @@ def test_a_run_whose_groups_never_vary_finishes_says_what_to_try_and_resumes(tin
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert f"resumed from {checkpoint_dir(tmp_path / 'checkpoints', 2)} at step 2 (policy version 0)" in out
+    # The last line speaks for the whole run, and says which part this session trained.
+    assert (f"done: 3 steps (1 in this session, resumed after step 2), reward 0.000 -> 0.000; 3 of them trained "
+            f"nothing (see their step lines); run dir {tmp_path}") in out
     assert [(r["step"], r["train/trained"]) for r in read_metrics(tmp_path)] == [(1, 0.0), (2, 0.0), (3, 0.0)]
     assert _state(tmp_path, 3)["policy_version"] == 0
 

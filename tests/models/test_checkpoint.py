@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -55,6 +57,22 @@ def test_sharded_checkpoint_loads_bitwise_equal(tiny_ckpt_untied, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     for name, tensor in hf.state_dict().items():
         assert torch.equal(tensor, model.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_weight_files_get_the_mode_of_the_dirs_other_files(tiny_ckpt, tmp_path, umask):
+    """safetensors alone writes 0600; the weights are as readable as config.json and the tokenizer."""
+    model = from_pretrained(tiny_ckpt)
+    previous = os.umask(umask)
+    try:
+        save_pretrained(model, model.args, tmp_path / "single")
+        copy_tokenizer_files(tiny_ckpt, tmp_path / "single")
+        save_pretrained(model, model.args, tmp_path / "sharded", max_shard_bytes=600_000)
+    finally:
+        os.umask(previous)
+    for ckpt in (tmp_path / "single", tmp_path / "sharded"):
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in ckpt.iterdir()}
+        assert len(modes) > 3 and set(modes.values()) == {0o666 & ~umask}, modes
 
 
 @pytest.mark.parametrize("family, tie", [("qwen3", True), ("qwen2", True), ("qwen2", False), ("llama", False)])

@@ -9,7 +9,11 @@ import pytest
 from support.rollouts import STOP, FakeGenerate, LengthRewardEnv, rollouter
 
 from rlactors.config import ConfigError, EnvConfig
+from rlactors.models import load_tokenizer
 from rlactors.rollout import (
+    MessageEnv,
+    MessageStep,
+    Observation,
     RewardFunc,
     RolloutStatus,
     Rubric,
@@ -19,6 +23,7 @@ from rlactors.rollout import (
     load_env,
 )
 from rlactors.rollout.advantages import group_advantages
+from rlactors.rollout.rollouter import PromptTooLong, prompts_too_long_line
 
 
 class FlakyEnv(LengthRewardEnv):
@@ -272,3 +277,68 @@ def test_sample_stream_is_deterministic_and_resumable():
         SampleStream(data, seed=4).load_state_dict(b.state_dict())
     with pytest.raises(ValueError, match="non-empty"):
         SampleStream([], seed=0)
+
+
+class WrongTypesChatEnv(MessageEnv):
+    """Each clone plays the next of `modes`: a MessageEnv whose start or respond returns the wrong type."""
+
+    def __init__(self, tokenizer, modes, mode="ok"):
+        super().__init__(None, tokenizer)
+        self.modes, self.mode = modes, mode
+
+    def clone(self):
+        return WrongTypesChatEnv(self.tokenizer, self.modes, self.modes.pop(0))
+
+    async def start(self, sample):
+        return {"start_int": 42, "start_no_content": [{"role": "user"}]}.get(
+            self.mode, [{"role": "user", "content": "hi"}])
+
+    async def respond(self, reply, completion):
+        if self.mode == "respond_dict":
+            return {"messages": None, "reward": 1.0}
+        if self.mode == "respond_text":
+            return MessageStep("more please", reward=0.5)
+        return MessageStep(None, reward=1.0, done=True)
+
+
+def test_message_env_returning_wrong_types_ends_error_parse_saying_what_was_expected(tiny_ckpt):
+    modes = ["ok", "start_int", "start_no_content", "respond_dict", "respond_text"]
+    env = WrongTypesChatEnv(load_tokenizer(tiny_ckpt), list(modes))
+    group = asyncio.run(rollouter(env, group_size=len(modes), step_timeout_s=60).run_group({}))
+    assert [ro.status for ro in group.rollouts] == [RolloutStatus.COMPLETED] + [RolloutStatus.ERROR_PARSE] * 4
+    messages = "must return a non-empty list of {'role': str, 'content': str} messages, got"
+    assert [ro.error for ro in group.rollouts] == [
+        None,
+        f"env reset: start {messages} int 42",
+        f"env reset: start {messages} list [{{'role': 'user'}}]",
+        "env step: respond must return a MessageStep, got dict {'messages': None, 'reward': 1.0}",
+        f"env step: MessageStep.messages {messages} str 'more please'"]
+    assert [ro.error_traceback for ro in group.rollouts[1:]] == [None] * 4
+
+
+def test_prompts_that_leave_no_room_are_named_at_load_and_counted_per_step():
+    class PromptOfSampleLength(LengthRewardEnv):
+        def clone(self):
+            return PromptOfSampleLength()
+
+        async def reset(self, sample):
+            self.prompt = [1] * sample["length"]
+            return Observation(self.prompt)
+
+    samples = [{"id": "a.jsonl:1", "length": 10}, {"id": "a.jsonl:2", "length": 64}, {"length": 63},
+               {"length": 100}, {"id": "a.jsonl:5", "length": 3}]
+    r = rollouter(PromptOfSampleLength(), max_total_tokens=64, step_timeout_s=60, keep_zero_variance_groups=True)
+    found = asyncio.run(r.prompts_too_long(samples))
+    assert found == [PromptTooLong(1, "a.jsonl:2", 64), PromptTooLong(3, "sample 3", 100)]
+    assert prompts_too_long_line(found, len(samples), 64, shown=1) == (
+        "warning: 2 of 5 train samples have a prompt of at least rollout.max_total_tokens=64 tokens, which leaves "
+        "no room to generate: a.jsonl:2 (64 tokens) and 1 more. Their rollouts end truncated_context without a "
+        "turn and train nothing (counted per step as rollout/prompts_too_long); raise rollout.max_total_tokens "
+        "(and generator.max_model_len) or shorten those prompts")
+    batch = asyncio.run(r.collect(samples))
+    assert batch.metrics["rollout/prompts_too_long"] == 2
+    for group, sample in zip(batch.groups, samples):
+        assert all(ro.prompt_token_ids == [1] * sample["length"] for ro in group.rollouts)  # kept, turn or no turn
+        too_long = sample["length"] >= 64
+        assert all(ro.prompt_too_long == too_long and (ro.turns == []) == too_long for ro in group.rollouts)
+        assert (group.episodes == []) == too_long

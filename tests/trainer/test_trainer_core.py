@@ -238,6 +238,8 @@ def test_checkpoint_layout_and_hf_export(tiny_ckpt, device, tmp_path):
     for name, tensor in core.full_weights(torch.float32).items():
         assert torch.equal(state[name], tensor), name
     assert (tmp_path / "ckpts" / "step_00000007" / "hf" / "tokenizer.json").is_file()
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "ckpts" / "step_00000007" / "hf").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == modes["tokenizer.json"], modes
     assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["step_00000007"]  # no partial left
 
 

@@ -10,7 +10,7 @@ own table in benchmarks/results/ (index: benchmarks/results/README.md).
     python benchmarks/gpu_benchmarks.py learning-curve [--gpus 2] [--true-on-policy]  # the GPU demo, 100 steps
 
 Which GPUs a mode may use and what each runs: `MODES` below. Needs vLLM and Monarch importable
-(README, "GPU"); the GPU test suite is benchmarks/gpu_suite.py. The tools' output streams to the
+(README, "GPU setup"); the GPU test suite is benchmarks/gpu_suite.py. The tools' output streams to the
 terminal; a table of steps, exit codes and seconds comes last, and the exit code is non-zero when a
 step failed.
 """

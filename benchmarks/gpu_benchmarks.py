@@ -5,7 +5,7 @@ own table in benchmarks/results/ (index: benchmarks/results/README.md).
     python benchmarks/gpu_benchmarks.py generation               # 1 GPU: router vs raw vLLM
     python benchmarks/gpu_benchmarks.py training [--gpus 2]      # trainer MFU; 2 GPUs: FSDP2 too
     python benchmarks/gpu_benchmarks.py weight-sync [--gpus 4]   # 2 GPUs: 1 -> 1; 4 GPUs: 2 -> 2 too
-    python benchmarks/gpu_benchmarks.py end-to-end [--gpus 2]    # sync vs async, configs/alphabet_sort_<N>gpu.toml
+    python benchmarks/gpu_benchmarks.py end-to-end [--gpus 2|4]  # sync vs async, configs/alphabet_sort_<N>gpu.toml
     python benchmarks/gpu_benchmarks.py on-policy-cost           # 1 GPU: true on-policy cost, matmul vs cuBLAS
     python benchmarks/gpu_benchmarks.py learning-curve [--gpus 2] [--true-on-policy]  # the GPU demo, 100 steps
 
@@ -81,12 +81,13 @@ def on_policy_cost(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
 
 
 def learning_curve(gpus: int, true_on_policy: bool) -> list[tuple[str, list[str]]]:
-    """The demo as a user runs it, in a fresh run dir; its curve appended to the demo's results file,
-    its metrics and drawn curve copied beside it."""
-    run_dir = Path(tempfile.mkdtemp(prefix="rlactors_learning_")) / f"alphabet_sort_{gpus}gpu"
+    """The demo as a user runs it, in a new run dir under the temp dir; its curve appended to the
+    demo's results file, its metrics and drawn curve copied beside it."""
+    name = f"alphabet_sort_{gpus}gpu{'_onpolicy' if true_on_policy else ''}_learning"
+    run_dir = (Path(tempfile.gettempdir()) / f"rlactors_learning_{time.strftime('%Y%m%d_%H%M%S')}"
+               / f"alphabet_sort_{gpus}gpu")  # the curve's heading names the dir
     demo = [PY, "examples/alphabet_sort/run.py", "--config", f"configs/alphabet_sort_{gpus}gpu.toml",
             *(["model.true_on_policy=true"] if true_on_policy else [])]
-    name = f"alphabet_sort_{gpus}gpu{'_onpolicy' if true_on_policy else ''}_learning"
     return [("demo", [*demo, f'controller.run_dir="{run_dir}"']),
             ("curve", [PY, "benchmarks/learning_curve.py", str(run_dir), "--command", shlex.join(demo),
                        "--out", str(RESULTS / f"{name}.md")]),

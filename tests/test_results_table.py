@@ -75,3 +75,23 @@ def test_outside_a_git_checkout_the_commit_is_uncommitted(tmp_path, monkeypatch)
     monkeypatch.setattr(results_table, "ROOT", tmp_path)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     assert results_table.commit() == "uncommitted"
+
+
+def test_changed_code_marks_the_commit_and_changed_results_do_not(tmp_path, monkeypatch):
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "code.py").write_text("a = 1\n")
+    (tmp_path / "benchmarks" / "results" / "table.md").write_text("# T\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "first")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.strip()
+    monkeypatch.setattr(results_table, "ROOT", tmp_path)
+    (tmp_path / "benchmarks" / "results" / "table.md").write_text("# T\n| row |\n")
+    assert results_table.commit() == head
+    (tmp_path / "code.py").write_text("a = 2\n")
+    assert results_table.commit() == f"{head}+changes"

@@ -8,17 +8,21 @@ batches, at other offsets (its three launches: large tiles, small tiles, chunks 
 their own). Other designs and tile shapes: benchmarks/device/matmul_designs.py.
 
     python benchmarks/batch_invariant_matmul.py [--out FILE]
+
+Prints the per-shape table and adds a row to results/batch_invariant_matmul_gpu.md (or FILE).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
-import sys
 from pathlib import Path
 
 import torch
+from results_table import RESULTS, append_row
+
+COLUMNS = ("rows invariant", "decode sizes: ours / cuBLAS (geomean)", "prefill sizes: ours / cuBLAS (geomean)",
+           "M=16384: ours / cuBLAS per shape")
 
 SHAPES = {  # name: (N, K) of x[M, K] @ w[N, K].T
     "0.6b qkv (q)": (2048, 1024), "0.6b o": (1024, 2048), "0.6b gate/up": (3072, 1024), "0.6b down": (1024, 3072),
@@ -80,17 +84,15 @@ def geomean(values) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS / "batch_invariant_matmul_gpu.md")
     args = parser.parse_args()
     result = measure()
     ratios = result["ratios"]
     decode = geomean(o / c for (_, m), (o, c) in ratios.items() if m in DECODE_M)
     prefill = geomean(o / c for (_, m), (o, c) in ratios.items() if m in PREFILL_M)
     lines = [f"# Batch-invariant matmul vs cuBLAS ({torch.cuda.get_device_name()})", "",
-             f"Date: {datetime.date.today()}; torch {torch.__version__}; bf16 inputs, fp32 accumulation.",
-             f"Command: `python benchmarks/batch_invariant_matmul.py {' '.join(sys.argv[1:])}`", "",
-             "Time per call from CUDA-graph replay (20 calls x 10 replays); ratio = ours / cuBLAS "
-             "(torch.matmul).", "",
+             f"torch {torch.__version__}; bf16 inputs, fp32 accumulation. Time per call from CUDA-graph replay "
+             "(20 calls x 10 replays); ratio = ours / cuBLAS (torch.matmul).", "",
              f"Rows invariant: {result['invariant']}. Geometric mean of the ratios: decode sizes "
              f"(M = {', '.join(map(str, DECODE_M))}) {decode:.2f}x, prefill sizes "
              f"(M = {', '.join(map(str, PREFILL_M))}) {prefill:.2f}x.", "",
@@ -100,10 +102,12 @@ def main() -> None:
     for name in SHAPES:
         cells = [f"{ratios[(name, m)][0] * 1e6:.1f} / {ratios[(name, m)][1] * 1e6:.1f}" for m in DECODE_M + PREFILL_M]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    print("\n".join(lines))
+    largest = ", ".join(f"{name} {ratios[(name, PREFILL_M[-1])][0] / ratios[(name, PREFILL_M[-1])][1]:.2f}x"
+                        for name in SHAPES)
+    append_row(args.out, "Batch-invariant matmul vs cuBLAS", COLUMNS,
+               [result["invariant"], f"{decode:.2f}x", f"{prefill:.2f}x", largest], device="cuda")
+    print(f"added a row to {args.out}")
 
 
 if __name__ == "__main__":

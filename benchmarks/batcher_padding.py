@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/batcher_padding.py [--steps 20] [--out benchmarks/results/batcher_padding.md]
 
+Prints the report and adds a row per layout to the results table (results_table.py).
+
 Episodes come from real alphabet_sort rollouts (the env, the tiny checkpoint's tokenizer and chat
 template, the Rollouter) answered by a noisy scripted policy: each turn it gives the reference
 answer, or drops a name, swaps two, adds a line of chatter or leaves out the tags, so episode
@@ -21,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from results_table import RESULTS, append_row
 from rlactors_examples.alphabet_sort.env import AlphabetSortConfig, AlphabetSortEnv, reference_reply
 
 from rlactors.config import BatcherConfig, RolloutConfig
@@ -29,6 +32,8 @@ from rlactors.models.tokenizer import load_tokenizer
 from rlactors.rollout import Batcher, Rollouter, SampleStream
 from rlactors.types import Completion
 
+COLUMNS = ("workload", "row_tokens", "rows/microbatch", "DP ranks", "padding (mean)", "padding (worst step)",
+           "pad to longest", "pack ms")
 LAYOUTS = [  # (row_tokens, rows_per_microbatch, dp ranks)
     (1024, 4, 1),
     (1024, 4, 2),
@@ -88,7 +93,7 @@ async def collect_steps(steps: int, tok) -> list[list]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/batcher_padding.md"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "batcher_padding.md")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,7 +101,10 @@ def main() -> None:
     step_episodes = asyncio.run(collect_steps(args.steps, tok))
     lengths = [len(ep) for eps in step_episodes for ep in eps]
 
-    rows = []
+    rows, figures = [], []
+    episodes_per_step = statistics.fmean(len(eps) for eps in step_episodes)
+    workload = (f"{args.steps} steps, {episodes_per_step:.1f} episodes a step, {statistics.fmean(lengths):.0f} "
+                f"tokens mean ({min(lengths)}-{max(lengths)})")
     for row_tokens, rpm, dp in LAYOUTS:
         batcher = Batcher(BatcherConfig(row_tokens=row_tokens, rows_per_microbatch=rpm), dp_size=dp)
         fractions, pack_ms, pad_longest = [], [], []
@@ -110,8 +118,8 @@ def main() -> None:
         rows.append(
             f"| {row_tokens} | {rpm} | {dp} | {statistics.fmean(fractions):.2%} | {max(fractions):.2%} "
             f"| {statistics.fmean(pad_longest):.2%} | {statistics.fmean(pack_ms):.1f} |")
-
-    episodes_per_step = statistics.fmean(len(eps) for eps in step_episodes)
+        figures.append([workload, row_tokens, rpm, dp, f"{statistics.fmean(fractions):.2%}", f"{max(fractions):.2%}",
+                        f"{statistics.fmean(pad_longest):.2%}", f"{statistics.fmean(pack_ms):.1f}"])
     text = "\n".join([
         "# Batcher padding on alphabet_sort episodes",
         "",
@@ -133,9 +141,10 @@ def main() -> None:
         *rows,
         "",
     ])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
     print(text)
+    for row in figures:
+        append_row(args.out, "Batcher padding on alphabet_sort episodes", COLUMNS, row, device="cpu")
+    print(f"added {len(figures)} row(s) to {args.out}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from on_policy_cost import cpu_model  # noqa: E402  (this script's directory is on sys.path)
+from results_table import cpu_model  # noqa: E402  (this script's directory is on sys.path)
 
 from rlactors.models import cpu_kernels  # noqa: E402
 

@@ -6,10 +6,11 @@ sync vs async (bounded staleness) on the same config, and async against its idea
     python benchmarks/e2e_alphabet_sort.py --steps 8 --staleness 1 2 --tool-latency 1.0
 
 Runs the controller in sync mode, then in async mode once per `--staleness` bound (default: the
-config's max_staleness), skips the first step of each (start-up), and appends the medians to
-benchmarks/results/e2e_alphabet_sort.md. The ideal async speedup is measured in the same invocation:
-a sync step's rollout wait (T_gen) and the rest of it (T_train) overlapped perfectly, (T_gen +
-T_train) / max(T_gen, T_train). Overrides after the options apply to every run.
+config's max_staleness), skips the first step of each (start-up), and adds a row of medians per
+run to benchmarks/results/e2e_alphabet_sort.md (results_table.py). The ideal async speedup
+(in brackets) is measured in the same invocation: a sync step's rollout wait (T_gen) and the rest
+of it (T_train) overlapped perfectly, (T_gen + T_train) / max(T_gen, T_train). Overrides after
+the options apply to every run.
 `--tool-latency S` makes every env turn wait S seconds before it is scored, as a tool call or a
 sandbox run would: rollouts then wait on the env, as in agentic RL, more than on compute.
 """
@@ -18,25 +19,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import os
 import statistics
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from results_table import RESULTS, append_row
 from rlactors_examples.alphabet_sort.env import AlphabetSortConfig, AlphabetSortEnv
 
 from rlactors.config import load_config
 from rlactors.controller import Controller
 from rlactors.supervision import use_fast_supervision
 
-RESULTS = Path(__file__).parent / "results" / "e2e_alphabet_sort.md"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "alphabet_sort_cpu.toml"
-TABLE_HEADER = ("| date | machine | config | mode | s/step | rollout s | train s | weight sync s | trainer idle "
-                "| generator idle | age | reward | steps/s |\n|" + "---|" * 13 + "\n")
+COLUMNS = ("config", "mode", "s/step", "rollout s", "train s", "weight sync s", "trainer idle", "generator idle", "age",
+           "reward", "steps/s", "steps/s against sync (ideal)")
 SPLIT = ("time/step_s", "time/rollout_wait_s", "time/train_s", "time/weight_sync_s", "time/trainer_idle_fraction")
 
 
@@ -89,34 +87,22 @@ def main() -> None:
         medians[name]["reward"] = statistics.fmean(m["rollout/reward_mean"] for m in history)
         idle = [m["time/generator_idle_fraction"] for m in history if "time/generator_idle_fraction" in m]
         medians[name]["generator_idle"] = f"{statistics.median(idle):.2f}" if idle else "n/a"
-    machine = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if torch.cuda.is_available() \
-        else f"CPU ({os.cpu_count()} cores)"
-    rows = []
-    for name, m in medians.items():
-        rows.append(f"| {datetime.date.today()} | {machine} | {args.config.name} | {name} | {m['time/step_s']:.2f} "
-                    f"| {m['time/rollout_wait_s']:.2f} | {m['time/train_s']:.2f} | {m['time/weight_sync_s']:.3f} "
-                    f"| {m['time/trainer_idle_fraction']:.2f} | {m['generator_idle']} | {m['age']:.2f} "
-                    f"| {m['reward']:.3f} | {1 / m['time/step_s']:.3f} |")
     # Async at best overlaps generation with the rest of a sync step: (T_gen + T_train) / max(T_gen, T_train),
     # T_gen = a sync step's wait for rollouts, T_train = the rest of it (train, weight sync, bookkeeping).
     sync = medians["sync"]
     t_gen = sync["time/rollout_wait_s"]
     t_train = sync["time/step_s"] - t_gen
     ideal = sync["time/step_s"] / max(t_gen, t_train)
-    for name in list(medians)[1:]:
-        speedup = sync["time/step_s"] / medians[name]["time/step_s"]
-        rows.append(f"| | | | {name} / sync steps/s | **{speedup:.2f}x** (ideal {ideal:.2f}x: "
-                    f"{speedup / ideal:.2f} of it) | | | | | | | | |")
-    print("\n".join(rows))
-    if not RESULTS.exists():
-        RESULTS.write_text(
-            "# alphabet_sort end to end: sync vs async\n\n"
-            "Medians over steps 2..N, `python benchmarks/e2e_alphabet_sort.py ...`. rollout = the trainer waiting "
-            "for rollouts; trainer idle = that wait / step time; generator idle = the share of replica time "
-            "outside engine steps; age = mean policy age of trained tokens; reward = mean over the steps.\n")
-    with RESULTS.open("a") as f:
-        f.write(f"\n## {machine}, {datetime.date.today()}\n\n{TABLE_HEADER}" + "\n".join(rows)
-                + f"\n\nCommand: `python benchmarks/e2e_alphabet_sort.py {' '.join(sys.argv[1:])}`\n")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for name, m in medians.items():
+        speedup = sync["time/step_s"] / m["time/step_s"]
+        against_sync = "-" if name == "sync" else f"**{speedup:.2f}x** ({ideal:.2f}x: {speedup / ideal:.2f} of it)"
+        row = append_row(RESULTS / "e2e_alphabet_sort.md", "alphabet_sort end to end: sync vs async", COLUMNS,
+                         [args.config.name, name, f"{m['time/step_s']:.2f}", f"{m['time/rollout_wait_s']:.2f}",
+                          f"{m['time/train_s']:.2f}", f"{m['time/weight_sync_s']:.3f}",
+                          f"{m['time/trainer_idle_fraction']:.2f}", m["generator_idle"], f"{m['age']:.2f}",
+                          f"{m['reward']:.3f}", f"{1 / m['time/step_s']:.3f}", against_sync], device=device)
+        print(row)
 
 
 if __name__ == "__main__":

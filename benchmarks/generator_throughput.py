@@ -5,12 +5,14 @@ batches) vs one request at a time, on the tiny checkpoint: 64 prompts of mixed l
 max_tokens, greedy, no early stop. Every method produces the same number of tokens; each is run
 `--repeats` times, interleaved, and its best time is kept.
 
-    python benchmarks/generator_throughput.py                      # CPU, writes results/generator_throughput_cpu.md
+    python benchmarks/generator_throughput.py                      # CPU: a row in results/generator_throughput_cpu.md
 
 GPU: Router -> Generator(vLLM) in Monarch procs vs vLLM's own `LLM.generate`, same prompts and
 checkpoint (Qwen3-0.6B-shaped random weights), sampling at temperature 1 with per-request seeds.
 
-    python benchmarks/generator_throughput.py --device cuda        # writes results/generator_throughput_gpu.md
+    python benchmarks/generator_throughput.py --device cuda        # a row in results/generator_throughput_gpu.md
+
+Prints the full report and adds a row to the results table (results_table.py).
 """
 
 from __future__ import annotations
@@ -27,8 +29,12 @@ import time
 from pathlib import Path
 
 import torch
+from results_table import RESULTS, append_row
 
-RESULTS = Path(__file__).resolve().parent / "results"
+CPU_COLUMNS = ("workload", "native tokens/s", "best HF static batches tokens/s", "HF one at a time tokens/s",
+               "native vs best HF (wall)", "native vs best HF (CPU)")
+GPU_COLUMNS = ("shape", "replicas", "tp", "workload", "raw vLLM tokens/s per run", "router tokens/s per run",
+               "router / raw per run", "median router / raw")
 
 
 def make_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -77,7 +83,8 @@ def hf_run(hf_model, prompts, max_tokens: int, batch_size: int) -> int:
     return tokens
 
 
-def cpu_benchmark(args) -> str:
+def cpu_benchmark(args) -> tuple[str, list]:
+    """The report, and the figures of its results row."""
     from transformers import AutoModelForCausalLM
 
     from rlactors.models.checkpoint import from_pretrained
@@ -113,6 +120,11 @@ def cpu_benchmark(args) -> str:
     static = [n for n in methods if n.startswith("HF generate, static")]
     vs_wall = min(wall[n] for n in static) / wall[native]
     vs_cpu = min(cpu[n] for n in static) / cpu[native]
+    best_static = min(static, key=wall.get)
+    figures = [f"{len(prompts)} prompts of {args.min_prompt}-{args.max_prompt} tokens, {args.max_tokens} new, "
+               f"best of {args.repeats}, {args.threads} thread(s)",
+               f"{expected / wall[native]:,.0f}", f"{expected / wall[best_static]:,.0f}",
+               f"{expected / wall['HF generate, one request at a time']:,.0f}", f"{vs_wall:.2f}x", f"{vs_cpu:.2f}x"]
     lines = [
         "# Generator throughput (CPU)",
         "",
@@ -134,7 +146,7 @@ def cpu_benchmark(args) -> str:
         "CPU time (goal >= 2x).",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines), figures
 
 
 # -- GPU -----------------------------------------------------------------------------------------
@@ -215,7 +227,8 @@ def child_result(child: subprocess.Popen) -> list[float]:
     return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[7:])
 
 
-def gpu_benchmark(args) -> str:
+def gpu_benchmark(args) -> tuple[str, list]:
+    """The report and the figures of its results row; in a `--method` child, ("", [])."""
     import json
     import statistics
 
@@ -235,10 +248,10 @@ def gpu_benchmark(args) -> str:
     if args.method == "raw":
         barrier = Path(args.barrier) if args.barrier else None
         print(f"RESULT {json.dumps(raw_vllm_run(ckpt, prompt_sets, args.max_tokens, config, args.shard, barrier))}")
-        return ""
+        return "", []
     if args.method == "router":
         print(f"RESULT {json.dumps(asyncio.run(router_vllm_run(ckpt, prompt_sets, args.max_tokens, config)))}")
-        return ""
+        return "", []
     # Each method in its own process, so that one's GPU memory never limits the other; in each, one
     # engine start and `--repeats` timed runs on new prompts.
     # With several replicas, raw vLLM is as many LLM processes side by side, each on its share of
@@ -254,6 +267,11 @@ def gpu_benchmark(args) -> str:
     ratios = [raw / router for raw, router in zip(seconds["raw"], seconds["router"])]
     rows = [f"| {run + 1} | {expected / raw:,.0f} | {expected / router:,.0f} | {ratio:.3f} |"
             for run, (raw, router, ratio) in enumerate(zip(seconds["raw"], seconds["router"], ratios))]
+    figures = [f"Qwen3-{args.size.upper()}", args.replicas, args.tp,
+               f"{args.num_prompts} prompts of {args.min_prompt}-{args.max_prompt} tokens, {args.max_tokens} new",
+               ", ".join(f"{expected / s:,.0f}" for s in seconds["raw"]),
+               ", ".join(f"{expected / s:,.0f}" for s in seconds["router"]),
+               ", ".join(f"{r:.3f}" for r in ratios), f"**{statistics.median(ratios):.3f}**"]
     return "\n".join([
         "# Generator throughput (GPU)",
         "",
@@ -278,7 +296,7 @@ def gpu_benchmark(args) -> str:
         f"Router / raw vLLM: median **{statistics.median(ratios):.3f}**, min {min(ratios):.3f} "
         "(goal >= 0.97 in every run).",
         "",
-    ])
+    ]), figures
 
 
 def main() -> None:
@@ -303,15 +321,13 @@ def main() -> None:
     args.num_prompts = args.num_prompts or (1024 if on_gpu else 64)
     args.max_prompt = args.max_prompt or (1024 if on_gpu else 512)
     args.max_tokens = args.max_tokens or (256 if on_gpu else 64)
-    report = gpu_benchmark(args) if on_gpu else cpu_benchmark(args)
+    report, figures = gpu_benchmark(args) if on_gpu else cpu_benchmark(args)
     if report:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        replicas = (f"_{args.replicas}replicas" if args.replicas > 1 else "") + (f"_tp{args.tp}" if args.tp > 1 else "")
-        name = f"generator_throughput_gpu_{args.size}{replicas}.md" if on_gpu else "generator_throughput_cpu.md"
-        out = RESULTS / name
-        out.write_text(report)
         print(report)
-        print(f"wrote {out}")
+        out = RESULTS / f"generator_throughput_{'gpu' if on_gpu else 'cpu'}.md"
+        title = "Generator throughput: router vs raw vLLM (GPU)" if on_gpu else "Generator throughput (CPU)"
+        append_row(out, title, GPU_COLUMNS if on_gpu else CPU_COLUMNS, figures, device=args.device)
+        print(f"added a row to {out}")
 
 
 if __name__ == "__main__":

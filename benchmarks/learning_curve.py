@@ -1,11 +1,12 @@
 """A run's learning curve as Markdown: every held-out eval, and the training reward in windows of
-steps, from its metrics.jsonl; appended to a results file with the machine, date and command.
+steps, from its metrics.jsonl; appended to a results file with the machine, date, commit and command.
 
-    python benchmarks/learning_curve.py runs/alphabet_sort_1gpu --machine "nvidia-h200 (one H200)" \\
+    python benchmarks/learning_curve.py runs/alphabet_sort_1gpu \\
         --command "python examples/alphabet_sort/run.py --config configs/alphabet_sort_1gpu.toml" \\
         --out benchmarks/results/alphabet_sort_1gpu_learning.md
 
-Without --out it prints the section. The run dir's reward_curve.png is the same curve, drawn.
+--machine defaults to the GPUs this process sees (or the CPU). Without --out it prints the section.
+The run dir's reward_curve.png is the same curve, drawn.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import datetime
 import statistics
 from pathlib import Path
 
+from results_table import commit, machine
+
 from rlactors.metrics import EVAL_REWARD_MEAN, REWARD_MEAN, read_metrics
 
 
@@ -23,7 +26,7 @@ def learning_curve(run_dir: Path, machine: str, command: str, window: int) -> st
     steps = [r for r in records if REWARD_MEAN in r]
     evals = sorted((r for r in records if EVAL_REWARD_MEAN in r), key=lambda r: r["step"])
     lines = [f"## {run_dir.name}, {datetime.date.today().isoformat()}", "",
-             f"Machine: {machine}. Command: `{command}`.", ""]
+             f"Machine: {machine}. Commit: {commit()}. Command: `{command}`.", ""]
     if evals:
         first, last = evals[0], evals[-1]
         best = max(evals, key=lambda r: r[EVAL_REWARD_MEAN])
@@ -57,11 +60,15 @@ def learning_curve(run_dir: Path, machine: str, command: str, window: int) -> st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--machine", required=True)
+    parser.add_argument("--machine", default=None, help="default: the GPUs this process sees, else the CPU")
     parser.add_argument("--command", required=True)
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.machine is None:
+        import torch
+
+        args.machine = machine("cuda" if torch.cuda.is_available() else "cpu")
     section = learning_curve(args.run_dir, args.machine, args.command, args.window)
     if args.out is None:
         print(section, end="")

@@ -7,8 +7,10 @@ and trained on by the real trainer core (one rank in this process). The differen
 on every generated token, before any update; training throughput is trained tokens per second
 over `--train-steps` full steps (forward_backward over every microbatch + optim_step).
 
-    python benchmarks/on_policy_cost.py                    # CPU, native -> results/on_policy_cost_cpu.md
-    python benchmarks/on_policy_cost.py --device cuda      # GPU, native (+ vLLM) -> results/on_policy_cost_gpu.md
+    python benchmarks/on_policy_cost.py                    # CPU, native: rows in results/on_policy_cost_cpu.md
+    python benchmarks/on_policy_cost.py --device cuda      # GPU, native (+ vLLM): rows in results/on_policy_cost_gpu.md
+
+Prints the full report and adds a row per generator to the results table (results_table.py).
 
 vLLM runs in a subprocess per mode (VLLM_BATCH_INVARIANT=1 or 0 must be set before vLLM is
 imported); its completions are scored by our trainer in both modes, and, when vLLM's own
@@ -22,7 +24,6 @@ import datetime
 import importlib.util
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -31,25 +32,16 @@ import time
 from pathlib import Path
 
 import torch
+from results_table import RESULTS, append_row, cpu_model
 
-RESULTS = Path(__file__).resolve().parent / "results"
+COLUMNS = ("generator", "shape", "workload", "gen tokens/s default / true", "gen cost",
+           "train tokens/s default / true", "train cost", "logprob diff max default / true")
 
 
 def make_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (n,), generator=g)
     return [torch.randint(3, vocab, (int(k),), generator=g).tolist() for k in lengths]
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux), else the machine type."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def sync(device: str) -> None:
@@ -223,7 +215,8 @@ def score_and_train(args, ckpt: Path, completions: list[dict], trainer_modes: di
 # -- report --------------------------------------------------------------------------------------
 
 
-def run(args) -> str:
+def run(args) -> tuple[str, list[list]]:
+    """The report, and the figures of a results row per generator."""
     from rlactors.models.checkpoint import load_args
     from rlactors.models.tiny import make_tiny_checkpoint
 
@@ -264,7 +257,23 @@ def run(args) -> str:
                 rows.append(("vLLM", mode, tokens / seconds, seconds, scored))
                 print(f"  trainer {mode}: diff max {scored['diff_max']:.3g} mean {scored['diff_mean']:.3g}, "
                       f"step {scored['train_s']:.2f} s", flush=True)
-    return report(args, model_args, prompts, tokens, rows, notes)
+    return report(args, model_args, prompts, tokens, rows, notes), table_rows(args, rows)
+
+
+def table_rows(args, rows) -> list[list]:
+    """Default against true_on_policy, per generator that ran both."""
+    out = []
+    for engine in dict.fromkeys(r[0] for r in rows):
+        modes = {r[1]: r for r in rows if r[0] == engine}
+        if {"default", "true_on_policy"} - modes.keys():
+            continue
+        (_, _, gen_d, sec_d, d), (_, _, gen_t, sec_t, t) = modes["default"], modes["true_on_policy"]
+        out.append([engine, args.size, f"{args.num_prompts} prompts of {args.min_prompt}-{args.max_prompt} tokens, "
+                    f"{args.max_tokens} sampled; {args.dtype}; gen best of {args.repeats}, train best of "
+                    f"{args.train_steps}", f"{gen_d:,.0f} / {gen_t:,.0f}", f"**{sec_t / sec_d:.2f}x**",
+                    f"{d['train_tokens'] / d['train_s']:,.0f} / {t['train_tokens'] / t['train_s']:,.0f}",
+                    f"**{t['train_s'] / d['train_s']:.2f}x**", f"{d['diff_max']:.3g} / {t['diff_max']:.3g}"])
+    return out
 
 
 def report(args, model_args, prompts, tokens, rows, notes) -> str:
@@ -344,11 +353,12 @@ def main() -> None:
     if args.vllm_worker:
         vllm_worker(args)
         return
-    text = run(args)
-    out = Path(args.out) if args.out else RESULTS / f"on_policy_cost_{'gpu' if gpu else 'cpu'}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    text, rows = run(args)
     print(text)
+    out = Path(args.out) if args.out else RESULTS / f"on_policy_cost_{'gpu' if gpu else 'cpu'}.md"
+    for row in rows:
+        append_row(out, f"True on-policy cost ({args.device.upper()})", COLUMNS, row, device=args.device)
+    print(f"added {len(rows)} row(s) to {out}")
 
 
 if __name__ == "__main__":

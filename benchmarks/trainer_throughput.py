@@ -1,10 +1,11 @@
 """Trainer throughput: tokens/s and MFU of forward_backward + optim_step on packed batches.
 
     .venv/bin/python benchmarks/trainer_throughput.py                      # CPU: tiny and small
-    python benchmarks/trainer_throughput.py --device cuda --sizes 0.6b 1.7b \
-        --out benchmarks/results/trainer_throughput_h200.md                # one GPU
-    torchrun --nproc-per-node 8 benchmarks/trainer_throughput.py --device cuda --sizes 1.7b ...
+    python benchmarks/trainer_throughput.py --device cuda --sizes 0.6b 1.7b   # one GPU
+    torchrun --nproc-per-node 2 benchmarks/trainer_throughput.py --device cuda --sizes 1.7b  # FSDP2
     python benchmarks/trainer_throughput.py --device cuda --family llama --sizes 1b  # another family
+
+Each size adds a row to results/trainer_throughput_{cpu,gpu}.md (results_table.py).
 
 It drives PolicyTrainerCore directly (the code inside each PolicyTrainer actor), on a random-init
 checkpoint of each size (rlactors.models.tiny). Rows of `--row-tokens` are filled end to end with
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import socket
 import sys
 import tempfile
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from results_table import RESULTS, append_row
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -160,39 +161,30 @@ def measure(size: str, ckpt_dir: Path, opts: argparse.Namespace, device: torch.d
     return result
 
 
-def write_markdown(results: list[dict], opts: argparse.Namespace, path: Path) -> None:
-    if opts.device == "cuda":
-        device = torch.cuda.get_device_name()
-    else:  # CPU numbers depend on what else runs: the load average says how busy the machine was
-        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        device = (f"CPU ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
-                  f"load average {load} at the end)")
-    lines = [
-        "# Trainer throughput: forward_backward + optim_step",
-        "",
-        f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`",
-        "",
-        f"Device: {device}; torch {torch.__version__}; {results[0]['ranks']} rank(s); "
-        f"{'bf16 mixed precision' if opts.device == 'cuda' else 'fp32'}; activation checkpointing "
-        f"{'on' if opts.activation_checkpointing else 'off'}; decoder layers "
-        f"{'compiled' if opts.compile and opts.device == 'cuda' else 'eager'}; "
-        f"GRPO loss with entropy; "
-        f"{opts.microbatches} microbatch(es) of {opts.rows} x {opts.row_tokens} tokens per rank per step; "
-        f"documents of {opts.doc_tokens[0]}-{opts.doc_tokens[1]} tokens; {opts.steps} timed steps after "
-        f"{opts.warmup} warmup. Peak for MFU: "
-        f"{peak_tflops(opts.peak_tflops) or 'unknown (MFU not reported)'} TFLOP/s bf16 per device.",
-        "",
-        "| model | params | tokens/step | step (s) | tokens/s | TFLOP/s per rank | MFU | peak memory (GiB) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+COLUMNS = ("model", "params", "ranks", "setup", "tokens/step", "step (s)", "tokens/s", "TFLOP/s per rank", "MFU",
+           "peak memory (GiB)")
+
+
+def append_rows(results: list[dict], opts: argparse.Namespace, path: Path) -> None:
+    setup = (f"{'bf16 mixed precision' if opts.device == 'cuda' else 'fp32'}; layers "
+             f"{'compiled' if opts.compile and opts.device == 'cuda' else 'eager'}; activation checkpointing "
+             f"{'on' if opts.activation_checkpointing else 'off'}; {opts.microbatches} x {opts.rows} x "
+             f"{opts.row_tokens} tokens per rank; documents of {opts.doc_tokens[0]}-{opts.doc_tokens[1]}; "
+             f"{opts.steps} timed steps after {opts.warmup}")
+    if opts.device == "cpu":  # CPU numbers depend on what else runs: the load average says how busy it was
+        setup += (f"; {torch.get_num_threads()} torch threads, load average "
+                  f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end")
+    else:
+        setup += f"; peak {peak_tflops(opts.peak_tflops) or 'unknown'} TFLOP/s bf16 per GPU"
+    world = results[0]["ranks"]
+    launcher = f"torchrun --nproc-per-node {world}" if world > 1 else "python"
     for r in results:
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        mfu = f"**{100 * r['mfu']:.1f}%**" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
-        lines.append(f"| {opts.family} {r['size']} | {r['params'] / 1e6:.1f}M | {r['tokens_per_step']} | "
-                     f"{r['step_s']:.3f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['tflops_per_rank']:.3g} | {mfu} | {mem} |")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+        append_row(path, "Trainer throughput: forward_backward + optim_step", COLUMNS,
+                   [f"{opts.family} {r['size']}", f"{r['params'] / 1e6:.1f}M", world, setup, r["tokens_per_step"],
+                    f"{r['step_s']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_rank']:.3g}", mfu, mem],
+                   device=opts.device, launcher=launcher)
 
 
 def main() -> None:
@@ -222,7 +214,7 @@ def main() -> None:
     opts.row_tokens = opts.row_tokens or (16384 if cuda else 512)
     opts.microbatches = opts.microbatches or (8 if cuda else 2)
     opts.doc_tokens = opts.doc_tokens or ([512, 4096] if cuda else [32, 256])
-    opts.out = opts.out or Path(__file__).parent / "results" / f"trainer_throughput_{opts.device}.md"
+    opts.out = opts.out or RESULTS / f"trainer_throughput_{'gpu' if cuda else 'cpu'}.md"
 
     device = join_process_group(opts.device)
     rank = dist.get_rank()
@@ -240,8 +232,8 @@ def main() -> None:
             mfu = f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
             print(f"{size}: {r['tokens_per_s']:.0f} tokens/s, {r['step_s']:.3f} s/step{mfu}", flush=True)
     if rank == 0:
-        write_markdown(results, opts, opts.out)
-        print(f"wrote {opts.out}")
+        append_rows(results, opts, opts.out)
+        print(f"added {len(results)} row(s) to {opts.out}")
     dist.destroy_process_group()
 
 

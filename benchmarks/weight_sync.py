@@ -9,38 +9,36 @@ Each sync is the controller's own path: gather the full weights from the FSDP sh
 packed buffer (bf16) and checksum it; NCCL-broadcast it from trainer rank 0 to every replica
 worker; each replica verifies the checksum and loads the weights. The ceiling is a plain NCCL
 broadcast of the same number of bytes from GPU 0 to the replicas' GPUs, measured in the same run.
-Appends a row to benchmarks/results/weight_sync.md.
+Adds a row to benchmarks/results/weight_sync.md (results_table.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from results_table import RESULTS, append_row
 
 from rlactors.config import load_config
 from rlactors.controller import Controller
 from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.supervision import use_fast_supervision
 
-RESULTS = Path(__file__).parent / "results" / "weight_sync.md"
-TITLE = "# Weight sync: trainer -> every generator replica, verified by checksum\n"
+TITLE = "Weight sync: trainer -> every generator replica, verified by checksum"
 # total: what the trainer waits for, gather + transfer as the controller times them, until every
 # replica holds the weights verified. gather: the trainer packs the bf16 weights into its send
 # buffer (pack) and checksums them. transfer: the broadcast (sender side; it waits for every
 # receiver to join) and, on the slowest replica, receive + checksum check; the rest is Monarch
 # messaging. served: until every replica has loaded them (apply: the load, by the copy plan or
 # vLLM's load_weights, and the prefix-cache reset), between engine steps. Medians over --iters.
-HEADER = ("| date | machine | model | trainer GPUs | replicas | total ms (min-max) | served ms | gather ms | pack ms "
-          "| checksum ms | transfer ms | broadcast ms | replica receive+verify ms | replica apply ms | copy plan "
-          "| transfer GB/s | NCCL ceiling ms | command |\n|" + "---|" * 18 + "\n")
+COLUMNS = ("model", "trainer GPUs", "replicas", "total ms (min-max)", "served ms", "gather ms", "pack ms",
+           "checksum ms", "transfer ms", "broadcast ms", "replica receive+verify ms", "replica apply ms", "copy plan",
+           "transfer GB/s", "NCCL ceiling ms")
 
 
 def _broadcast_worker(rank: int, world_size: int, num_bytes: int, gpus: list[int], port: int, iters: int, out) -> None:
@@ -141,25 +139,18 @@ def main() -> None:
     totals = [r["gather_s"] + r["transfer_s"] for r in runs]
     transfer = statistics.median(r["transfer_s"] for r in runs)
     num_bytes = runs[0]["bytes"]
-    machine = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if cuda else "CPU"
-    line = (f"| {datetime.date.today()} | {machine} | {args.size} ({num_bytes / 1e6:.0f} MB) | {args.trainer_gpus} "
-            f"| {args.replicas} | {statistics.median(totals) * 1e3:.1f} "
-            f"({min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f}) "
-            f"| {median_ms('served_s')} | {median_ms('gather_s')} | {median_ms('pack_s')} | {median_ms('checksum_s')} "
-            f"| {median_ms('transfer_s')} | {median_ms('broadcast_s')} | {median_ms('replica_receive_verify_s')} "
-            f"| {median_ms('replica_apply_s')} | {'yes' if all(r.get('copy_plan') == 1.0 for r in runs) else 'no'} "
-            f"| {num_bytes / transfer / 1e9:.1f}")
+    ceiling = "n/a"
     if cuda:
         replica_gpus = [args.trainer_gpus + i for i in range(args.replicas)]
-        ceiling = nccl_ceiling(int(num_bytes), [0, *replica_gpus], args.iters)
-        line += f" | {ceiling * 1e3:.1f} ({num_bytes / ceiling / 1e9:.0f} GB/s) |"
-    else:
-        line += " | n/a |"
-    print(HEADER + line)
-    text = RESULTS.read_text() if RESULTS.exists() else TITLE
-    if HEADER not in text:
-        text += "\n" + HEADER
-    RESULTS.write_text(text + line + f" `{' '.join(sys.argv[1:])}` |\n")
+        seconds = nccl_ceiling(int(num_bytes), [0, *replica_gpus], args.iters)
+        ceiling = f"{seconds * 1e3:.1f} ({num_bytes / seconds / 1e9:.0f} GB/s)"
+    figures = [f"{args.size} ({num_bytes / 1e6:.0f} MB)", args.trainer_gpus, args.replicas,
+               f"{statistics.median(totals) * 1e3:.1f} ({min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f})",
+               median_ms("served_s"), median_ms("gather_s"), median_ms("pack_s"), median_ms("checksum_s"),
+               median_ms("transfer_s"), median_ms("broadcast_s"), median_ms("replica_receive_verify_s"),
+               median_ms("replica_apply_s"), "yes" if all(r.get("copy_plan") == 1.0 for r in runs) else "no",
+               f"{num_bytes / transfer / 1e9:.1f}", ceiling]
+    print(append_row(RESULTS / "weight_sync.md", TITLE, COLUMNS, figures, device=args.device))
 
 
 if __name__ == "__main__":

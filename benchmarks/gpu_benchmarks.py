@@ -1,0 +1,152 @@
+"""The GPU benchmarks, by what they measure. Each mode runs the benchmark tools of benchmarks/ one
+after another on the first `--gpus` visible GPUs; every tool adds dated, commit-stamped rows to its
+own table in benchmarks/results/ (index: benchmarks/results/README.md).
+
+    python benchmarks/gpu_benchmarks.py generation               # 1 GPU: router vs raw vLLM
+    python benchmarks/gpu_benchmarks.py training [--gpus 2]      # trainer MFU; 2 GPUs: FSDP2 too
+    python benchmarks/gpu_benchmarks.py weight-sync [--gpus 4]   # 2 GPUs: 1 -> 1; 4 GPUs: 2 -> 2 too
+    python benchmarks/gpu_benchmarks.py end-to-end [--gpus 2|4]  # sync vs async, configs/alphabet_sort_<N>gpu.toml
+    python benchmarks/gpu_benchmarks.py on-policy-cost           # 1 GPU: true on-policy cost, matmul vs cuBLAS
+    python benchmarks/gpu_benchmarks.py learning-curve [--gpus 2] [--true-on-policy]  # the GPU demo, 100 steps
+
+Which GPUs a mode may use and what each runs: `MODES` below. Needs vLLM and Monarch importable
+(README, "GPU setup"); the GPU test suite is benchmarks/gpu_suite.py. The tools' output streams to the
+terminal; a table of steps, exit codes and seconds comes last, and the exit code is non-zero when a
+step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from results_table import RESULTS
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = "python"  # run as this interpreter (sys.executable)
+GENERATOR = [PY, "benchmarks/generator_throughput.py", "--device", "cuda"]
+TRAINER = [PY, "benchmarks/trainer_throughput.py", "--device", "cuda"]
+SYNC = [PY, "benchmarks/weight_sync.py", "--iters", "5"]
+COST = [PY, "benchmarks/on_policy_cost.py", "--device", "cuda", "--engines", "vllm", "--repeats", "3",
+        "--train-steps", "2"]
+
+
+@dataclass
+class Mode:
+    gpus: tuple[int, ...]  # the machine sizes it runs on; the first is the default
+    steps: Callable[[int, bool], list[tuple[str, list[str]]]]  # (gpus, true on-policy) -> (name, command)s
+
+
+def generation(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
+    return [("0.6b", [*GENERATOR, "--size", "0.6b"]),
+            ("1.7b", [*GENERATOR, "--size", "1.7b"]),
+            ("0.6b, 2 replicas", [*GENERATOR, "--size", "0.6b", "--replicas", "2"]),
+            ("1.7b, 2 replicas", [*GENERATOR, "--size", "1.7b", "--replicas", "2"])]
+
+
+def training(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
+    steps = [("0.6b and 1.7b", [*TRAINER, "--sizes", "0.6b", "1.7b"])]
+    if gpus == 2:
+        steps.append(("1.7b, FSDP2 over 2 GPUs", [PY, "-m", "torch.distributed.run", "--standalone",
+                                                  "--nproc-per-node", "2", *TRAINER[1:], "--sizes", "1.7b"]))
+    return steps
+
+
+def weight_sync(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
+    steps = [(f"{size}, 1 -> 1", [*SYNC, "--size", size, "--trainer-gpus", "1", "--replicas", "1"])
+             for size in ("1.7b", "0.6b")]
+    if gpus == 4:
+        steps.append(("1.7b, 2 -> 2", [*SYNC, "--size", "1.7b", "--trainer-gpus", "2", "--replicas", "2"]))
+    return steps
+
+
+def end_to_end(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
+    steps = {1: "13", 2: "7", 4: "6"}[gpus]  # about 5 minutes a mode
+    return [(f"alphabet_sort_{gpus}gpu", [PY, "benchmarks/e2e_alphabet_sort.py", "--config",
+                                          f"configs/alphabet_sort_{gpus}gpu.toml", "--steps", steps,
+                                          "--staleness", "1", "2"])]
+
+
+def on_policy_cost(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
+    return [("0.6b", [*COST, "--size", "0.6b"]), ("1.7b", [*COST, "--size", "1.7b"]),
+            ("matmul vs cuBLAS", [PY, "benchmarks/batch_invariant_matmul.py"])]
+
+
+def learning_curve(gpus: int, true_on_policy: bool) -> list[tuple[str, list[str]]]:
+    """The demo as a user runs it, in a new run dir under the temp dir; its curve appended to the
+    demo's results file, its metrics and drawn curve copied beside it."""
+    name = f"alphabet_sort_{gpus}gpu{'_onpolicy' if true_on_policy else ''}_learning"
+    run_dir = (Path(tempfile.gettempdir()) / f"rlactors_learning_{time.strftime('%Y%m%d_%H%M%S')}"
+               / f"alphabet_sort_{gpus}gpu")  # the curve's heading names the dir
+    demo = [PY, "examples/alphabet_sort/run.py", "--config", f"configs/alphabet_sort_{gpus}gpu.toml",
+            *(["model.true_on_policy=true"] if true_on_policy else [])]
+    return [("demo", [*demo, f'controller.run_dir="{run_dir}"']),
+            ("curve", [PY, "benchmarks/learning_curve.py", str(run_dir), "--command", shlex.join(demo),
+                       "--out", str(RESULTS / f"{name}.md")]),
+            ("metrics", ["cp", str(run_dir / "metrics.jsonl"), str(RESULTS / f"{name}_metrics.jsonl")]),
+            ("curve image", ["cp", str(run_dir / "reward_curve.png"), str(RESULTS / f"{name}_reward_curve.png")])]
+
+
+MODES = {
+    "generation": Mode((1,), generation),
+    "training": Mode((1, 2), training),
+    "weight-sync": Mode((2, 4), weight_sync),
+    "end-to-end": Mode((1, 2, 4), end_to_end),
+    "on-policy-cost": Mode((1,), on_policy_cost),
+    "learning-curve": Mode((1, 2), learning_curve),
+}
+
+
+def visible_gpus() -> list[str]:
+    import torch
+
+    count = torch.cuda.device_count()
+    return os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(count)))).split(",")[:count]
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=MODES)
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: the mode's smallest size)")
+    parser.add_argument("--true-on-policy", action="store_true", help="learning-curve: the demo in true on-policy mode")
+    args = parser.parse_args()
+    mode = MODES[args.mode]
+    gpus = args.gpus or mode.gpus[0]
+    if gpus not in mode.gpus:
+        fail(f"--gpus: {args.mode} runs on {' or '.join(map(str, mode.gpus))} GPU(s), not {gpus}")
+    if args.true_on_policy and args.mode != "learning-curve":
+        fail(f"--true-on-policy: only learning-curve takes it, not {args.mode}")
+    devices = visible_gpus()
+    if len(devices) < gpus:
+        fail(f"--gpus: {args.mode} on {gpus} GPU(s) needs as many visible, found {len(devices)}")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices[:gpus]), "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    done = []
+    for name, command in mode.steps(gpus, args.true_on_policy):
+        print(f"\n===== {args.mode}: {name}: {shlex.join(command)}", flush=True)
+        start = time.monotonic()
+        code = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, env=env).returncode if command[0] == PY \
+            else subprocess.run(command, cwd=ROOT, env=env).returncode
+        done.append((name, code, time.monotonic() - start))
+        if code != 0 and args.mode == "learning-curve":
+            break  # the later steps read the demo's run dir
+    print(f"\n| {args.mode} on {gpus} GPU(s) | exit code | seconds |\n|---|---|---|")
+    print("\n".join(f"| {name} | {code} | {seconds:.0f} |" for name, code, seconds in done))
+    sys.exit(1 if any(code != 0 for _, code, _ in done) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -42,3 +42,11 @@ def tiny_ckpt(family_ckpt) -> Path:
 def tiny_ckpt_untied(family_ckpt) -> Path:
     """Like ``tiny_ckpt`` but with a separate ``lm_head.weight``."""
     return family_ckpt("qwen3", tie=False)
+
+
+@pytest.fixture(scope="session")
+def tool_policy_ckpt(tiny_ckpt, tmp_path_factory) -> Path:
+    """The tiny Qwen3 after memorising one calculator tool-calling conversation (support.tool_policy)."""
+    from support.tool_policy import train_tool_policy
+
+    return train_tool_policy(tiny_ckpt, tmp_path_factory.mktemp("tool_policy"))

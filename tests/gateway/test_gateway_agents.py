@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 
-import pytest
 from monarch.actor import this_host
 from support.agent_envs import ToolAgent, ToolAgentConfig, ToolMessageEnv
-from support.tool_policy import ANSWER, CALL, train_tool_policy
+from support.tool_policy import ANSWER, CALL
 
 from rlactors.actors.router import GeneratorRouter
 from rlactors.config import GatewayConfig, GeneratorConfig, ModelConfig, RolloutConfig
@@ -20,11 +19,6 @@ from rlactors.rollout import Rollouter, RolloutStatus
 # Near-greedy: the memorised conversation is sampled every time, on any CPU.
 ROLLOUT = RolloutConfig(group_size=2, max_turns=3, max_tokens_per_turn=96, max_total_tokens=512, temperature=0.3,
                         step_timeout_s=20.0, keep_zero_variance_groups=True)
-
-
-@pytest.fixture(scope="module")
-def tool_ckpt(tiny_ckpt, tmp_path_factory):
-    return train_tool_policy(tiny_ckpt, tmp_path_factory.mktemp("tool_policy"))
 
 
 async def serving(ckpt, rollout_config=ROLLOUT):
@@ -60,9 +54,9 @@ def turns_of(batch):
             for g in batch.groups for r in g.rollouts]
 
 
-def test_openai_tool_calling_is_exact_streams_the_same_and_branches_on_edits(tool_ckpt):
+def test_openai_tool_calling_is_exact_streams_the_same_and_branches_on_edits(tool_policy_ckpt):
     async def main():
-        tokenizer, gateway, rollouter, close = await serving(tool_ckpt)
+        tokenizer, gateway, rollouter, close = await serving(tool_policy_ckpt)
         try:
             sample = [{"id": 0}]
             agent = await rollouter(ToolAgent(ToolAgentConfig(), tokenizer)).collect(sample)
@@ -101,9 +95,9 @@ def test_openai_tool_calling_is_exact_streams_the_same_and_branches_on_edits(too
     asyncio.run(main())
 
 
-def test_64_concurrent_sessions_and_harness_failures_end_only_their_rollout(tool_ckpt):
+def test_64_concurrent_sessions_and_harness_failures_end_only_their_rollout(tool_policy_ckpt):
     async def main():
-        tokenizer, gateway, rollouter, close = await serving(tool_ckpt)
+        tokenizer, gateway, rollouter, close = await serving(tool_policy_ckpt)
         try:
             many = await rollouter(ToolAgent(ToolAgentConfig(), tokenizer), RolloutConfig(
                 **{**ROLLOUT.__dict__, "group_size": 8})).collect([{"id": i} for i in range(8)])

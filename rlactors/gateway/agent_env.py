@@ -45,9 +45,7 @@ class AgentEnv(HarnessEnv):
         if self.gateway is None:
             raise RuntimeError(f"{type(self).__name__} has no gateway: the controller starts one for an AgentEnv "
                                "(rlactors.gateway.Gateway; set env.gateway when driving a Rollouter yourself)")
-        from openai import AsyncOpenAI
-
         async with self.gateway.session(model) as session:
             self.base_url, self.api_key = session.base_url, session.api_key
-            async with AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0) as client:
+            async with self.gateway.client(session) as client:
                 return await self.run(sample, client)

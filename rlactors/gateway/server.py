@@ -83,6 +83,7 @@ class Gateway:
         self._sessions: dict[str, _Session] = {}
         self._renders_tools = renders_tools(tokenizer)
         self._runner: web.AppRunner | None = None
+        self._tls: Any = None  # the TLS context of every session's client (unused on http://, built all the same)
 
     async def start(self) -> None:
         app = web.Application(client_max_size=self.config.max_request_bytes, middlewares=[self._errors, self._auth])
@@ -115,6 +116,21 @@ class Gateway:
             yield SessionInfo(session_id, f"{self.url}/sessions/{session_id}/v1", self.api_key)
         finally:
             del self._sessions[session_id]
+
+    @contextlib.asynccontextmanager
+    async def client(self, session: SessionInfo) -> AsyncIterator[Any]:
+        """An `openai.AsyncOpenAI` for `session`, open while the block runs: its own small
+        connection pool (one pool for every session would scan all its connections on each
+        request), sharing the gateway's TLS context (loading one costs ~20 ms a client). It never
+        retries (a failed turn is the rollout's to handle) and never times out (rollout.step_timeout_s
+        and the generator's own limits bound a turn)."""
+        import httpx
+        from openai import AsyncOpenAI
+
+        if self._tls is None:
+            self._tls = httpx.create_ssl_context()
+        async with httpx.AsyncClient(verify=self._tls, timeout=None) as http:
+            yield AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0, http_client=http)
 
     def step_metrics(self) -> dict[str, float]:
         """`gateway/<counter>` since the last call (a training step's worth)."""
@@ -199,8 +215,8 @@ class Gateway:
         return response
 
     def _reply(self, chat: ChatRequest, turn: Turn) -> tuple[dict[str, Any], str, list[tuple[str, Any]]]:
-        """The assistant message, its finish reason, and its content in pieces (per token unless
-        it holds tool calls), each with its tokens' logprobs when the request asked for them."""
+        """The assistant message, its finish reason, and its content in pieces (per token when
+        streamed, unless it holds tool calls), each with its tokens' logprobs when asked for."""
         text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
         parsed = parse_tool_calls(text) if chat.parse_tool_calls and chat.tools else None
         if parsed is not None and parsed.unparsable:
@@ -213,7 +229,8 @@ class Gateway:
             reply = {"role": "assistant", "content": parsed.content or None, "tool_calls": tool_calls}
             return reply, "tool_calls", [(parsed.content, logprobs)]
         finish_reason = "length" if turn.finish_reason == "length" else "stop"
-        return {"role": "assistant", "content": text}, finish_reason, self._pieces(turn.token_ids, logprobs)
+        pieces = self._pieces(turn.token_ids, logprobs) if chat.stream else [(text, logprobs)]
+        return {"role": "assistant", "content": text}, finish_reason, pieces
 
     def _pieces(self, token_ids: list[int], logprobs: list[dict[str, Any]] | None) -> list[tuple[str, Any]]:
         """One piece of text per token: what decoding up to it adds (a character split across tokens

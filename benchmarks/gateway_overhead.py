@@ -46,7 +46,7 @@ per turn, as the turn's caller sees it, over all repeats. Goal: gateway >= 0.9x 
 
 | date (UTC) | commit | machine | command | sessions x turns x max tokens | direct tok/s \
 | gateway (HTTP) tok/s | gateway (openai) tok/s | HTTP / direct | openai / direct \
-| turn p50 / p99 s: direct | gateway (HTTP) | gateway (openai) |
+| direct turn p50 / p99 s | HTTP turn p50 / p99 s | openai turn p50 / p99 s |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|
 """
 

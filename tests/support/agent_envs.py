@@ -80,3 +80,24 @@ class ToolMessageEnv(MessageEnv):
         return MessageStep([{"role": "tool", "tool_call_id": c["id"],
                              "content": calculate(json.loads(c["function"]["arguments"])["expression"])}
                             for c in parsed.tool_calls])
+
+
+class LangChainToolAgent(AgentEnv):
+    """ToolAgent's loop written with LangChain's ChatOpenAI, which builds its own client from
+    `base_url` and `api_key` and converts messages its own way."""
+
+    async def run(self, sample, client):
+        from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+        from langchain_openai import ChatOpenAI
+
+        system, user = conversation()
+        llm = ChatOpenAI(model="policy", base_url=self.base_url, api_key=self.api_key, max_retries=0).bind_tools(TOOLS)
+        messages = [SystemMessage(system["content"]), HumanMessage(user["content"])]
+        for _ in range(3):
+            reply: AIMessage = await llm.ainvoke(messages)
+            messages.append(reply)
+            if not reply.tool_calls:
+                break
+            messages += [ToolMessage(calculate(call["args"]["expression"]), tool_call_id=call["id"])
+                         for call in reply.tool_calls]
+        return {"correct": float(messages[-1].content == ANSWER)}

@@ -192,3 +192,30 @@ def test_tools_need_a_template_that_renders_them(tmp_path, tiny_ckpt):
             assert r.status == 400 and error["param"] == "tools" and "does not render tools" in error["message"]
 
     serve(tmp_path, [], test)
+
+
+def test_a_stream_carries_the_same_reply_as_sse_chunks_with_usage(tiny_ckpt):
+    reply = "Ada Ben Cleo é"  # a two-byte character: pieces split only between whole characters
+
+    async def test(gateway, info, http, model, tokenizer):
+        async with post(http, info, {**GOOD, "logprobs": True}) as r:
+            whole = (await r.json())["choices"][0]
+        request = {**GOOD, "messages": USER + [whole["message"], *USER], "logprobs": True, "stream": True,
+                   "stream_options": {"include_usage": True}}
+        async with post(http, info, request) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            events = [line[len("data: "):] for line in (await r.text()).split("\n\n") if line]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        deltas = [c["choices"][0] for c in chunks if c["choices"]]
+        assert deltas[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(d["delta"].get("content", "") for d in deltas) == reply == whole["message"]["content"]
+        completion = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+        logprobs = [lp for d in deltas if d["logprobs"] for lp in d["logprobs"]["content"]]
+        assert [lp["logprob"] for lp in logprobs] == [-0.5] * len(completion) == \
+            [lp["logprob"] for lp in whole["logprobs"]["content"]]
+        assert deltas[-1]["finish_reason"] == "stop" and chunks[-1]["choices"] == []
+        assert chunks[-1]["usage"]["completion_tokens"] == len(completion)
+        assert model.prompts[1] == extend_with_messages(tokenizer, model.prompts[0] + completion, USER)
+
+    serve(tiny_ckpt, [reply, reply], test)

@@ -59,7 +59,6 @@ class _Session:
         self.model = model
         self.history = TokenHistory(tokenizer)
         self.lock = asyncio.Lock()  # one turn at a time: a session's turns form one history
-        self.turns = 0
 
 
 def renders_tools(tokenizer: Any) -> bool:
@@ -190,14 +189,13 @@ class Gateway:
                 prompt, extends = session.history.prompt_for(chat.messages, chat.tools)
             except Exception as e:  # noqa: BLE001 - the template's error is the client's message
                 raise ApiError(400, f"messages: the chat template cannot render them: {e}", "messages") from None
-            if session.turns and not extends:
+            if session.history.messages is not None and not extends:
                 self.counters["branches"] += 1
             try:
                 turn = await session.model(prompt, chat.max_tokens, chat.stop_token_ids)
             except TurnRefused as e:
                 raise (ApiError(500, f"the generator failed: {e}", kind="server_error") if e.status.is_error else
                        ApiError(400, f"the rollout takes no more turns: {e}", code=e.status.value)) from None
-            session.turns += 1
             reply, finish_reason, pieces = self._reply(chat, turn)
             session.history.record(chat.messages, chat.tools, prompt, turn.token_ids, canonical_message(reply, 0))
         completion_id = f"chatcmpl-{secrets.token_hex(12)}"

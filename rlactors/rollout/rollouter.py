@@ -189,6 +189,7 @@ class Rollouter:
                                         f"env play ran past step_timeout_s={timeout} between model turns")
                 await asyncio.wait({harness, refused}, timeout=timeout - idle, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            turns.closed = True
             refused.cancel()
             if not harness.done():
                 harness.cancel()
@@ -238,11 +239,13 @@ class Rollouter:
 class _HarnessTurns:
     """The `model` a HarnessEnv's play calls: one turn of its rollout per call, under the rollout's
     limits, ids and seeds (those of TokenEnv turns). Records each turn, and when the rollout must
-    end (`ended`), refuses every later call and sets `refused`."""
+    end (`ended`), refuses every later call and sets `refused`; once play has ended (`closed`), a
+    call still running records nothing."""
 
     def __init__(self, rollouter: Rollouter, env: HarnessEnv, rollout: Rollout, temperature: float | None) -> None:
         self.rollouter, self.env, self.rollout, self.temperature = rollouter, env, rollout, temperature
         self.ended: TurnRefused | None = None
+        self.closed = False  # play has ended: a call still in flight (a cancelled harness's) records nothing
         self.refused = asyncio.Event()
         self.generating = 0
         self.idle_since = asyncio.get_running_loop().time()
@@ -252,6 +255,8 @@ class _HarnessTurns:
         cfg, rollout = self.rollouter.config, self.rollout
         if self.ended is not None:
             raise self.ended
+        if self.closed:
+            raise TurnRefused(rollout.status, "the rollout has ended")
         _check_token_ids(prompt_token_ids, "prompt_token_ids")
         k = len(rollout.turns)
         room = cfg.max_total_tokens - len(prompt_token_ids)
@@ -272,6 +277,8 @@ class _HarnessTurns:
         finally:
             self.generating -= 1
             self.idle_since = asyncio.get_running_loop().time()
+        if self.closed:
+            raise TurnRefused(rollout.status, "the rollout has ended")
         turn = Turn(prompt_token_ids=list(prompt_token_ids), token_ids=list(completion.token_ids),
                     logprobs=list(completion.logprobs), versions=list(completion.versions),
                     finish_reason=completion.finish_reason)

@@ -38,10 +38,20 @@ class Harness(HarnessEnv):
     def clone(self):
         env = type(self)()
         env.turns, env.reward, env.script = self.turns, self.reward, self.script
+        self.clones.append(env)
         return env
+
+    def __init__(self):
+        super().__init__()
+        self.clones = []
 
     async def play(self, sample, model):
         prompt = [1, 2, 3] * (20 if self.script == "long" else 1)
+        if self.script == "leave":  # one turn, then a call left running when play returns
+            turn = await model(prompt)
+            self.left = asyncio.ensure_future(model(prompt + turn.token_ids + [4]))
+            await asyncio.sleep(0.05)
+            return self.reward
         for _ in range(self.turns):
             try:
                 turn = await model(prompt, max_tokens=3 if self.script == "max3" else None, stop_token_ids=[9])
@@ -97,6 +107,20 @@ def test_failures_end_only_their_rollout_with_their_status():
     _, rollouts, _ = play(script="idle")
     assert all(r.status is RolloutStatus.ERROR_TIMEOUT and "between model turns" in r.error for r in rollouts)
     assert all(r.reward == CONFIG.error_reward for r in rollouts)
+
+
+def test_a_call_left_running_when_play_ends_records_nothing():
+    env = Harness()
+    env.script = "leave"
+
+    async def main():
+        rollout = (await Rollouter(env, Generator(delay=0.2), CONFIG).collect([{}])).groups[0].rollouts[0]
+        await asyncio.sleep(0.4)
+        return rollout, env.clones[0].left.exception()
+
+    rollout, late = asyncio.run(main())
+    assert rollout.status is RolloutStatus.COMPLETED and len(rollout.turns) == 1
+    assert isinstance(late, TurnRefused) and "has ended" in str(late)
 
 
 def test_generation_time_is_not_the_harness_time():

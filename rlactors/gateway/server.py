@@ -180,7 +180,7 @@ class Gateway:
         session = self._session(request)
         try:
             body = await request.json()
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}", "body") from None
         chat = parse_chat_request(body, self.limits, self.tokenizer, self._renders_tools)
         self.counters["requests"] += 1

@@ -189,7 +189,8 @@ class HarnessEnv(TokenEnv):
     `model(prompt, max_tokens=None, stop_token_ids=())` samples one completion under the rollout's
     limits, seeds and ids, records it as the rollout's next turn and returns that `Turn`; past a
     limit (max_turns, max_total_tokens) or when the generator fails it raises `TurnRefused`, and
-    the rollout ends with that status whatever `play` does next. A prompt that does not extend the
+    the rollout ends with that status whatever `play` does next. Calls made at once run one after
+    another, in turn order. A prompt that does not extend the
     previous prompt + completion starts a new branch episode, as with TokenEnv. `step_timeout_s`
     bounds the harness's own time between turns (and before the first); a turn cut by its token
     limit is returned to the harness, and the rollout ends `truncated_length` once `play` returns.

@@ -247,11 +247,16 @@ class _HarnessTurns:
         self.ended: TurnRefused | None = None
         self.closed = False  # play has ended: a call still in flight (a cancelled harness's) records nothing
         self.refused = asyncio.Event()
+        self.one_at_a_time = asyncio.Lock()
         self.generating = 0
         self.idle_since = asyncio.get_running_loop().time()
 
     async def __call__(self, prompt_token_ids: list[int], max_tokens: int | None = None,
                        stop_token_ids: Sequence[int] = ()) -> Turn:
+        async with self.one_at_a_time:  # turn k's id and seed are taken from the turns recorded before it
+            return await self._turn(prompt_token_ids, max_tokens, stop_token_ids)
+
+    async def _turn(self, prompt_token_ids: list[int], max_tokens: int | None, stop_token_ids: Sequence[int]) -> Turn:
         cfg, rollout = self.rollouter.config, self.rollout
         if self.ended is not None:
             raise self.ended

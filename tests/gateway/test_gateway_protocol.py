@@ -107,6 +107,7 @@ def test_http_level_errors_are_openai_json(tiny_ckpt):
             (post(http, info, GOOD, key="rla-wrong"), 401, "invalid_api_key"),
             (http.post(info.base_url + "/chat/completions", json=GOOD), 401, "invalid_api_key"),  # no key
             (post(http, info, None, raw="{not json"), 400, None),
+            (post(http, info, None, raw=b"\xff\xfe{}"), 400, None),
             (post(http, info, None, raw=json.dumps({**GOOD, "pad": "x" * 5000})), 413, None),
             (http.post(info.base_url.replace(info.session_id, "guessed") + "/chat/completions", json=GOOD,
                        headers={"Authorization": f"Bearer {info.api_key}"}), 404, "session_not_found"),

@@ -47,6 +47,9 @@ class Harness(HarnessEnv):
 
     async def play(self, sample, model):
         prompt = [1, 2, 3] * (20 if self.script == "long" else 1)
+        if self.script == "parallel":  # two calls at once: turns t0 and t1, one after the other
+            first, second = await asyncio.gather(model(prompt), model(prompt + [5]))
+            return self.reward
         if self.script == "leave":  # one turn, then a call left running when play returns
             turn = await model(prompt)
             self.left = asyncio.ensure_future(model(prompt + turn.token_ids + [4]))
@@ -114,13 +117,22 @@ def test_a_call_left_running_when_play_ends_records_nothing():
     env.script = "leave"
 
     async def main():
-        rollout = (await Rollouter(env, Generator(delay=0.2), CONFIG).collect([{}])).groups[0].rollouts[0]
+        rollouts = (await Rollouter(env, Generator(delay=0.2), CONFIG).collect([{}])).groups[0].rollouts
         await asyncio.sleep(0.4)
-        return rollout, env.clones[0].left.exception()
+        return rollouts, [clone.left.exception() for clone in env.clones]
 
-    rollout, late = asyncio.run(main())
-    assert rollout.status is RolloutStatus.COMPLETED and len(rollout.turns) == 1
-    assert isinstance(late, TurnRefused) and "has ended" in str(late)
+    rollouts, late = asyncio.run(main())
+    assert all(r.status is RolloutStatus.COMPLETED and len(r.turns) == 1 for r in rollouts)
+    assert all(isinstance(e, TurnRefused) and "has ended" in str(e) for e in late) and len(late) == 2
+
+
+def test_calls_made_at_once_are_turns_in_order():
+    _, rollouts, gen = play(script="parallel")
+    for rollout in rollouts:
+        assert rollout.status is RolloutStatus.COMPLETED
+        assert [t.prompt_token_ids for t in rollout.turns] == [[1, 2, 3], [1, 2, 3, 5]]
+    assert sorted(c[0] for c in gen.calls) == ["g0/0/t0", "g0/0/t1", "g0/1/t0", "g0/1/t1"]
+    assert len({c[2].seed for c in gen.calls}) == 4
 
 
 def test_generation_time_is_not_the_harness_time():

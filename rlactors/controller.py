@@ -181,14 +181,12 @@ class Controller:
     async def _start_gateway(self, env: Any) -> None:
         """An AgentEnv's harnesses reach the policy through the gateway, served from this process
         (on the router's host), for training and evaluation alike."""
-        from rlactors.gateway import AgentEnv, Gateway
+        from rlactors.gateway import serve_agent_env
 
-        if not isinstance(env, AgentEnv):
-            return
-        self.gateway = Gateway(self.config.gateway, self.tokenizer, self.config.rollout.max_tokens_per_turn)
-        await self.gateway.start()
-        env.gateway = self.gateway
-        print(f"gateway for {type(env).__name__} harnesses at {self.gateway.url}", flush=True)
+        c = self.config
+        self.gateway = await serve_agent_env(env, c.gateway, c.rollout.max_tokens_per_turn, self.tokenizer)
+        if self.gateway is not None:
+            print(f"gateway for {type(env).__name__} harnesses at {self.gateway.url}", flush=True)
 
     def _check_run_dir(self) -> Path | None:
         """A new run never writes over a run dir that holds steps; `--resume` continues the run in

@@ -89,10 +89,12 @@ async def evaluate(config: Config, checkpoint: Checkpoint, progress: bool = True
     from tqdm import tqdm
 
     from rlactors.actors.router import GeneratorRouter
+    from rlactors.gateway import serve_agent_env
     from rlactors.models import load_tokenizer
     from rlactors.rollout.env import load_env
 
-    env = load_env(config.env, load_tokenizer(config.model.path))
+    tokenizer = load_tokenizer(config.model.path)
+    env = load_env(config.env, tokenizer)
     samples = eval_samples(env, config.env.name, config.eval)  # fails before any proc starts
     # Monarch's default for a fault nobody handled is to kill this process: the failing call raises instead.
     monarch.actor.unhandled_fault_hook = lambda failure: logging.getLogger(__name__).error("Monarch fault: %s", failure)
@@ -104,6 +106,7 @@ async def evaluate(config: Config, checkpoint: Checkpoint, progress: bool = True
                        session_id: str | None = None) -> Completion:
         return await router.generate.call_one(prompt_token_ids, sampling, request_id, session_id)
 
+    gateway = await serve_agent_env(env, config.gateway, config.rollout.max_tokens_per_turn, tokenizer)
     evaluator = Evaluator(env, generate, config.rollout, config.eval, samples)
     bar = tqdm(total=evaluator.num_rollouts, desc="eval", unit="rollout", disable=not progress)
     try:
@@ -111,6 +114,8 @@ async def evaluate(config: Config, checkpoint: Checkpoint, progress: bool = True
     finally:
         bar.close()
         try:
+            if gateway is not None:
+                await gateway.stop()
             await router.close.call_one()
         finally:
             await procs.stop()

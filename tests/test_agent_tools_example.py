@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_agent_trains_through_the_gateway_true_on_policy(tmp_path, mode):
     config = load_config(ROOT / "configs" / "agent_tools_cpu.toml", [f"controller.mode={mode}",
         "controller.max_staleness=1",
-        f'model.path="{ROOT / "examples/alphabet_sort/warm_checkpoint"}"', f'controller.run_dir="{tmp_path}"',
+        f'model.path="{ROOT / "examples/agent_tools/warm_checkpoint"}"', f'controller.run_dir="{tmp_path}"',
         "model.true_on_policy=true", "controller.steps=2", "controller.eval_every=2", "eval.samples=2",
         "trainer.ranks=1", "generator.replicas=1", "rollout.prompts_per_step=2",
         "rollout.keep_zero_variance_groups=true"])
@@ -32,6 +32,7 @@ def test_the_agent_trains_through_the_gateway_true_on_policy(tmp_path, mode):
     # Every turn was a request to the gateway, counted in the step it ran in (in async mode, some of
     # a step's rollouts run during the step before); evaluation's turns too.
     assert sum(m["gateway/requests"] for m in history) >= sum(m["rollout/turns_mean"] * 8 for m in history)
+    assert sum(m["gateway/tool_calls"] for m in history) > 0  # the warm policy calls the calculator
     evals = [r for r in read_metrics(tmp_path) if "eval/reward_mean" in r]
     assert [r["step"] for r in evals] == [0, 2], evals
     assert all(r["eval/rollouts"] == 2 for r in evals), evals

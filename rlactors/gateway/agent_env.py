@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlactors.config import ConfigError
-from rlactors.rollout.env import HarnessEnv, ModelTurns
+from rlactors.config import ConfigError, GatewayConfig
+from rlactors.gateway.server import Gateway
+from rlactors.rollout.env import HarnessEnv, ModelTurns, TokenEnv
 
 
 class AgentEnv(HarnessEnv):
@@ -49,3 +50,14 @@ class AgentEnv(HarnessEnv):
             self.base_url, self.api_key = session.base_url, session.api_key
             async with self.gateway.client(session) as client:
                 return await self.run(sample, client)
+
+
+async def serve_agent_env(env: TokenEnv, config: GatewayConfig, max_tokens: int, tokenizer: Any) -> Gateway | None:
+    """For an AgentEnv, a started gateway (bounded by `config` and `max_tokens`, the rollout's
+    max_tokens_per_turn), set as `env.gateway`; None for any other env. The caller stops it."""
+    if not isinstance(env, AgentEnv):
+        return None
+    gateway = Gateway(config, tokenizer, max_tokens)
+    await gateway.start()
+    env.gateway = gateway
+    return gateway

@@ -3,6 +3,7 @@
 on-policy mode the trainer scores exactly what the engine sampled (loss/logprob_diff/max 0)."""
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from rlactors_examples.agent_tools.env import calculate
 
 from rlactors.config import load_config
 from rlactors.controller import Controller
+from rlactors.evaluate import main as evaluate_main
 from rlactors.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +38,16 @@ def test_the_agent_trains_through_the_gateway_true_on_policy(tmp_path, mode):
     evals = [r for r in read_metrics(tmp_path) if "eval/reward_mean" in r]
     assert [r["step"] for r in evals] == [0, 2], evals
     assert all(r["eval/rollouts"] == 2 for r in evals), evals
+
+
+def test_the_evaluate_command_scores_the_agent_through_a_gateway_of_its_own(tmp_path):
+    out = tmp_path / "eval.json"
+    assert evaluate_main([str(ROOT / "examples/agent_tools/warm_checkpoint"), "--config",
+                          str(ROOT / "configs/agent_tools_cpu.toml"), "eval.samples=4", "generator.replicas=1",
+                          "--no-progress", "--out", str(out)]) == 0
+    metrics = json.loads(out.read_text())
+    assert metrics["eval/rollouts"] == 4 and metrics["eval/status/error_env"] == 0
+    assert metrics["eval/turns_mean"] >= 1 and metrics["eval/reward/tool_call_mean"] > 0
 
 
 def test_calculator_tool():

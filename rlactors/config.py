@@ -259,6 +259,25 @@ class JobConfig(_Section):
 
 
 @dataclass
+class GatewayConfig(_Section):
+    """The OpenAI-compatible gateway that an AgentEnv's harnesses call (rlactors.gateway); started
+    only for an AgentEnv. Requests are bounded here and by rollout.max_tokens_per_turn."""
+
+    host: str = "127.0.0.1"  # "0.0.0.0" serves harnesses on other machines too
+    port: int = 0  # 0 = a free port, chosen at start
+    max_request_bytes: int = 4 << 20
+    max_messages: int = 512
+
+    def validate(self, key: str) -> None:
+        _check(bool(self.host) and not any(ch.isspace() for ch in self.host), f"{key}.host",
+               f"must be an address to bind, got {self.host!r}")
+        _check(0 <= self.port <= 65535, f"{key}.port", f"must be in [0, 65535] (0 = any free port), got {self.port}")
+        _check(self.max_request_bytes >= 1024, f"{key}.max_request_bytes",
+               f"must be >= 1024, got {self.max_request_bytes}")
+        _check(self.max_messages >= 1, f"{key}.max_messages", f"must be >= 1, got {self.max_messages}")
+
+
+@dataclass
 class EnvConfig(_Section):
     name: str = "rlactors_examples.alphabet_sort.env:AlphabetSortEnv"  # "module:Class"
     # Checked by the env's own Config. A config file's args go with the env it names: overriding
@@ -281,6 +300,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     job: JobConfig = field(default_factory=JobConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:

@@ -112,6 +112,7 @@ class Controller:
         # During training, a call that blocks the loop (an env's) is named after step_timeout_s,
         # which cannot fire then.
         self.watchdog = LoopWatchdog(after_s=config.rollout.step_timeout_s)
+        self.gateway = None  # an AgentEnv's harnesses call the policy through it (rlactors.gateway)
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -160,6 +161,7 @@ class Controller:
         self.router = router_procs.spawn("router", GeneratorRouter, c.generator, c.model, replica_gpus,
                                          self._hosts.generators)
         await self._print_placement(ranks)
+        await self._start_gateway(env)
 
         self.weight_sync = create_weight_sync(c, self.trainer, self.router)
         await self._sync_call(self.weight_sync.start())
@@ -174,6 +176,16 @@ class Controller:
         replica_hosts = [r["engine"]["host"] if r["engine"] else r["state"] for r in stats["replicas"]]
         print(f"trainer ranks on {', '.join(r['host'] for r in ranks)}; "
               f"generator replicas on {', '.join(replica_hosts)}", flush=True)
+
+    async def _start_gateway(self, env: Any) -> None:
+        """An AgentEnv's harnesses reach the policy through the gateway, served from this process
+        (on the router's host), for training and evaluation alike."""
+        from rlactors.gateway import serve_agent_env
+
+        c = self.config
+        self.gateway = await serve_agent_env(env, c.gateway, c.rollout.max_tokens_per_turn, self.tokenizer)
+        if self.gateway is not None:
+            print(f"gateway for {type(env).__name__} harnesses at {self.gateway.url}", flush=True)
 
     def _check_run_dir(self) -> Path | None:
         """A new run never writes over a run dir that holds steps; `--resume` continues the run in
@@ -232,6 +244,8 @@ class Controller:
         print(f"resumed from {path} at step {self.step} (policy version {self.policy_version})", flush=True)
 
     async def shutdown(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.stop()
         if self.router is not None:
             try:
                 await self.router.close.call_one()
@@ -448,6 +462,8 @@ class Controller:
         if "batcher/tokens" in train_metrics and train_s:
             metrics["throughput/trained_tokens_per_s"] = train_metrics["batcher/tokens"] / train_s
         metrics.update(await self._generator_metrics())
+        if self.gateway is not None:
+            metrics.update(self.gateway.step_metrics())
         reason = None if trained else _untrained_reason(groups, episodes, stale, c.controller.max_staleness)
         metrics_log.log(step, metrics, note=reason and f"trained nothing: {reason}")
         if reason and all(g.dropped for g in groups) and not self._told_no_signal:

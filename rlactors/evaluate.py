@@ -90,10 +90,12 @@ async def evaluate(config: Config, checkpoint: Checkpoint, progress: bool = True
     from tqdm import tqdm
 
     from rlactors.actors.router import GeneratorRouter
+    from rlactors.gateway import serve_agent_env
     from rlactors.models import load_checked_tokenizer
     from rlactors.rollout.env import load_env
 
-    env = load_env(config.env, load_checked_tokenizer(config.model.path))
+    tokenizer = load_checked_tokenizer(config.model.path)
+    env = load_env(config.env, tokenizer)
     samples = eval_samples(env, config.env.name, config.eval)  # fails before any proc starts
     # Monarch's default for a fault nobody handled is to kill this process: the failing call raises instead.
     monarch.actor.unhandled_fault_hook = lambda failure: logging.getLogger(__name__).error("Monarch fault: %s", failure)
@@ -108,6 +110,7 @@ async def evaluate(config: Config, checkpoint: Checkpoint, progress: bool = True
         versions = [checkpoint.policy_version + v if v >= 0 else v for v in completion.versions]
         return dataclasses.replace(completion, versions=versions)
 
+    gateway = await serve_agent_env(env, config.gateway, config.rollout.max_tokens_per_turn, tokenizer)
     evaluator = Evaluator(env, generate, config.rollout, config.eval, samples)
     bar = tqdm(total=evaluator.num_rollouts, desc="eval", unit="rollout", disable=not progress)
     try:
@@ -115,6 +118,8 @@ async def evaluate(config: Config, checkpoint: Checkpoint, progress: bool = True
     finally:
         bar.close()
         try:
+            if gateway is not None:
+                await gateway.stop()
             await router.close.call_one()
         finally:
             await procs.stop()

@@ -79,3 +79,11 @@ def gpu_memory_given_back(request):
     assert max(held) <= GPU_MEMORY_KEPT_BYTES, (
         f"{request.module.__name__} kept GPU memory: " + ", ".join(f"GPU {d}: {h / 2**30:.2f} GiB" for d, h in
                                                                    enumerate(held) if h > GPU_MEMORY_KEPT_BYTES))
+
+
+@pytest.fixture(scope="session")
+def tool_policy_ckpt(tiny_ckpt, tmp_path_factory) -> Path:
+    """The tiny Qwen3 after memorising one calculator tool-calling conversation (support.tool_policy)."""
+    from support.tool_policy import train_tool_policy
+
+    return train_tool_policy(tiny_ckpt, tmp_path_factory.mktemp("tool_policy"))

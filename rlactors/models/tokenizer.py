@@ -54,11 +54,15 @@ def load_checked_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
         raise ConfigError(f"model.path: {reason}") from None
 
 
-def render_text(tok: PreTrainedTokenizerBase, messages: list[Message], add_generation_prompt: bool) -> str:
+def render_text(tok: PreTrainedTokenizerBase, messages: list[Message], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The chat template's text of ``messages``; ``tools`` (OpenAI-style function specs) are
+    rendered by the template, as it chooses to."""
     if not tok.chat_template:
         raise ValueError(f"tokenizer {tok.name_or_path!r} has no chat template; "
                          "use a checkpoint whose tokenizer_config.json sets chat_template")
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                   add_generation_prompt=add_generation_prompt)
 
 
 def encode(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -67,15 +71,15 @@ def encode(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 
 def render_messages(tok: PreTrainedTokenizerBase, messages: list[Message],
-                    add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of ``messages`` rendered by the checkpoint's chat template."""
+                    add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of ``messages`` (and ``tools``) rendered by the checkpoint's chat template."""
     if not messages:
         raise ValueError("messages must not be empty")
-    return encode(tok, render_text(tok, messages, add_generation_prompt))
+    return encode(tok, render_text(tok, messages, add_generation_prompt, tools))
 
 
 def extend_with_messages(tok: PreTrainedTokenizerBase, prompt_ids: list[int], messages: list[Message],
-                         add_generation_prompt: bool = True) -> list[int]:
+                         add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """``prompt_ids + delta``: ``delta`` renders only the new ``messages`` after the existing turns.
 
     ``prompt_ids`` (earlier prompt plus generated tokens) are never re-tokenized: re-rendering
@@ -92,11 +96,13 @@ def extend_with_messages(tok: PreTrainedTokenizerBase, prompt_ids: list[int], me
     closes the turn of a completion cut off by the length limit. Templates that render earlier
     turns differently once more messages follow are fine (those turns are never re-rendered);
     a template that closes the assistant turn differently, or drops it, raises ValueError.
+    ``tools`` are those the conversation was started with: a template may render later messages
+    differently when tools are offered.
     """
     if not messages:
         raise ValueError("messages must not be empty")
-    alone = render_text(tok, _DUMMY_HISTORY, add_generation_prompt=False)
-    followed = render_text(tok, _DUMMY_HISTORY + list(messages), add_generation_prompt)
+    alone = render_text(tok, _DUMMY_HISTORY, add_generation_prompt=False, tools=tools)
+    followed = render_text(tok, _DUMMY_HISTORY + list(messages), add_generation_prompt, tools)
     if followed.count(_ASSISTANT_MARKER) != 1:
         raise ValueError("the chat template does not render an earlier assistant turn once new "
                          "messages follow, so new messages cannot be appended token by token")

@@ -1,7 +1,18 @@
 """Rollouts: the env API, the Rollouter, rollout -> episode packing, advantages, the Batcher."""
 
 from rlactors.rollout.batcher import Batcher
-from rlactors.rollout.env import MessageEnv, MessageStep, RewardFunc, Rubric, SampleStream, TokenEnv, load_env
+from rlactors.rollout.env import (
+    HarnessEnv,
+    MessageEnv,
+    MessageStep,
+    ModelTurns,
+    RewardFunc,
+    Rubric,
+    SampleStream,
+    TokenEnv,
+    TurnRefused,
+    load_env,
+)
 from rlactors.rollout.episodes import rollout_to_episodes
 from rlactors.rollout.rollouter import Rollouter, summarize
 from rlactors.rollout.types import (
@@ -16,7 +27,7 @@ from rlactors.rollout.types import (
 )
 
 __all__ = [
-    "Batcher", "Episode", "MessageEnv", "MessageStep", "Observation",
+    "Batcher", "Episode", "HarnessEnv", "MessageEnv", "MessageStep", "ModelTurns", "Observation",
     "RewardFunc", "Rollout", "RolloutBatch", "RolloutGroup", "RolloutStatus", "Rollouter", "Rubric",
-    "SampleStream", "StepResult", "TokenEnv", "Turn", "load_env", "rollout_to_episodes", "summarize",
+    "SampleStream", "StepResult", "TokenEnv", "Turn", "TurnRefused", "load_env", "rollout_to_episodes", "summarize",
 ]

@@ -13,11 +13,11 @@ import random
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from rlactors.config import ConfigError, EnvConfig, build_dataclass
 from rlactors.models.tokenizer import extend_with_messages, render_messages
-from rlactors.rollout.types import Observation, Rollout, RolloutStatus, StepResult
+from rlactors.rollout.types import Observation, Rollout, RolloutStatus, StepResult, Turn
 from rlactors.types import Completion
 
 TURN_REWARD = "reward"  # the component name of a per-turn reward given as a plain number
@@ -129,6 +129,9 @@ class MessageEnv(TokenEnv):
     adds whatever part of that closing the completion does not already end with: the `\n` after
     a stopped turn, the whole `<|im_end|>\n` after a turn cut by the length limit. These are
     env tokens (not trained), and the next user message starts a well-formed turn.
+
+    `tools` (OpenAI-style function specs, set in `__init__` or `start`) are rendered by the chat
+    template with the conversation.
     """
 
     def __init__(self, config: Any = None, tokenizer: Any = None) -> None:
@@ -142,6 +145,7 @@ class MessageEnv(TokenEnv):
             raise ConfigError(f"model.path: the tokenizer of {tokenizer.name_or_path!r} has no chat template; "
                               f"{type(self).__name__} is a MessageEnv and renders its messages with it")
         self.stop_token_ids = (tokenizer.eos_token_id,)
+        self.tools: list[dict[str, Any]] | None = None
         self._prompt_ids: list[int] = []
 
     async def start(self, sample: Any) -> list[dict[str, str]]:
@@ -152,7 +156,7 @@ class MessageEnv(TokenEnv):
 
     async def reset(self, sample: Any) -> Observation:
         messages = _check_messages(await self.start(sample), "start")
-        self._prompt_ids = render_messages(self.tokenizer, messages, add_generation_prompt=True)
+        self._prompt_ids = render_messages(self.tokenizer, messages, add_generation_prompt=True, tools=self.tools)
         return Observation(prompt_token_ids=self._prompt_ids)
 
     async def step(self, completion: Completion) -> StepResult:
@@ -168,7 +172,7 @@ class MessageEnv(TokenEnv):
             return StepResult(None, result.reward, done=True, status=result.status, info=result.info)
         self._prompt_ids = extend_with_messages(
             self.tokenizer, self._prompt_ids + list(completion.token_ids), result.messages,
-            add_generation_prompt=True)
+            add_generation_prompt=True, tools=self.tools)
         return StepResult(self._prompt_ids, result.reward, done=False, status=result.status, info=result.info)
 
 
@@ -186,6 +190,42 @@ def _described(value: Any) -> str:
     """The type and a short repr of a wrong value, for error lines."""
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
+
+
+class ModelTurns(Protocol):
+    """What a HarnessEnv calls once per model turn of its rollout (the Rollouter provides it)."""
+
+    async def __call__(self, prompt_token_ids: list[int], max_tokens: int | None = None,
+                       stop_token_ids: Sequence[int] = ()) -> Turn: ...
+
+
+class TurnRefused(Exception):
+    """The rollout takes no more turns: a limit was reached (`status` truncated_*) or the generator
+    failed (`status` error_generator). The rollout ends with `status`."""
+
+    def __init__(self, status: RolloutStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class HarnessEnv(TokenEnv):
+    """An env whose own code drives the conversation, as an agent harness does: implement
+    `play(sample, model)`, which calls `await model(prompt_token_ids)` once per turn and returns
+    the rollout's reward (a number or named components).
+
+    `model(prompt, max_tokens=None, stop_token_ids=())` samples one completion under the rollout's
+    limits, seeds and ids, records it as the rollout's next turn and returns that `Turn`; past a
+    limit (max_turns, max_total_tokens) or when the generator fails it raises `TurnRefused`, and
+    the rollout ends with that status whatever `play` does next. Calls made at once run one after
+    another, in turn order. A prompt that does not extend the
+    previous prompt + completion starts a new branch episode, as with TokenEnv. `step_timeout_s`
+    bounds the harness's own time between turns (and before the first); a turn cut by its token
+    limit is returned to the harness, and the rollout ends `truncated_length` once `play` returns.
+    The reward `play` returns is recorded as its last turn's reward; the rubric adds to it.
+    """
+
+    async def play(self, sample: Any, model: ModelTurns) -> float | Mapping[str, float]:
+        raise NotImplementedError
 
 
 def load_env(env_config: EnvConfig, tokenizer: Any = None) -> TokenEnv:

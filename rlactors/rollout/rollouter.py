@@ -22,7 +22,10 @@ from rlactors.rewards import OVERLONG, overlong_penalty
 from rlactors.rollout.advantages import group_advantages, is_zero_variance
 from rlactors.rollout.env import (
     EnvOutputError,
+    HarnessEnv,
     TokenEnv,
+    TurnRefused,
+    _check_token_ids,
     check_observation,
     check_reward_scores,
     check_step_result,
@@ -163,10 +166,18 @@ class Rollouter:
             rollout.reward = self.config.error_reward
             rollout.reward_components = _turn_reward_sums(rollout)  # what its turns earned, for the logs
 
-    async def _play(self, env: TokenEnv, rollout: Rollout, temperature: float | None) -> RolloutStatus:
+    def _sampling(self, temperature: float | None, max_tokens: int, stop_token_ids: Sequence[int],
+                  seed: int) -> SamplingParams:
         cfg = self.config
         top_p, top_k = (cfg.top_p, cfg.top_k) if temperature is None else (1.0, 0)
         temperature = cfg.temperature if temperature is None else temperature
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                              stop_token_ids=tuple(stop_token_ids), seed=seed)
+
+    async def _play(self, env: TokenEnv, rollout: Rollout, temperature: float | None) -> RolloutStatus:
+        if isinstance(env, HarnessEnv):
+            return await self._play_harness(env, rollout, temperature)
+        cfg = self.config
         obs = self._checked(check_observation, await self._env_call(env.reset(rollout.sample), "reset"), "reset")
         prompt = rollout.prompt_token_ids = obs.prompt_token_ids
         rollout.info.update(obs.info)
@@ -174,10 +185,8 @@ class Rollouter:
             room = cfg.max_total_tokens - len(prompt)
             if room < 1:
                 return RolloutStatus.TRUNCATED_CONTEXT
-            sampling = SamplingParams(
-                max_tokens=min(cfg.max_tokens_per_turn, room), temperature=temperature,
-                top_p=top_p, top_k=top_k, stop_token_ids=env.stop_token_ids,
-                seed=rollout.seed * cfg.max_turns + k)
+            sampling = self._sampling(temperature, min(cfg.max_tokens_per_turn, room), env.stop_token_ids,
+                                      rollout.seed * cfg.max_turns + k)
             completion = await self._generate(prompt, sampling, f"{rollout.session_id}/t{k}", rollout.session_id)
             turn = Turn(prompt_token_ids=prompt, token_ids=list(completion.token_ids),
                         logprobs=list(completion.logprobs), versions=list(completion.versions),
@@ -208,6 +217,40 @@ class Rollouter:
                 found.append(PromptTooLong(i, sample_name(sample, i), len(obs.prompt_token_ids)))
         return found
 
+    async def _play_harness(self, env: HarnessEnv, rollout: Rollout, temperature: float | None) -> RolloutStatus:
+        """Runs `env.play` while it calls the model; watches its own time between turns."""
+        turns = _HarnessTurns(self, env, rollout, temperature)
+        harness = asyncio.ensure_future(env.play(rollout.sample, turns))
+        refused = asyncio.ensure_future(turns.refused.wait())
+        loop = asyncio.get_running_loop()
+        timeout = self.config.step_timeout_s
+        try:
+            while not (harness.done() or refused.done()):
+                idle = 0.0 if turns.generating else loop.time() - turns.idle_since
+                if idle >= timeout:
+                    raise _RolloutEnded(RolloutStatus.ERROR_TIMEOUT,
+                                        f"env play ran past step_timeout_s={timeout} between model turns")
+                await asyncio.wait({harness, refused}, timeout=timeout - idle, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            turns.closed = True
+            refused.cancel()
+            if not harness.done():
+                harness.cancel()
+                await asyncio.wait({harness}, timeout=timeout)
+        error = harness.exception() if harness.done() and not harness.cancelled() else None
+        if turns.ended is not None:  # a limit or the generator ended the rollout, whatever play did next
+            if turns.ended.status.is_error:
+                raise _RolloutEnded(turns.ended.status, str(turns.ended))
+            return turns.ended.status
+        if error is not None:
+            raise _RolloutEnded(RolloutStatus.ERROR_ENV, f"env play raised {type(error).__name__}: {error}", error)
+        if not rollout.turns:
+            raise _RolloutEnded(RolloutStatus.ERROR_ENV, "env play returned without calling the model")
+        rollout.turns[-1].reward = self._checked(turn_reward_components, harness.result(), "play")
+        if any(t.finish_reason == "length" for t in rollout.turns):
+            return RolloutStatus.TRUNCATED_LENGTH
+        return RolloutStatus.COMPLETED
+
     async def _generate(self, prompt: list[int], sampling: SamplingParams, request_id: str,
                         session_id: str) -> Completion:
         try:
@@ -236,6 +279,66 @@ class Rollouter:
             return check(value)
         except ValueError as e:
             raise _RolloutEnded(RolloutStatus.ERROR_PARSE, f"env {what}: {e}") from e
+
+
+class _HarnessTurns:
+    """The `model` a HarnessEnv's play calls: one turn of its rollout per call, under the rollout's
+    limits, ids and seeds (those of TokenEnv turns). Records each turn, and when the rollout must
+    end (`ended`), refuses every later call and sets `refused`; once play has ended (`closed`), a
+    call still running records nothing."""
+
+    def __init__(self, rollouter: Rollouter, env: HarnessEnv, rollout: Rollout, temperature: float | None) -> None:
+        self.rollouter, self.env, self.rollout, self.temperature = rollouter, env, rollout, temperature
+        self.ended: TurnRefused | None = None
+        self.closed = False  # play has ended: a call still in flight (a cancelled harness's) records nothing
+        self.refused = asyncio.Event()
+        self.one_at_a_time = asyncio.Lock()
+        self.generating = 0
+        self.idle_since = asyncio.get_running_loop().time()
+
+    async def __call__(self, prompt_token_ids: list[int], max_tokens: int | None = None,
+                       stop_token_ids: Sequence[int] = ()) -> Turn:
+        async with self.one_at_a_time:  # turn k's id and seed are taken from the turns recorded before it
+            return await self._turn(prompt_token_ids, max_tokens, stop_token_ids)
+
+    async def _turn(self, prompt_token_ids: list[int], max_tokens: int | None, stop_token_ids: Sequence[int]) -> Turn:
+        cfg, rollout = self.rollouter.config, self.rollout
+        if self.ended is not None:
+            raise self.ended
+        if self.closed:
+            raise TurnRefused(rollout.status, "the rollout has ended")
+        _check_token_ids(prompt_token_ids, "prompt_token_ids")
+        k = len(rollout.turns)
+        room = cfg.max_total_tokens - len(prompt_token_ids)
+        if k == cfg.max_turns:
+            self._end(RolloutStatus.TRUNCATED_TURNS, f"the rollout has had its rollout.max_turns={cfg.max_turns} turns")
+        if room < 1:
+            self._end(RolloutStatus.TRUNCATED_CONTEXT, f"the prompt's {len(prompt_token_ids)} tokens leave no room "
+                      f"to generate within rollout.max_total_tokens={cfg.max_total_tokens}")
+        limit = min(cfg.max_tokens_per_turn, room, max_tokens or cfg.max_tokens_per_turn)
+        sampling = self.rollouter._sampling(self.temperature, limit, (*self.env.stop_token_ids, *stop_token_ids),
+                                            rollout.seed * cfg.max_turns + k)
+        self.generating += 1
+        try:
+            completion = await self.rollouter._generate(list(prompt_token_ids), sampling,
+                                                        f"{rollout.session_id}/t{k}", rollout.session_id)
+        except _RolloutEnded as e:
+            self._end(e.status, e.error or e.status.value)
+        finally:
+            self.generating -= 1
+            self.idle_since = asyncio.get_running_loop().time()
+        if self.closed:
+            raise TurnRefused(rollout.status, "the rollout has ended")
+        turn = Turn(prompt_token_ids=list(prompt_token_ids), token_ids=list(completion.token_ids),
+                    logprobs=list(completion.logprobs), versions=list(completion.versions),
+                    finish_reason=completion.finish_reason)
+        rollout.turns.append(turn)
+        return turn
+
+    def _end(self, status: RolloutStatus, message: str) -> None:
+        self.ended = TurnRefused(status, message)
+        self.refused.set()
+        raise self.ended
 
 
 _ASYNCIO_DIR = Path(asyncio.__file__).parent

@@ -1,0 +1,68 @@
+"""A session's exact token history: which tokens a chat request is encoded as.
+
+A session is one rollout. It keeps the messages of its last request followed by the assistant
+message it returned, and the tokens of that turn: the prompt and the sampled completion. A request
+whose messages extend that conversation (same tools, the earlier messages equal, new ones after)
+is encoded as those tokens + the chat template's rendering of the new messages only
+(`extend_with_messages`, which closes the assistant turn once): earlier turns are never rendered
+or tokenized again, so the episode holds exactly the tokens that were sampled. Any other request
+(the harness edited, dropped or reordered messages, or changed the tools) is rendered whole and
+starts a new branch: a separate episode of the same rollout.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rlactors.models.tokenizer import extend_with_messages, render_messages
+
+Message = dict[str, Any]
+
+
+def template_message(message: Message) -> Message:
+    """A canonical message as chat templates expect it: tool-call arguments as an object when they
+    are JSON (the wire carries them as a string)."""
+    if "tool_calls" not in message:
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        try:
+            arguments = json.loads(call["function"]["arguments"])
+        except json.JSONDecodeError:
+            arguments = call["function"]["arguments"]
+        calls.append({**call, "function": {"name": call["function"]["name"], "arguments": arguments}})
+    return {**message, "tool_calls": calls}
+
+
+class TokenHistory:
+    """The conversation of one session so far, as messages and as the exact tokens of its last turn."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.messages: list[Message] | None = None  # the last request's messages + the reply
+        self.tools: list[dict[str, Any]] | None = None
+        self.token_ids: list[int] = []  # the last prompt + its completion
+
+    def extension(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> list[Message] | None:
+        """The messages after the history, when `messages` extend it; None otherwise."""
+        if self.messages is None or tools != self.tools:
+            return None
+        n = len(self.messages)
+        if len(messages) <= n or messages[:n] != self.messages:
+            return None
+        return messages[n:]
+
+    def prompt_for(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> tuple[list[int], bool]:
+        """The prompt tokens of a request, and whether they extend the history (else: a new branch)."""
+        new = self.extension(messages, tools)
+        if new is None:
+            return render_messages(self.tokenizer, [template_message(m) for m in messages], True, tools), False
+        return extend_with_messages(self.tokenizer, self.token_ids, [template_message(m) for m in new], True,
+                                    tools), True
+
+    def record(self, messages: list[Message], tools: list[dict[str, Any]] | None, prompt: list[int],
+               completion: list[int], reply: Message) -> None:
+        self.messages = [*messages, reply]
+        self.tools = tools
+        self.token_ids = list(prompt) + list(completion)

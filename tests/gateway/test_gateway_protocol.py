@@ -1,0 +1,222 @@
+"""The gateway's HTTP surface with a scripted model: every bad request gets its OpenAI-style 4xx
+and changes nothing, the API key is required, tool calls are parsed, and a session's tokens extend
+exactly. (Real Monarch procs and the native engine: test_gateway_agents.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from rlactors.config import GatewayConfig
+from rlactors.gateway import Gateway
+from rlactors.gateway.tool_calls import parse_tool_calls
+from rlactors.models import extend_with_messages, load_tokenizer, render_messages
+from rlactors.rollout import RolloutStatus, Turn, TurnRefused
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+
+
+class ScriptedModel:
+    """A rollout's `model` that replies with the given texts in turn (then refuses, as at max_turns)."""
+
+    def __init__(self, tokenizer, replies: list[str]):
+        self.tokenizer, self.replies, self.prompts = tokenizer, list(replies), []
+
+    async def __call__(self, prompt, max_tokens=None, stop_token_ids=()):
+        if not self.replies:
+            raise TurnRefused(RolloutStatus.TRUNCATED_TURNS, "the rollout has had its rollout.max_turns=2 turns")
+        self.prompts.append(list(prompt))
+        ids = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return Turn(list(prompt), ids, [-0.5] * len(ids), [3] * len(ids), "stop")
+
+
+def serve(tiny_ckpt, replies, test, **config):
+    tokenizer = load_tokenizer(tiny_ckpt)
+
+    async def main():
+        gateway = Gateway(GatewayConfig(**config), tokenizer, max_tokens=16)
+        await gateway.start()
+        model = ScriptedModel(tokenizer, replies)
+        try:
+            async with gateway.session(model) as info, aiohttp.ClientSession() as http:
+                return await test(gateway, info, http, model, tokenizer)
+        finally:
+            await gateway.stop()
+
+    return asyncio.run(main())
+
+
+def post(http, info, body, key=None, raw=None, path="/chat/completions"):
+    headers = {"Authorization": f"Bearer {key or info.api_key}", "Content-Type": "application/json"}
+    return http.post(info.base_url + path, data=raw if raw is not None else json.dumps(body), headers=headers)
+
+
+USER = [{"role": "user", "content": "Add 2 and 3."}]
+GOOD = {"model": "m", "messages": USER}
+BAD_REQUESTS = [  # (body changes, param named in the error)
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "tool", "content": "4"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]},
+     "messages[0].tool_calls[0]"),
+    ({"messages": USER * 5}, "messages"),  # more than gateway.max_messages=4
+    ({"model": 3}, "model"),
+    ({"max_tokens": 17}, "max_tokens"),  # beyond rollout.max_tokens_per_turn=16
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": "8"}, "max_tokens"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 2}, "n"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"stop": "two words"}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"stream": "yes"}, "stream"),
+]
+
+
+@pytest.mark.parametrize("change,param", BAD_REQUESTS, ids=[p for _, p in BAD_REQUESTS])
+def test_a_bad_request_gets_its_400_and_changes_nothing(tiny_ckpt, change, param):
+    async def test(gateway, info, http, model, tokenizer):
+        async with post(http, info, {**GOOD, **change}) as r:
+            error = (await r.json())["error"]
+            assert r.status == 400 and error["type"] == "invalid_request_error" and error["param"] == param
+            assert error["message"]
+        assert model.prompts == [] and gateway.counters["requests"] == 0  # nothing was generated
+        async with post(http, info, GOOD) as r:  # and the session serves on
+            assert r.status == 200 and (await r.json())["choices"][0]["message"]["content"] == "5"
+
+    serve(tiny_ckpt, ["5"], test, max_messages=4)
+
+
+def test_http_level_errors_are_openai_json(tiny_ckpt):
+    async def test(gateway, info, http, model, tokenizer):
+        cases = [
+            (post(http, info, GOOD, key="rla-wrong"), 401, "invalid_api_key"),
+            (http.post(info.base_url + "/chat/completions", json=GOOD), 401, "invalid_api_key"),  # no key
+            (post(http, info, None, raw="{not json"), 400, None),
+            (post(http, info, None, raw=b"\xff\xfe{}"), 400, None),
+            (post(http, info, None, raw=json.dumps({**GOOD, "pad": "x" * 5000})), 413, None),
+            (http.post(info.base_url.replace(info.session_id, "guessed") + "/chat/completions", json=GOOD,
+                       headers={"Authorization": f"Bearer {info.api_key}"}), 404, "session_not_found"),
+            (post(http, info, GOOD, path="/completions"), 404, None),
+            (http.get(info.base_url + "/chat/completions", headers={"Authorization": f"Bearer {info.api_key}"}),
+             405, None),
+        ]
+        for request, status, code in cases:
+            async with request as r:
+                error = (await r.json())["error"]
+                assert r.status == status and error["code"] == code and error["message"], (status, error)
+        assert model.prompts == []
+        async with http.get(info.base_url + "/models", headers={"Authorization": f"Bearer {info.api_key}"}) as r:
+            assert r.status == 200 and (await r.json())["data"][0]["object"] == "model"
+
+    serve(tiny_ckpt, [], test, max_request_bytes=4096)
+
+
+def test_tools_are_parsed_and_a_conversation_extends_its_exact_tokens(tiny_ckpt):
+    async def test(gateway, info, http, model, tokenizer):
+        async with post(http, info, {**GOOD, "tools": TOOLS, "logprobs": True}) as r:
+            body = await r.json()
+        choice = body["choices"][0]
+        call = choice["message"]["tool_calls"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert call["function"] == {"name": "calculator", "arguments": '{"expression": "2 + 3"}'}
+        completion = tokenizer.encode(CALL, add_special_tokens=False) + [tokenizer.eos_token_id]
+        assert [t["logprob"] for t in choice["logprobs"]["content"]] == [-0.5] * len(completion)
+        assert body["usage"] == {"prompt_tokens": len(model.prompts[0]), "completion_tokens": len(completion),
+                                 "total_tokens": len(model.prompts[0]) + len(completion)}
+        # The harness echoes the reply (with fields of its own) and adds the tool's result.
+        tool = {"role": "tool", "tool_call_id": call["id"], "content": "5"}
+        history = USER + [{**choice["message"], "refusal": None}, tool]
+        async with post(http, info, {**GOOD, "messages": history, "tools": TOOLS}) as r:
+            assert (await r.json())["choices"][0]["message"] == {"role": "assistant", "content": "It is 5."}
+        first = render_messages(tokenizer, USER, tools=TOOLS)
+        assert model.prompts == [first, extend_with_messages(tokenizer, first + completion, [tool], tools=TOOLS)]
+        assert gateway.counters["branches"] == 0 and gateway.counters["tool_calls"] == 1
+        # An edited history (the tool call's result changed) is rendered whole: a new branch.
+        edited = USER + [choice["message"], {**tool, "content": "6"}]
+        async with post(http, info, {**GOOD, "messages": edited, "tools": TOOLS}) as r:
+            assert r.status == 200
+        assert model.prompts[2] == render_messages(tokenizer, [*USER, {**edited[1], "content": "", "tool_calls": [
+            {**call, "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}]}, edited[2]],
+            tools=TOOLS)
+        assert gateway.counters["branches"] == 1
+        # Past the rollout's limits: a 400 that says why.
+        async with post(http, info, GOOD) as r:
+            error = (await r.json())["error"]
+            assert r.status == 400 and error["code"] == "truncated_turns" and "max_turns" in error["message"]
+        assert gateway.step_metrics()["gateway/requests"] == 4 and gateway.step_metrics()["gateway/requests"] == 0
+
+    serve(tiny_ckpt, [CALL, "It is 5.", "It is 6."], test)
+
+
+def test_tool_call_parsing_hermes_style():
+    ok = parse_tool_calls('Let me compute.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>')
+    assert ok.content == "Let me compute." and not ok.unparsable
+    assert [c["function"] for c in ok.tool_calls] == [{"name": "f", "arguments": '{"x": 1}'}]
+    two = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}</tool_call>'
+                           '<tool_call>{"name": "g"}</tool_call>')
+    assert [c["function"] for c in two.tool_calls] == [{"name": "f", "arguments": '{"x": 2}'},
+                                                        {"name": "g", "arguments": "{}"}]
+    assert len({c["id"] for c in two.tool_calls}) == 2
+    for broken in ['<tool_call>{"name": "f", </tool_call>', '<tool_call>{"name": "f"}', '<tool_call>[1]</tool_call>',
+                   '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"name": "f", "arguments": 3}</tool_call>',
+                   '<tool_call>{"name": "f"}</tool_call> <tool_call>oops</tool_call>']:
+        parsed = parse_tool_calls(broken)
+        assert parsed.unparsable and parsed.content == broken and parsed.tool_calls == []
+    assert parse_tool_calls("plain") == parse_tool_calls("plain") and not parse_tool_calls("plain").unparsable
+
+
+def test_tools_need_a_template_that_renders_them(tmp_path, tiny_ckpt):
+    config = json.loads((tiny_ckpt / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    for name in ("tokenizer.json", "config.json"):
+        (tmp_path / name).write_bytes((tiny_ckpt / name).read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+
+    async def test(gateway, info, http, model, tokenizer):
+        async with post(http, info, {**GOOD, "tools": TOOLS}) as r:
+            error = (await r.json())["error"]
+            assert r.status == 400 and error["param"] == "tools" and "does not render tools" in error["message"]
+
+    serve(tmp_path, [], test)
+
+
+def test_a_stream_carries_the_same_reply_as_sse_chunks_with_usage(tiny_ckpt):
+    reply = "Ada Ben Cleo é"  # a two-byte character: pieces split only between whole characters
+
+    async def test(gateway, info, http, model, tokenizer):
+        async with post(http, info, {**GOOD, "logprobs": True}) as r:
+            whole = (await r.json())["choices"][0]
+        request = {**GOOD, "messages": USER + [whole["message"], *USER], "logprobs": True, "stream": True,
+                   "stream_options": {"include_usage": True}}
+        async with post(http, info, request) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            events = [line[len("data: "):] for line in (await r.text()).split("\n\n") if line]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        deltas = [c["choices"][0] for c in chunks if c["choices"]]
+        assert deltas[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(d["delta"].get("content", "") for d in deltas) == reply == whole["message"]["content"]
+        completion = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+        logprobs = [lp for d in deltas if d["logprobs"] for lp in d["logprobs"]["content"]]
+        assert [lp["logprob"] for lp in logprobs] == [-0.5] * len(completion) == \
+            [lp["logprob"] for lp in whole["logprobs"]["content"]]
+        assert deltas[-1]["finish_reason"] == "stop" and chunks[-1]["choices"] == []
+        assert chunks[-1]["usage"]["completion_tokens"] == len(completion)
+        assert model.prompts[1] == extend_with_messages(tokenizer, model.prompts[0] + completion, USER)
+
+    serve(tiny_ckpt, [reply, reply], test)

@@ -12,7 +12,7 @@ from support.trainer_inputs import cat, one_rank_process_group, rows
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm, compute_loss
 from rlactors.models.args import FAMILIES
-from rlactors.models.checkpoint import TIED_KEY, from_pretrained, load_state_dict
+from rlactors.models.checkpoint import TIED_KEY, from_pretrained, fuse_experts, load_args, load_state_dict
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.checkpoint import COMPLETE_FILE, latest_checkpoint, partial_dir
 from rlactors.trainer.core import MICROBATCH_FIELDS, PolicyTrainerCore
@@ -78,7 +78,7 @@ def test_two_steps_match_plain_pytorch_however_microbatched(family, family_ckpt,
     ckpt = family_ckpt(family)
     batch1, batch2 = rows(0), rows(1)
     expected, norms = reference_steps(ckpt, [cat(batch1), cat(batch2)])
-    initial = load_state_dict(ckpt)
+    initial = fuse_experts(load_state_dict(ckpt), load_args(ckpt))
     core = make_core(ckpt, device)
     m1 = step(core, [cat(batch1[:1]), cat(batch1[1:])])
     m2 = step(core, [cat(batch2[:2]), cat(batch2[2:3]), cat(batch2[3:])])

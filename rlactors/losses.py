@@ -125,6 +125,8 @@ class LossStats:
             for key in ("logprob_diff", "mismatch_kl"):
                 out[f"{key}/mean"] = sums[key] / current if current else 0.0
             out["lag_logprob_diff/mean"] = sums["lag_logprob_diff"] / older if older else 0.0
+        if "router_aux_loss" in sums:
+            out["router_aux_loss"] = sums["router_aux_loss"]
         for key, value in self.maxes.items():
             out[f"{key}/max"] = float(value)
         return out

@@ -41,6 +41,7 @@ from rlactors.models.checkpoint import (
     open_tensors,
     save_pretrained,
 )
+from rlactors.models.moe import SparseMoeBlock, load_balancing_loss
 from rlactors.trainer import checkpoint as ckpt
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, local_rows, make_mesh
@@ -135,6 +136,14 @@ class PolicyTrainerCore:
             self._attention = PagedFlashAttention
             self.model.token_logprob_kernel = vllm_token_logprobs
         self._load_hf_weights(model.path)
+        self._router_logits: list[torch.Tensor] = []  # the sparse layers' of the current forward
+        if trainer.router_aux_loss_coef > 0:
+            if self.args.moe is None:
+                raise ValueError(f"trainer.router_aux_loss_coef is {trainer.router_aux_loss_coef}, but "
+                                 f"{model.path} ({self.args.model_type}) has no experts")
+            for module in self.model.modules():
+                if isinstance(module, SparseMoeBlock):
+                    module.gate.register_forward_hook(lambda _, inputs, logits: self._router_logits.append(logits))
         self.optimizer = self._new_optimizer()
         self.version = 0
         self._stats = LossStats()
@@ -154,11 +163,20 @@ class PolicyTrainerCore:
         tokens = [int(loss_tokens(loss.name, mb.loss_mask, mb.generator_logprobs).sum()) for mb in microbatches]
         self._check_norm(norm, loss, sum(tokens))
         mb = microbatches[self.rank].to(self.device)
+        self._router_logits.clear()
         logprobs, entropy = self._token_logprobs(mb, with_entropy=True)
         value, stats = compute_loss(
             loss, norm, logprobs, mb.loss_mask.reshape(-1), mb.advantages.reshape(-1),
             mb.generator_logprobs.reshape(-1), entropy.detach(), current_policy=mb.versions.reshape(-1) == self.version,
         )
+        if self._router_logits:
+            # Weighted by the microbatch's share of the step's loss tokens: over the step, the
+            # token-weighted mean of the microbatches' load-balancing losses.
+            share = tokens[self.rank] / max(norm.num_tokens, 1)
+            aux = load_balancing_loss(self._router_logits, self.args.moe.num_experts_per_tok) * share
+            value = value + self.config.router_aux_loss_coef * aux
+            stats = stats.merge(LossStats(sums={"router_aux_loss": aux.detach().double()}))
+            self._router_logits.clear()
         value.backward()
         self._stats = self._stats.merge(stats)
         self._accumulated += 1

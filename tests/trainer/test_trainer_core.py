@@ -94,6 +94,24 @@ def test_two_steps_match_plain_pytorch_however_microbatched(family, family_ckpt,
     assert moved > 1e-3  # the comparison above is far tighter than the update
 
 
+def test_router_aux_loss_is_off_by_default_and_adds_the_load_balancing_loss(family_ckpt, tiny_ckpt, device):
+    ckpt, batch = family_ckpt("qwen3_moe"), rows(2)
+    plain, balanced = make_core(ckpt, device), make_core(ckpt, device, router_aux_loss_coef=0.5)
+    norm = LossNorm.for_step(batch, "dapo", max_tokens=40)
+    for core in (plain, balanced):
+        for mb in (cat(batch[:3]), cat(batch[3:])):
+            core.forward_backward([mb], norm, LossConfig(name="dapo", clip_high=0.28))
+    router = "model.layers.1.mlp.gate.weight"
+    plain_grads, balanced_grads = grads(plain), grads(balanced)
+    assert not torch.equal(plain_grads[router], balanced_grads[router])
+    plain_metrics, balanced_metrics = plain.optim_step(), balanced.optim_step()
+    assert "router_aux_loss" not in plain_metrics
+    assert 1.0 <= balanced_metrics["router_aux_loss"] < 8  # 1 at an even load; at most num_experts
+    assert balanced_metrics["loss"] == plain_metrics["loss"]  # the policy loss alone
+    with pytest.raises(ValueError, match=r"trainer.router_aux_loss_coef is 0.5, but .* \(qwen3\) has no experts"):
+        make_core(tiny_ckpt, device, router_aux_loss_coef=0.5)
+
+
 def test_activation_checkpointing_gives_the_same_step(tiny_ckpt, device):
     batch = rows(2)
     plain, checkpointed = make_core(tiny_ckpt, device), make_core(tiny_ckpt, device, activation_checkpointing=True)

@@ -112,6 +112,37 @@ def test_router_aux_loss_is_off_by_default_and_adds_the_load_balancing_loss(fami
         make_core(tiny_ckpt, device, router_aux_loss_coef=0.5)
 
 
+def test_the_share_of_tokens_routed_to_other_experts_than_the_generators(family_ckpt, device):
+    """Microbatches that carry the generator's routed experts: the trainer counts the current
+    policy's loss tokens it routes otherwise (in any sparse layer)."""
+    from rlactors.models.moe import SparseMoeBlock
+
+    core, mb = make_core(family_ckpt("qwen3_moe"), device), cat(rows(6)[:2])
+    record = []
+    hooks = [m.experts.register_forward_hook(lambda _, inputs, out: record.append(inputs[1]))
+             for m in core.model.modules() if isinstance(m, SparseMoeBlock)]
+    core.compute_logprobs([mb])
+    for hook in hooks:
+        hook.remove()
+    ours = torch.stack(record, dim=1).reshape(*mb.input_ids.shape, 3, 2)  # 3 sparse layers, top 2
+    routed = ours.clone()
+    routed[~mb.loss_mask] = -1  # prompt tokens: not returned
+    routed[0, 5, 1] = routed[0, 5, 1].flip(-1)  # one token: its second layer's experts swapped ...
+    routed[1, 10, 2, 0] = (routed[1, 10, 2, 0] + 1) % 8  # ... another: a third layer's first expert
+    routed[1, 11] = -1  # and one not known
+    assert mb.loss_mask[0, 5] and mb.loss_mask[1, 10] and mb.loss_mask[1, 11]
+    norm, loss = LossNorm.for_step([mb], "dapo"), LossConfig(name="dapo")
+    core.forward_backward([MicroBatch(**{**vars(mb), "routed_experts": routed})], norm, loss)
+    core.forward_backward([mb], norm, loss)  # no routed experts: counts nothing
+    metrics = core.optim_step()
+    assert metrics["routed_tokens"] == mb.num_loss_tokens - 1
+    assert metrics["expert_mismatch/share"] == 2 / (mb.num_loss_tokens - 1)
+    with pytest.raises(ValueError, match=r"routed_experts is torch.int64 \(2, 48, 3, 3\), expected int64 "
+                                         r"\(2, 48, 3, 2\)"):
+        core.forward_backward([MicroBatch(**{**vars(mb), "routed_experts": torch.zeros(2, 48, 3, 3).long()})],
+                              norm, loss)
+
+
 def test_activation_checkpointing_gives_the_same_step(tiny_ckpt, device):
     batch = rows(2)
     plain, checkpointed = make_core(tiny_ckpt, device), make_core(tiny_ckpt, device, activation_checkpointing=True)

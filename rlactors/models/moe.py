@@ -123,11 +123,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
                    batch_invariant: bool = False) -> torch.Tensor:
     """``x``'s rows in groups, ``counts[e]`` rows for expert ``e`` in expert order, each group
     times its expert's ``weight[e].T`` (``weight [E, out, in]``)."""
-    if batch_invariant:  # each row alone: its bits do not depend on how many rows its expert got
-        return torch.cat([bi.linear(rows, weight[e]) for e, rows in enumerate(x.split(counts.tolist()))])
-    if x.is_cuda and x.dtype == torch.bfloat16:
+    if x.is_cuda and x.dtype == torch.bfloat16 and not batch_invariant:
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
-    return torch.cat([rows @ weight[e].T for e, rows in enumerate(x.split(counts.tolist()))])
+    # Batch-invariant: each row alone, so its bits do not depend on how many rows its expert got.
+    matmul = bi.linear if batch_invariant else lambda rows, w: rows @ w.T
+    groups = [(e, rows) for e, rows in enumerate(x.split(counts.tolist())) if rows.shape[0]]
+    if not groups:
+        return x.new_empty(0, weight.shape[1])
+    return torch.cat([matmul(rows, weight[e]) for e, rows in groups])
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int) -> torch.Tensor:

@@ -136,17 +136,17 @@ class PolicyTrainerCore:
             self._attention = PagedFlashAttention
             self.model.token_logprob_kernel = vllm_token_logprobs
         self._load_hf_weights(model.path)
-        self._router_logits: list[torch.Tensor] = []  # the sparse layers' of the current forward
-        self._routing: list[torch.Tensor] = []  # the sparse layers' expert ids [T, k] of the current forward
+        if trainer.router_aux_loss_coef > 0 and self.args.moe is None:
+            raise ValueError(f"trainer.router_aux_loss_coef is {trainer.router_aux_loss_coef}, but "
+                             f"{model.path} ({self.args.model_type}) has no experts")
+        # Per sparse layer, of the current forward: the expert ids [T, k] it chose, and (for the
+        # load-balancing loss) its router logits.
+        self._routing: list[torch.Tensor] = []
+        self._router_logits: list[torch.Tensor] = []
         for module in self.model.modules():
             if isinstance(module, SparseMoeBlock):
                 module.experts.register_forward_hook(lambda _, inputs, out: self._routing.append(inputs[1]))
-        if trainer.router_aux_loss_coef > 0:
-            if self.args.moe is None:
-                raise ValueError(f"trainer.router_aux_loss_coef is {trainer.router_aux_loss_coef}, but "
-                                 f"{model.path} ({self.args.model_type}) has no experts")
-            for module in self.model.modules():
-                if isinstance(module, SparseMoeBlock):
+                if trainer.router_aux_loss_coef > 0:
                     module.gate.register_forward_hook(lambda _, inputs, logits: self._router_logits.append(logits))
         self.optimizer = self._new_optimizer()
         self.version = 0

@@ -9,7 +9,7 @@ import torch
 from rlactors.attention.invariant import BatchInvariantAttention
 from rlactors.models import DecoderForCausalLM, from_pretrained, save_pretrained
 from rlactors.models.checkpoint import load_state_dict, model_shapes, open_tensors
-from rlactors.models.moe import SparseMoeBlock, load_balancing_loss, route
+from rlactors.models.moe import SparseMoeBlock, grouped_linear, load_balancing_loss, route
 from rlactors.models.tiny import random_state_dict, size_args
 
 
@@ -121,6 +121,16 @@ def test_equal_probabilities_go_to_the_lower_expert(batch_invariant):
     assert torch.allclose(weights[1], torch.full((3,), 1 / 6))
     weights, _ = route(logits, top_k=3, renormalize=True, batch_invariant=batch_invariant)
     assert torch.allclose(weights.sum(-1), torch.ones(2))
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_grouped_linear_multiplies_each_group_by_its_expert_even_when_some_get_none(batch_invariant):
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(4, 6, 5, generator=g), torch.randn(7, 5, generator=g)
+    counts = torch.tensor([3, 0, 4, 0])  # experts 1 and 3 get no rows
+    expected = torch.cat([x[:3] @ weight[0].T, x[3:] @ weight[2].T])
+    torch.testing.assert_close(grouped_linear(x, weight, counts, batch_invariant), expected)
+    assert grouped_linear(x[:0], weight, torch.zeros(4, dtype=torch.long), batch_invariant).shape == (0, 6)
 
 
 def chosen_experts(model):

@@ -14,7 +14,8 @@ documents of random lengths; their generator logprobs are the trainer's own, so 
 optim_step; the first `--warmup` steps are not timed.
 
 MFU = model FLOPs / (step time x peak bf16 FLOP/s x GPUs). Model FLOPs per step = 3 x forward:
-2 x (matmul weights incl. the LM head) per token, plus causal attention 2 x 2 x heads x head_dim x
+2 x (matmul weights incl. the LM head; of a mixture of experts, the router and the k experts a
+token is routed to: active parameters) per token, plus causal attention 2 x 2 x heads x head_dim x
 s(s+1)/2 per document of s tokens and layer. Recomputation (activation checkpointing, the chunked
 log-softmax) is not counted, as MFU conventionally does not.
 """
@@ -71,10 +72,19 @@ def packed_microbatch(rows: int, row_tokens: int, doc_tokens: tuple[int, int], v
 def train_flops(args: ModelArgs, doc_lengths: list[int]) -> float:
     h, d, L = args.hidden_size, args.head_dim, args.num_hidden_layers
     q, kv = args.num_attention_heads * d, args.num_key_value_heads * d
-    matmul_weights = L * (h * q + 2 * h * kv + q * h + 3 * h * args.intermediate_size) + args.vocab_size * h
+    matmul_weights = L * (h * q + 2 * h * kv + q * h) + sum(_active_mlp_weights(args, i) for i in range(L))
+    matmul_weights += args.vocab_size * h
     tokens = sum(doc_lengths)
     attention = L * 4 * q * sum(s * (s + 1) / 2 for s in doc_lengths)
     return 3 * (2 * matmul_weights * tokens + attention)
+
+
+def _active_mlp_weights(args: ModelArgs, layer: int) -> int:
+    """The MLP weights one token multiplies by in ``layer``: a sparse layer's router and k experts."""
+    if not args.is_sparse_layer(layer):
+        return 3 * args.hidden_size * args.intermediate_size
+    moe = args.moe
+    return args.hidden_size * (moe.num_experts + 3 * moe.num_experts_per_tok * moe.moe_intermediate_size)
 
 
 def peak_tflops(override: float | None) -> float | None:

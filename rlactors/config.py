@@ -69,6 +69,8 @@ class TrainerConfig(_Section):
     activation_checkpointing: bool = False
     compile_layers: bool = True  # CUDA: torch.compile each decoder layer (not in model.true_on_policy)
     logprob_chunk_tokens: int = 1024  # tokens per chunk of the fp32 log-softmax
+    # Mixture-of-experts models: weight of the router's load-balancing loss (0: off, as RL recipes run)
+    router_aux_loss_coef: float = 0.0
 
     def validate(self, key: str) -> None:
         _check(self.ranks >= 1, f"{key}.ranks", f"must be >= 1, got {self.ranks}")
@@ -78,6 +80,8 @@ class TrainerConfig(_Section):
         _check(self.warmup_steps >= 0, f"{key}.warmup_steps", "must be >= 0")
         _check(self.max_grad_norm > 0, f"{key}.max_grad_norm", "must be > 0")
         _check(self.logprob_chunk_tokens >= 1, f"{key}.logprob_chunk_tokens", "must be >= 1")
+        _check(0 <= self.router_aux_loss_coef < math.inf, f"{key}.router_aux_loss_coef",
+               f"must be >= 0 and finite, got {self.router_aux_loss_coef}")
 
 
 @dataclass

@@ -125,6 +125,12 @@ class LossStats:
             for key in ("logprob_diff", "mismatch_kl"):
                 out[f"{key}/mean"] = sums[key] / current if current else 0.0
             out["lag_logprob_diff/mean"] = sums["lag_logprob_diff"] / older if older else 0.0
+        if "router_aux_loss" in sums:
+            out["router_aux_loss"] = sums["router_aux_loss"]
+        if "routed_tokens" in sums:
+            # The share of them the trainer routed to other experts than the generator did.
+            routed = out["routed_tokens"] = sums["routed_tokens"]
+            out["expert_mismatch/share"] = sums["expert_mismatch"] / routed if routed else 0.0
         for key, value in self.maxes.items():
             out[f"{key}/max"] = float(value)
         return out

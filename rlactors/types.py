@@ -51,6 +51,9 @@ class Completion:
 
     `logprobs[i]` is the log-probability of `token_ids[i]` under the unmodified (temperature 1,
     no top-k/p) distribution of the weights that sampled it; `versions[i]` is that policy version.
+    For a mixture-of-experts model, when the engine records them, `routed_experts[i]` holds, for
+    each sparse layer in order, the expert ids (most probable first) that computed the forward
+    which sampled `token_ids[i]`.
     """
 
     request_id: str
@@ -62,6 +65,7 @@ class Completion:
     error: str | None = None
     replica: int | None = None
     timings: dict[str, float] = field(default_factory=_zero_timings)
+    routed_experts: list[list[list[int]]] | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:

@@ -75,6 +75,7 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
         ("generator.engine=sglang", r"^generator\.engine: expected one of 'native', 'vllm'"),
         ("trainer.ranks=0", r"^trainer\.ranks: must be >= 1"),
         ("trainer.lr=-1", r"^trainer\.lr: must be > 0"),
+        ("trainer.router_aux_loss_coef=-0.1", r"^trainer\.router_aux_loss_coef: must be >= 0 and finite, got -0.1$"),
         ("trainer.betas=[0.9]", r"^trainer\.betas: expected a list of 2 values"),
         ("rollout.top_p=0", r"^rollout\.top_p: must be in \(0, 1\]"),
         ("rollout.group_size=1", r"^rollout\.group_size: GRPO advantages need at least 2"),

@@ -144,3 +144,20 @@ def test_samples_show_each_turns_prompt_as_the_env_extended_it(tiny_ckpt):
     assert samples[0]["turns"] == [{"prompt": tok.decode(p), "completion": tok.decode(reply)}
                                    for p in (first, added, rewrite)]
     assert samples[1]["turns"] == []
+
+
+@pytest.mark.parametrize("true_on_policy", [False, True], ids=["default", "true_on_policy"])
+def test_a_tiny_mixture_of_experts_trains_end_to_end(family_ckpt, tmp_path, true_on_policy):
+    """Qwen3-MoE through the controller: native replicas generate, the trainer steps (with the
+    router's load-balancing loss on), weights sync back; in true on-policy mode no token's
+    logprob or experts differ between generator and trainer."""
+    history = _run(_config(family_ckpt("qwen3_moe"), tmp_path, "controller.steps=2", "trainer.ranks=1",
+                           f"model.true_on_policy={str(true_on_policy).lower()}", "trainer.router_aux_loss_coef=0.01"))
+    assert [m["policy/version"] for m in history] == [1.0, 2.0]
+    for m in history:
+        assert m["rollout/rollouts"] == 8 and m["loss/tokens"] > 0 and math.isfinite(m["loss/loss"])
+        assert 1.0 <= m["loss/router_aux_loss"] < 8
+        assert m["loss/routed_tokens"] == m["loss/current_policy_tokens"] > 0  # the engine returned them all
+        if true_on_policy:
+            assert m["loss/logprob_diff/max"] == 0.0 and m["loss/mismatch_kl/mean"] == 0.0, m
+            assert m["loss/expert_mismatch/share"] == 0.0, m

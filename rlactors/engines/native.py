@@ -4,7 +4,8 @@ plain PyTorch.
 One `step()` = schedule (scheduler.py) -> one packed forward over every scheduled chunk, decodes
 and prefills mixed, attending over the paged KV cache (kv_cache.py, read by
 rlactors.attention.paged) -> sample the sequences whose chunk reached their last token
-(sampling.py) -> report the ones that finished.
+(sampling.py) -> report the ones that finished. A mixture-of-experts model's completions carry
+the experts that each sampled token's forward was routed to (``Completion.routed_experts``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rlactors.engines.kv_cache import BlockPool, PagedKVCache, blocks_for
 from rlactors.engines.sampling import request_generator, sample
 from rlactors.engines.scheduler import ScheduledChunk, Scheduler, SeqState
 from rlactors.models.decoder import DecoderForCausalLM
+from rlactors.models.moe import SparseMoeBlock
 from rlactors.types import Completion, SamplingParams
 from rlactors.weight_sync.broadcast import BufferReceiver
 from rlactors.weight_sync.packed import PackedLayout
@@ -54,6 +56,13 @@ class NativeEngine(Engine):
         self.counters = {"steps": 0, "finished": 0, "aborted": 0, "generated_tokens": 0,
                          "computed_tokens": 0}
         self.receiver: BufferReceiver | None = None  # set by join_weight_group
+        # Each sparse layer's expert ids [T, k] of the step's forward, in layer order.
+        self._routing: list[torch.Tensor] = []
+        self.records_routing = False
+        for module in model.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.experts.register_forward_hook(lambda _, inputs, out: self._routing.append(inputs[1]))
+                self.records_routing = True
 
     @classmethod
     def from_config(cls, generator_config: GeneratorConfig, model_config: ModelConfig,
@@ -105,9 +114,11 @@ class NativeEngine(Engine):
         for chunk in scheduled:
             self.scheduler.computed(chunk)
         now = time.perf_counter()
-        for seq, token, logprob in sampled:
+        for seq, token, logprob, experts in sampled:
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
+            if experts is not None:
+                seq.routed_experts.append(experts)
             seq.versions.append(self.version)
             if seq.first_token is None:
                 seq.first_token = now
@@ -128,12 +139,14 @@ class NativeEngine(Engine):
             input_ids += c.seq.token_ids[c.start:c.start + c.num_tokens]
             positions += range(c.start, c.start + c.num_tokens)
         attention = paged_attention(self.cache, [c.as_chunk() for c in scheduled], batch_invariant=self.true_on_policy)
+        self._routing.clear()
         return self.model(torch.tensor(input_ids, device=self.device),
                           torch.tensor(positions, device=self.device), attention)
 
     def _sample(self, scheduled: list[ScheduledChunk],
-                hidden: torch.Tensor) -> list[tuple[SeqState, int, float]]:
-        """(sequence, token, logprob) for every chunk that reached its sequence's last token."""
+                hidden: torch.Tensor) -> list[tuple[SeqState, int, float, list[list[int]] | None]]:
+        """(sequence, token, logprob, routed experts or None) for every chunk that reached its
+        sequence's last token."""
         chunks, rows, end = [], [], 0
         for c in scheduled:
             end += c.num_tokens
@@ -145,7 +158,10 @@ class NativeEngine(Engine):
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
         tokens, logprobs = sample(logits, [c.seq.sampling for c in chunks], [c.seq.generator for c in chunks],
                                      self.model.log_softmax)
-        return list(zip([c.seq for c in chunks], tokens.tolist(), logprobs.tolist()))
+        experts = [None] * len(chunks)
+        if self.records_routing:  # [chunks, sparse layers, k]
+            experts = torch.stack(self._routing, dim=1)[torch.tensor(rows, device=self.device)].tolist()
+        return list(zip([c.seq for c in chunks], tokens.tolist(), logprobs.tolist(), experts))
 
     def _finish_reason(self, seq: SeqState, token: int) -> str | None:
         if token in seq.sampling.stop_token_ids:
@@ -165,6 +181,7 @@ class NativeEngine(Engine):
             logprobs=list(seq.logprobs),
             versions=list(seq.versions),
             finish_reason=reason,
+            routed_experts=list(seq.routed_experts) if self.records_routing else None,
             timings={"queue_s": started - seq.arrival, "prefill_s": first_token - started,
                      "decode_s": now - first_token})
 

@@ -33,6 +33,7 @@ class SeqState:
     arrival: float = field(default_factory=time.perf_counter)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routed_experts: list[list[list[int]]] = field(default_factory=list)  # per generated token (MoE)
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache
     cache_epoch: int = -1  # prefix-cache epoch at admission; -1 while waiting

@@ -103,16 +103,15 @@ class VLLMEngine(Engine):
         """A vLLM engine for `model_config.path`. In `model_config.true_on_policy` mode vLLM runs
         our own model with the trainer's kernels (`rlactors.engines.vllm_model`)."""
         from rlactors.engines import vllm_model
+        from rlactors.models.checkpoint import load_args
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
         true_on_policy_args = {}
         if model_config.true_on_policy:
             os.environ.update(vllm_model.true_on_policy_environment())  # read by vLLM's import
             vllm_model.register()
-            true_on_policy_args = vllm_model.true_on_policy_engine_args()
+            true_on_policy_args = vllm_model.true_on_policy_engine_args(load_args(model_config.path))
         from vllm import EngineArgs, LLMEngine
-
-        from rlactors.models.checkpoint import load_args
 
         g = generator_config
         args = EngineArgs(

@@ -16,6 +16,11 @@ Triton kernels of ``rlactors.models.batch_invariant``), except two that vLLM own
   with a one-program-per-row Triton kernel (``compute_token_logprobs``); the trainer calls that
   same function on the same logits (``vllm_token_logprobs``).
 
+A mixture of experts runs our ``SparseMoeBlock`` with the trainer's batch-invariant kernels too
+(router, softmax, stable top-k, one matmul per expert, the weighted sum in order), so both sides
+route every token to the same experts; its per-expert loop reads the experts' token counts on the
+host, which a CUDA graph cannot capture, so such a model runs without CUDA graphs.
+
 Nothing in vLLM is patched: the engine only registers the architecture and configures vLLM
 (``true_on_policy_engine_args``). vLLM is imported lazily: this module imports on CPU-only machines.
 """
@@ -31,7 +36,9 @@ from torch import nn
 from rlactors.attention.varlen import cu_seqlens_from_positions
 from rlactors.models import batch_invariant as bi
 from rlactors.models.args import ModelArgs
+from rlactors.models.checkpoint import expert_tensor_names
 from rlactors.models.decoder import DecoderForCausalLM
+from rlactors.models.moe import SparseMoeBlock
 
 ARCHITECTURE = "RLActorsForCausalLM"
 PAGE_SIZE = 16  # vLLM's KV-cache block size in true on-policy mode; the trainer pages its keys alike
@@ -72,13 +79,15 @@ def true_on_policy_environment() -> dict[str, str]:
     return {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
 
 
-def true_on_policy_engine_args() -> dict[str, Any]:
-    """EngineArgs fields of a true on-policy vLLM replica (beside model, sizes and dtype)."""
+def true_on_policy_engine_args(args: ModelArgs) -> dict[str, Any]:
+    """EngineArgs fields of a true on-policy vLLM replica of a model of ``args`` (beside model,
+    sizes and dtype)."""
     return {
         "hf_overrides": {"architectures": [ARCHITECTURE]},
         # No torch.compile: Inductor would fuse our ops and round differently from the trainer.
-        # CUDA graphs capture the whole forward of decode steps (our kernels and vLLM's attention).
-        "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+        # CUDA graphs capture the whole forward of decode steps (our kernels and vLLM's attention),
+        # except with experts, whose per-expert loop reads token counts on the host.
+        "compilation_config": {"mode": 0, "cudagraph_mode": "NONE" if args.moe else "FULL_DECODE_ONLY"},
         "attention_backend": "FLASH_ATTN",
         "block_size": PAGE_SIZE,
         # Cascade attention splits a shared prefix into its own pass: another summation order.
@@ -100,7 +109,8 @@ class VLLMCausalLM(DecoderForCausalLM):
         for layer in self.model.layers:  # q/k/v and gate/up as one matmul each (bi.project)
             attention, mlp = layer.self_attn, layer.mlp
             bi.stack_weights((attention.q_proj, attention.k_proj, attention.v_proj))
-            bi.stack_weights((mlp.gate_proj, mlp.up_proj))
+            if not isinstance(mlp, SparseMoeBlock):
+                bi.stack_weights((mlp.gate_proj, mlp.up_proj))
         # On the GPU from the start: a CUDA graph cannot capture the copy rope() would make.
         self.model.inv_freq = self.model.inv_freq.to(self.model.embed_tokens.weight.device)
         self.attention_head_dim = attention_head_dim(args.head_dim)
@@ -128,14 +138,25 @@ class VLLMCausalLM(DecoderForCausalLM):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads tensors under the model's names, or, for experts, a checkpoint's per-expert
+        tensors (each into its rows of the fused parameter); returns the parameters loaded."""
         params = dict(self.named_parameters())
+        expert_rows = {}  # a checkpoint's per-expert tensor -> (fused parameter, its rows)
+        for fused, experts in expert_tensor_names(self.args).items():
+            for e, parts in enumerate(experts):
+                for part, rows in zip(parts, params[fused].data[e].chunk(len(parts))):
+                    expert_rows[part] = (fused, rows)
         loaded = set()
         for name, tensor in weights:
             if name == "lm_head.weight" and self.args.tie_word_embeddings:
                 continue
-            if name not in params:
+            if name in expert_rows:
+                name, target = expert_rows[name]
+            elif name in params:
+                target = params[name]
+            else:
                 raise ValueError(f"{name}: not a parameter of {ARCHITECTURE}")
-            params[name].copy_(tensor)
+            target.copy_(tensor)
             loaded.add(name)
         return loaded
 

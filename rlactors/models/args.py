@@ -1,9 +1,11 @@
 """ModelArgs: a decoder's shape and family, read from and written to a Hugging Face ``config.json``.
 
-Three families share one decoder (``rlactors.models.decoder``); ``config.json``'s ``model_type``
+Four families share one decoder (``rlactors.models.decoder``); ``config.json``'s ``model_type``
 picks the family, and a family is the few switches in which they differ (``FAMILIES``):
 
 - ``qwen3``: per-head RMSNorm of q and k before RoPE;
+- ``qwen3_moe`` (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 whose sparse layers replace the MLP by a
+  mixture of experts (``MoEArgs``);
 - ``qwen2`` (Qwen2, Qwen2.5 and their R1 distills): biases on the q, k and v projections;
 - ``llama`` (Llama 3, 3.1, 3.2): neither; usually with Llama 3's RoPE scaling.
 
@@ -34,11 +36,14 @@ class Family:
     # Boolean config.json keys this family's HF model reads and rlactors does not implement: they
     # must be false (or absent), and are written false.
     unsupported_flags: tuple[str, ...]
+    moe: bool = False  # sparse layers hold a mixture of experts (ModelArgs.moe)
 
 
 FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3ForCausalLM", qkv_bias=False, qk_norm=True,
                     unsupported_flags=("attention_bias", "use_sliding_window")),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True,
+                        unsupported_flags=("attention_bias", "use_sliding_window", "output_router_logits"), moe=True),
     "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, unsupported_flags=("use_sliding_window",)),
     "llama": Family("LlamaForCausalLM", qkv_bias=False, qk_norm=False,
                     unsupported_flags=("attention_bias", "mlp_bias")),
@@ -73,6 +78,62 @@ class Llama3RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoEArgs:
+    """The mixture of experts of a ``qwen3_moe`` model (its ``config.json`` keys, same names).
+
+    Layer ``i`` is sparse unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``
+    is not 0; dense layers keep the MLP of ``intermediate_size``. A sparse layer's router picks
+    ``num_experts_per_tok`` of ``num_experts`` experts (MLPs of ``moe_intermediate_size``) per
+    token by softmax probability and weighs their outputs by those probabilities, renormalized to
+    sum to 1 with ``norm_topk_prob``. ``router_aux_loss_coef`` is carried for the checkpoint's
+    sake: the trainer's coefficient is ``trainer.router_aux_loss_coef``.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = False  # transformers' defaults from here on
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must not exceed "
+                             f"num_experts ({self.num_experts})")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
+        if not all(isinstance(i, int) and i >= 0 for i in self.mlp_only_layers):
+            raise ValueError(f"mlp_only_layers must list layer indices, got {list(self.mlp_only_layers)}")
+        if not isinstance(self.router_aux_loss_coef, (int, float)) or not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"router_aux_loss_coef must be a number >= 0, got {self.router_aux_loss_coef!r}")
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> MoEArgs:
+        """The MoE keys of a ``qwen3_moe`` ``config.json``; absent ones take transformers' defaults
+        (those of ``Qwen3MoeConfig``). transformers 5 writes ``num_experts`` as ``num_local_experts``."""
+        return cls(
+            num_experts=config.get("num_experts", config.get("num_local_experts", 128)),
+            num_experts_per_tok=config.get("num_experts_per_tok", 8),
+            moe_intermediate_size=config.get("moe_intermediate_size", 768),
+            norm_topk_prob=config.get("norm_topk_prob", cls.norm_topk_prob),
+            decoder_sparse_step=config.get("decoder_sparse_step", cls.decoder_sparse_step),
+            mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
+            router_aux_loss_coef=config.get("router_aux_loss_coef", cls.router_aux_loss_coef),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        return {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers),
+                "router_aux_loss_coef": self.router_aux_loss_coef}
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     vocab_size: int
     hidden_size: int
@@ -90,10 +151,16 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "bfloat16"
+    moe: MoEArgs | None = None  # the experts, exactly when the family is a mixture of experts
 
     def __post_init__(self) -> None:
         if self.model_type not in FAMILIES:
             raise ValueError(f"model_type must be one of {sorted(FAMILIES)}, got {self.model_type!r}")
+        if (self.moe is not None) != self.family.moe:
+            raise ValueError(f"model_type {self.model_type!r} {'needs' if self.family.moe else 'takes no'} MoEArgs")
+        if self.moe is not None and any(i >= self.num_hidden_layers for i in self.moe.mlp_only_layers):
+            raise ValueError(f"mlp_only_layers {list(self.moe.mlp_only_layers)} name layers beyond "
+                             f"num_hidden_layers ({self.num_hidden_layers})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "max_position_embeddings"):
@@ -117,6 +184,12 @@ class ModelArgs:
     def family(self) -> Family:
         return FAMILIES[self.model_type]
 
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` holds a mixture of experts (transformers' rule)."""
+        moe = self.moe
+        return (moe is not None and layer_idx not in moe.mlp_only_layers
+                and (layer_idx + 1) % moe.decoder_sparse_step == 0)
+
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelArgs:
         """Reads a ``config.json`` dict of a supported family; rejects, naming the key, what the
@@ -139,6 +212,7 @@ class ModelArgs:
             raise ValueError(f"config.json is missing {missing}")
         rope_theta, rope_scaling = _read_rope(config)
         heads = config["num_attention_heads"]
+        moe = MoEArgs.from_hf_config(config) if FAMILIES[model_type].moe else None
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -156,6 +230,7 @@ class ModelArgs:
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or cls.torch_dtype),
+            moe=moe,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -195,6 +270,8 @@ class ModelArgs:
         }
         if "use_sliding_window" in family.unsupported_flags:
             config.update(sliding_window=None, max_window_layers=self.num_hidden_layers)
+        if self.moe is not None:
+            config.update(self.moe.to_hf())
         return config
 
     def num_params(self) -> int:
@@ -204,11 +281,24 @@ class ModelArgs:
         attn = h * projected + self.num_attention_heads * d * h
         attn += 2 * d if self.family.qk_norm else 0
         attn += projected if self.family.qkv_bias else 0
-        mlp = 3 * h * self.intermediate_size
-        layer = attn + mlp + 2 * h
+        layers = sum(attn + self._mlp_params(i, active=False) + 2 * h for i in range(self.num_hidden_layers))
         embed = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else embed
-        return embed + self.num_hidden_layers * layer + h + lm_head
+        return embed + layers + h + lm_head
+
+    def num_active_params(self) -> int:
+        """Parameters a token computes with: ``num_params`` with each sparse layer's experts
+        counted ``num_experts_per_tok`` times instead of ``num_experts`` (the count MFU uses)."""
+        saved = sum(self._mlp_params(i, active=False) - self._mlp_params(i, active=True)
+                    for i in range(self.num_hidden_layers))
+        return self.num_params() - saved
+
+    def _mlp_params(self, layer_idx: int, active: bool) -> int:
+        h = self.hidden_size
+        if not self.is_sparse_layer(layer_idx):
+            return 3 * h * self.intermediate_size
+        experts = self.moe.num_experts_per_tok if active else self.moe.num_experts
+        return experts * 3 * h * self.moe.moe_intermediate_size + self.moe.num_experts * h  # + the router
 
 
 def _read_rope(config: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:

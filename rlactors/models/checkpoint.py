@@ -2,6 +2,11 @@
 
 What ``save_pretrained`` writes loads in HF transformers and vLLM; what they write loads here.
 Tied embeddings keep one tensor: ``lm_head.weight`` is neither saved nor expected on load.
+
+On disk a mixture of experts has the hub's layout, one tensor per expert
+(``mlp.experts.{e}.{gate,up,down}_proj.weight``); in memory each layer's experts are two fused
+parameters (``rlactors.models.moe.Experts``). ``fuse_experts`` and ``split_experts`` convert;
+every other tensor has the same name and shape in both.
 """
 
 from __future__ import annotations
@@ -81,8 +86,8 @@ def load_args(ckpt_dir: str | Path) -> ModelArgs:
     return ModelArgs.from_hf_config(json.loads(path.read_text()))
 
 
-def checkpoint_shapes(args: ModelArgs) -> dict[str, torch.Size]:
-    """Tensor names and shapes a checkpoint of ``args`` holds on disk, in module order.
+def model_shapes(args: ModelArgs) -> dict[str, torch.Size]:
+    """The model's parameter names and shapes in memory, in module order (no tied head).
 
     Built on the meta device, so it allocates nothing even for the largest shapes.
     """
@@ -90,6 +95,69 @@ def checkpoint_shapes(args: ModelArgs) -> dict[str, torch.Size]:
         model = DecoderForCausalLM(args)
     return {k: v.shape for k, v in model.state_dict().items()
             if not (args.tie_word_embeddings and k == TIED_KEY)}
+
+
+def checkpoint_shapes(args: ModelArgs) -> dict[str, torch.Size]:
+    """Tensor names and shapes a checkpoint of ``args`` holds on disk (experts one by one)."""
+    with torch.device("meta"):
+        fused = {name: torch.empty(shape) for name, shape in model_shapes(args).items()}
+    return {name: t.shape for name, t in split_experts(fused, args).items()}
+
+
+def expert_tensor_names(args: ModelArgs) -> dict[str, list[list[str]]]:
+    """Each fused expert parameter's name -> for each expert, the checkpoint tensors whose rows,
+    concatenated in this order, are that expert's slice (gate then up for ``gate_up_proj``)."""
+    names = {}
+    for layer in range(args.num_hidden_layers):
+        if args.is_sparse_layer(layer):
+            prefix = f"model.layers.{layer}.mlp.experts"
+            experts = range(args.moe.num_experts)
+            names[f"{prefix}.gate_up_proj"] = [[f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight"]
+                                               for e in experts]
+            names[f"{prefix}.down_proj"] = [[f"{prefix}.{e}.down_proj.weight"] for e in experts]
+    return names
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Checkpoint layout -> model layout: each layer's per-expert tensors stacked into its fused
+    parameters; the other tensors as they are."""
+    fused = expert_tensor_names(args)
+    per_expert = {name for experts in fused.values() for parts in experts for name in parts}
+    out = {name: t for name, t in tensors.items() if name not in per_expert}
+    for name, experts in fused.items():
+        out[name] = torch.stack([torch.cat([tensors[part] for part in parts]) for parts in experts])
+    return out
+
+
+def split_experts(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Model layout -> checkpoint layout: each fused expert parameter as one view per expert and
+    projection; the other tensors as they are."""
+    fused = expert_tensor_names(args)
+    out = {}
+    for name, tensor in tensors.items():
+        if name not in fused:
+            out[name] = tensor
+            continue
+        for e, parts in enumerate(fused[name]):
+            out.update(zip(parts, tensor[e].chunk(len(parts))))
+    return out
+
+
+class _FusedExpertsHandle:
+    """A fused expert parameter read lazily from the per-expert tensors of a checkpoint, like a
+    safetensors slice: ``handle[a:b]`` reads experts ``a .. b-1`` and nothing else."""
+
+    def __init__(self, experts: list[list[Any]], shape: torch.Size):
+        self.experts, self.shape = experts, shape
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index: slice) -> torch.Tensor:
+        chosen = self.experts[index]
+        if not chosen:
+            return self.experts[0][0][0:0].reshape(0, *self.shape[1:])
+        return torch.stack([torch.cat([part[:] for part in parts]) for parts in chosen])
 
 
 def _weight_files(ckpt_dir: Path) -> list[str]:
@@ -115,10 +183,11 @@ def load_state_dict(ckpt_dir: str | Path, device: str | torch.device = "cpu") ->
 
 @contextlib.contextmanager
 def open_tensors(ckpt_dir: str | Path) -> Iterator[dict[str, Any]]:
-    """Lazy handles of the checkpoint's tensors, checked against its config: name -> a
-    safetensors slice, of which ``handle[a:b]`` reads rows ``a .. b-1`` from disk and nothing
-    else (as stored, no dtype change). Tied embeddings: no ``lm_head.weight``. The files stay open
-    inside the ``with`` block.
+    """Lazy handles of the checkpoint's tensors, checked against its config, by the model's
+    parameter names: name -> a safetensors slice, of which ``handle[a:b]`` reads rows
+    ``a .. b-1`` from disk and nothing else (as stored, no dtype change); a fused expert
+    parameter's handle reads experts ``a .. b-1`` from their per-expert tensors. Tied
+    embeddings: no ``lm_head.weight``. The files stay open inside the ``with`` block.
     """
     ckpt_dir = Path(ckpt_dir)
     args = load_args(ckpt_dir)
@@ -130,6 +199,10 @@ def open_tensors(ckpt_dir: str | Path) -> Iterator[dict[str, Any]]:
         if args.tie_word_embeddings:
             handles.pop(TIED_KEY, None)  # some exporters also write the tied head
         _check_keys_and_shapes({k: torch.Size(h.get_shape()) for k, h in handles.items()}, args, str(ckpt_dir))
+        shapes = model_shapes(args)
+        for name, experts in expert_tensor_names(args).items():
+            handles[name] = _FusedExpertsHandle([[handles.pop(part) for part in parts] for parts in experts],
+                                                shapes[name])
         yield handles
 
 
@@ -150,7 +223,7 @@ def from_pretrained(ckpt_dir: str | Path, dtype: torch.dtype | str | None = None
         # Some exporters also write the tied head; it is the embedding by definition.
         state_dict.pop(TIED_KEY, None)
     _check_keys_and_shapes({k: v.shape for k, v in state_dict.items()}, args, where=str(ckpt_dir))
-    state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
+    state_dict = {k: v.to(dtype) for k, v in fuse_experts(state_dict, args).items()}
     if args.tie_word_embeddings:
         state_dict[TIED_KEY] = state_dict["model.embed_tokens.weight"]
     with torch.device("meta"):
@@ -168,7 +241,8 @@ def save_pretrained(model_or_state_dict: nn.Module | dict[str, torch.Tensor], ar
     ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``. Weight
     files left by an earlier save in the same dir are removed first so no stale shard is read.
     ``config.json``'s ``torch_dtype`` is the dtype of the tensors written. Tensors must be full
-    (gather sharded DTensors before calling).
+    (gather sharded DTensors before calling), under the model's names (fused experts): they are
+    written in the checkpoint layout (one tensor per expert).
     """
     if isinstance(model_or_state_dict, nn.Module):
         state_dict = model_or_state_dict.state_dict()
@@ -176,7 +250,9 @@ def save_pretrained(model_or_state_dict: nn.Module | dict[str, torch.Tensor], ar
         state_dict = dict(model_or_state_dict)
     if args.tie_word_embeddings:
         state_dict.pop(TIED_KEY, None)
-    _check_keys_and_shapes({k: v.shape for k, v in state_dict.items()}, args, where="the state dict to save")
+    _check_keys_and_shapes({k: v.shape for k, v in state_dict.items()}, args, where="the state dict to save",
+                           expected=model_shapes(args))
+    state_dict = split_experts({k: state_dict[k] for k in model_shapes(args)}, args)
     tensors = _saveable_tensors({k: state_dict[k] for k in checkpoint_shapes(args)})
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES.values():
@@ -239,8 +315,11 @@ def _resolve_dtype(dtype: torch.dtype | str | None, args: ModelArgs) -> torch.dt
     return dtype
 
 
-def _check_keys_and_shapes(shapes: dict[str, torch.Size], args: ModelArgs, where: str) -> None:
-    expected = checkpoint_shapes(args)
+def _check_keys_and_shapes(shapes: dict[str, torch.Size], args: ModelArgs, where: str,
+                           expected: dict[str, torch.Size] | None = None) -> None:
+    """Raises naming the missing, unexpected and misshapen tensors; ``expected`` defaults to the
+    checkpoint layout."""
+    expected = checkpoint_shapes(args) if expected is None else expected
     missing, unexpected = sorted(expected.keys() - shapes.keys()), sorted(shapes.keys() - expected.keys())
     if missing or unexpected:
         raise ValueError(f"{where} does not match the config: missing {missing[:5]}"

@@ -1,8 +1,9 @@
-"""The decoder of every supported family (Qwen3, Qwen2/2.5, Llama 3.x), with Hugging Face
-parameter names and injected attention.
+"""The decoder of every supported family (Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x), with Hugging
+Face parameter names and injected attention.
 
 The families differ only in switches read from ``ModelArgs`` (``args.family``): q/k/v biases
-(Qwen2), a per-head q/k RMSNorm (Qwen3), RoPE scaling (Llama 3.1+), a tied or untied LM head.
+(Qwen2), a per-head q/k RMSNorm (Qwen3), RoPE scaling (Llama 3.1+), a tied or untied LM head,
+and in Qwen3-MoE's sparse layers a mixture of experts (``rlactors.models.moe``) for the MLP.
 Parameter names are each family's HF names, so checkpoints load and export without renaming.
 
 Everything is packed 1-D: ``input_ids[T]`` holds several documents end to end and
@@ -11,8 +12,9 @@ attend to each other: the caller passes an ``attention(layer_idx, q, k, v)`` cal
 (``VarlenAttention`` for training, a KV-cache attention in the native engine).
 
 ``set_batch_invariant(True)`` (the true on-policy mode) routes every linear, RMSNorm, RoPE, the
-MLP activation and the fp32 log-softmax through ``rlactors.models.batch_invariant``, so that a
-token's logprob does not depend on what else is in the batch.
+MLP activation, the experts' routing and the fp32 log-softmax through
+``rlactors.models.batch_invariant``, so that a token's logprob (and its experts) do not depend
+on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 from rlactors.attention.varlen import VarlenAttention
 from rlactors.models import batch_invariant as bi
 from rlactors.models.args import Llama3RopeScaling, ModelArgs
+from rlactors.models.moe import SparseMoeBlock
 
 # attention(layer_idx, q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D]) -> out[T, Hq, D]
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -121,7 +124,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.self_attn = SelfAttention(args, layer_idx)
-        self.mlp = MLP(args)
+        self.mlp = SparseMoeBlock(args) if args.is_sparse_layer(layer_idx) else MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -166,7 +169,8 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     """A causal LM of ``args.model_type``'s family; module tree and parameter names match that
-    family's HF model (``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``, ``LlamaForCausalLM``).
+    family's HF model (``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` as transformers 5 holds it in
+    memory, ``Qwen2ForCausalLM``, ``LlamaForCausalLM``).
 
     A freshly constructed model holds placeholder values (the embedding is left uninitialized):
     load weights with ``rlactors.models.checkpoint.from_pretrained`` (``rlactors.models.tiny``

@@ -1,9 +1,11 @@
 """Random-init checkpoints of each family with a small byte-level BPE tokenizer, for tests and CPU demos.
 
-    python -m rlactors.models.tiny OUT_DIR [--family qwen3|qwen2|llama] [--size SIZE] [--seed N] [--no-tie]
+    python -m rlactors.models.tiny OUT_DIR [--family qwen3|qwen3_moe|qwen2|llama] [--size SIZE] [--seed N] [--no-tie]
 
 Sizes: ``tiny`` and ``small`` for every family, and the shapes of real models: ``0.6b``, ``1.7b``
-(Qwen3), ``0.5b`` (Qwen2.5), ``1b`` (Llama 3.2). Each family gets its real models' RoPE: Qwen's
+(Qwen3), ``30b-a3b``, ``235b-a22b`` (Qwen3-MoE), ``0.5b`` (Qwen2.5), ``1b`` (Llama 3.2). A tiny
+or small Qwen3-MoE has a dense first layer and sparse others, with ``norm_topk_prob`` on, as
+the real ones have. Each family gets its real models' RoPE: Qwen's
 theta 1e6, Llama 3.2's theta 5e5 with its ``llama3`` scaling (factor 32 beyond 8192 positions).
 The directory holds HF-standard files (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with a ChatML chat template, generation_config.json), so it loads here,
@@ -21,8 +23,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from rlactors.models.args import DTYPES, FAMILIES, Llama3RopeScaling, ModelArgs
-from rlactors.models.checkpoint import checkpoint_shapes, save_pretrained
+from rlactors.models.args import DTYPES, FAMILIES, Llama3RopeScaling, ModelArgs, MoEArgs
+from rlactors.models.checkpoint import model_shapes, save_pretrained
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
@@ -69,6 +71,8 @@ SIZES: dict[str, tuple] = {  # any family
 REAL_SIZES: dict[str, dict[str, tuple]] = {  # family: the shapes of its real models
     "qwen3": {"0.6b": (1024, 3072, 28, 16, 8, 128, 151936, 40960, "bfloat16"),  # Qwen3-0.6B
               "1.7b": (2048, 6144, 28, 16, 8, 128, 151936, 40960, "bfloat16")},  # Qwen3-1.7B
+    "qwen3_moe": {"30b-a3b": (2048, 6144, 48, 32, 4, 128, 151936, 40960, "bfloat16"),  # Qwen3-30B-A3B
+                  "235b-a22b": (4096, 12288, 94, 64, 4, 128, 151936, 40960, "bfloat16")},  # Qwen3-235B-A22B
     "qwen2": {"0.5b": (896, 4864, 24, 14, 2, 64, 151936, 32768, "bfloat16")},  # Qwen2.5-0.5B
     "llama": {"1b": (2048, 8192, 16, 32, 8, 64, 128256, 131072, "bfloat16")},  # Llama-3.2-1B
 }
@@ -76,9 +80,20 @@ REAL_SIZES: dict[str, dict[str, tuple]] = {  # family: the shapes of its real mo
 # max positions of tiny/small (Llama's must exceed the scaling's original 8192).
 FAMILY_ROPE: dict[str, tuple[float, Llama3RopeScaling | None, int]] = {
     "qwen3": (1_000_000.0, None, 4096),
+    "qwen3_moe": (1_000_000.0, None, 4096),
     "qwen2": (1_000_000.0, None, 4096),
     "llama": (500_000.0, Llama3RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192), 131072),
+}
+
+# The experts of each Qwen3-MoE size.
+MOE_SIZES: dict[str, MoEArgs] = {
+    "tiny": MoEArgs(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                    mlp_only_layers=(0,)),
+    "small": MoEArgs(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, norm_topk_prob=True,
+                     mlp_only_layers=(0,)),
+    "30b-a3b": MoEArgs(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    "235b-a22b": MoEArgs(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, norm_topk_prob=True),
 }
 
 
@@ -192,16 +207,18 @@ def size_args(size: str, vocab_size: int, tie_word_embeddings: bool = True,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, model_type=family,
         rms_norm_eps=1e-6, rope_theta=rope_theta, rope_scaling=rope_scaling,
         tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_pos or family_max_pos,
-        bos_token_id=bos_token_id, eos_token_id=eos_token_id, torch_dtype=dtype or default_dtype)
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id, torch_dtype=dtype or default_dtype,
+        moe=MOE_SIZES[size] if FAMILIES[family].moe else None)
 
 
 def random_state_dict(args: ModelArgs, seed: int, std: float = 0.02) -> dict[str, torch.Tensor]:
     """HF's init (normal(0, std) matrices, ones for norms), drawn in fp32 on CPU one tensor at a
     time from one generator, then cast: the same seed gives the same weights bitwise. Biases are
-    drawn like the matrices (HF's init zeroes them), so that tests exercise them."""
+    drawn like the matrices (HF's init zeroes them), so that tests exercise them. The model's
+    names (fused experts: ``save_pretrained`` writes them one by one)."""
     generator = torch.Generator().manual_seed(seed)
     state_dict = {}
-    for name, shape in checkpoint_shapes(args).items():
+    for name, shape in model_shapes(args).items():
         if name.endswith("norm.weight"):
             tensor = torch.ones(shape)
         else:

@@ -144,7 +144,8 @@ class Batcher:
             versions += [-1] * pad
             for name, column in zip(_FIELDS, (ids, positions, targets, mask, advantages, logprobs, versions)):
                 columns[name].append(column)
-        return MicroBatch(**{name: torch.tensor(columns[name], dtype=dtype) for name, dtype in _FIELDS.items()})
+        return MicroBatch(**{name: torch.tensor(columns[name], dtype=dtype) for name, dtype in _FIELDS.items()},
+                          routed_experts=_routed_experts(rows, width))
 
 
 _FIELDS = {  # MicroBatch field -> dtype
@@ -156,6 +157,25 @@ _FIELDS = {  # MicroBatch field -> dtype
     "generator_logprobs": torch.float32,
     "versions": torch.long,
 }
+
+
+def _routed_experts(rows: list[list[_Document]], width: int) -> torch.Tensor | None:
+    """MicroBatch.routed_experts of these rows (aligned to targets as the logprobs are), or None
+    when no episode carries them."""
+    known = [e for row in rows for doc in row if doc.episode.routed_experts
+             for e in doc.episode.routed_experts if e is not None]
+    if not known:
+        return None
+    out = torch.full((len(rows), width, len(known[0]), len(known[0][0])), -1, dtype=torch.long)
+    for r, row in enumerate(rows):
+        column = 0
+        for doc in row:
+            experts = doc.episode.routed_experts or [None] * doc.num_tokens
+            for t, entry in enumerate(experts[1:doc.num_tokens]):
+                if entry is not None:
+                    out[r, column + t] = torch.tensor(entry)
+            column += doc.num_tokens - 1
+    return out
 
 
 def _split_evenly(items: list, parts: int) -> list[list]:

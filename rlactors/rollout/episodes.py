@@ -23,6 +23,7 @@ class _EpisodeBuilder:
         self.loss_mask: list[bool] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.routed_experts: list[list[list[int]] | None] | None = []  # None once a turn has none
 
     def extends(self, prompt: list[int]) -> bool:
         n = len(self.token_ids)
@@ -38,6 +39,10 @@ class _EpisodeBuilder:
         self.loss_mask += [True] * len(turn.token_ids)
         self.logprobs += turn.logprobs
         self.versions += turn.versions
+        if self.routed_experts is not None and turn.routed_experts is not None:
+            self.routed_experts += [None] * len(context) + turn.routed_experts
+        else:
+            self.routed_experts = None
 
     def build(self) -> Episode:
         advantage = self.rollout.advantage
@@ -52,6 +57,7 @@ class _EpisodeBuilder:
             branch=self.branch,
             reward=self.rollout.reward,
             status=self.rollout.status,
+            routed_experts=self.routed_experts,
         )
 
 

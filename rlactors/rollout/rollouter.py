@@ -190,7 +190,7 @@ class Rollouter:
             completion = await self._generate(prompt, sampling, f"{rollout.session_id}/t{k}", rollout.session_id)
             turn = Turn(prompt_token_ids=prompt, token_ids=list(completion.token_ids),
                         logprobs=list(completion.logprobs), versions=list(completion.versions),
-                        finish_reason=completion.finish_reason)
+                        finish_reason=completion.finish_reason, routed_experts=completion.routed_experts)
             rollout.turns.append(turn)
             result = self._checked(check_step_result, await self._env_call(env.step(completion), "step"), "step")
             turn.reward = turn_reward_components(result.reward)

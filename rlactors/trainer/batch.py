@@ -20,6 +20,8 @@ class MicroBatch:
     (float32) and `versions` (int64, -1 where not generated) belong to the target token.
     `positions` restart at 0 at each document start, so documents never attend to each other;
     the padding at the end of a row is its own document with loss_mask False.
+    `routed_experts` (int64 `[rows, width, sparse layers, k]`, -1 where unknown), for a mixture of
+    experts whose generator returned them: the experts of the forward that sampled the target.
     """
 
     input_ids: torch.Tensor
@@ -29,13 +31,14 @@ class MicroBatch:
     advantages: torch.Tensor
     generator_logprobs: torch.Tensor
     versions: torch.Tensor
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        return MicroBatch(**{name: t.to(device) for name, t in vars(self).items()})
+        return MicroBatch(**{name: None if t is None else t.to(device) for name, t in vars(self).items()})
 
 
 @dataclass

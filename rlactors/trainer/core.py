@@ -41,6 +41,7 @@ from rlactors.models.checkpoint import (
     open_tensors,
     save_pretrained,
 )
+from rlactors.models.moe import SparseMoeBlock, load_balancing_loss
 from rlactors.trainer import checkpoint as ckpt
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, local_rows, make_mesh
@@ -135,6 +136,18 @@ class PolicyTrainerCore:
             self._attention = PagedFlashAttention
             self.model.token_logprob_kernel = vllm_token_logprobs
         self._load_hf_weights(model.path)
+        if trainer.router_aux_loss_coef > 0 and self.args.moe is None:
+            raise ValueError(f"trainer.router_aux_loss_coef is {trainer.router_aux_loss_coef}, but "
+                             f"{model.path} ({self.args.model_type}) has no experts")
+        # Per sparse layer, of the current forward: the expert ids [T, k] it chose, and (for the
+        # load-balancing loss) its router logits.
+        self._routing: list[torch.Tensor] = []
+        self._router_logits: list[torch.Tensor] = []
+        for module in self.model.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.experts.register_forward_hook(lambda _, inputs, out: self._routing.append(inputs[1]))
+                if trainer.router_aux_loss_coef > 0:
+                    module.gate.register_forward_hook(lambda _, inputs, logits: self._router_logits.append(logits))
         self.optimizer = self._new_optimizer()
         self.version = 0
         self._stats = LossStats()
@@ -154,11 +167,23 @@ class PolicyTrainerCore:
         tokens = [int(loss_tokens(loss.name, mb.loss_mask, mb.generator_logprobs).sum()) for mb in microbatches]
         self._check_norm(norm, loss, sum(tokens))
         mb = microbatches[self.rank].to(self.device)
+        self._router_logits.clear()
+        self._routing.clear()
         logprobs, entropy = self._token_logprobs(mb, with_entropy=True)
         value, stats = compute_loss(
             loss, norm, logprobs, mb.loss_mask.reshape(-1), mb.advantages.reshape(-1),
             mb.generator_logprobs.reshape(-1), entropy.detach(), current_policy=mb.versions.reshape(-1) == self.version,
         )
+        if self._router_logits:
+            # Weighted by the microbatch's share of the step's loss tokens: over the step, the
+            # token-weighted mean of the microbatches' load-balancing losses.
+            share = tokens[self.rank] / max(norm.num_tokens, 1)
+            aux = load_balancing_loss(self._router_logits, self.args.moe.num_experts_per_tok) * share
+            value = value + self.config.router_aux_loss_coef * aux
+            stats = stats.merge(LossStats(sums={"router_aux_loss": aux.detach().double()}))
+            self._router_logits.clear()
+        if self.args.moe is not None:
+            stats = stats.merge(self._routing_stats(mb))
         value.backward()
         self._stats = self._stats.merge(stats)
         self._accumulated += 1
@@ -203,12 +228,35 @@ class PolicyTrainerCore:
             return self.model.token_logprobs_and_entropy(hidden, targets, chunk)
         return self.model.token_logprobs(hidden, targets, chunk), None
 
+    def _routing_stats(self, mb: MicroBatch) -> LossStats:
+        """Over the loss tokens of the current policy whose generator returned the experts it
+        routed them to: their count, and how many this forward routed to other experts in any
+        sparse layer (both 0 when the generator returned none)."""
+        routed = differ = torch.zeros((), dtype=torch.float64, device=self.device)
+        if mb.routed_experts is not None:
+            generator = mb.routed_experts.reshape(-1, *mb.routed_experts.shape[2:])
+            current = mb.versions.reshape(-1) == self.version
+            known = (generator >= 0).all(-1).all(-1) & mb.loss_mask.reshape(-1) & current
+            differs = (torch.stack(self._routing, dim=1) != generator).any(-1).any(-1) & known
+            routed, differ = known.sum().double(), differs.sum().double()
+        self._routing.clear()
+        return LossStats(sums={"routed_tokens": routed, "expert_mismatch": differ})
+
     def _check_microbatches(self, microbatches: Sequence[MicroBatch]) -> None:
         if not isinstance(microbatches, Sequence) or len(microbatches) != self.world_size:
             got = len(microbatches) if isinstance(microbatches, Sequence) else type(microbatches).__name__
             raise ValueError(f"expected one microbatch per trainer rank ({self.world_size}), got {got}")
+        moe = self.args.moe
+        sparse_layers = sum(map(self.args.is_sparse_layer, range(self.args.num_hidden_layers)))
         for r, mb in enumerate(microbatches):
             validate_microbatch(mb, self.args.vocab_size, where=f"microbatches[{r}]")
+            routed = getattr(mb, "routed_experts", None)
+            if routed is not None and (moe is None or routed.dtype != torch.long or routed.shape !=
+                                       (*mb.input_ids.shape, sparse_layers, moe.num_experts_per_tok)):
+                want = "none: the model has no experts" if moe is None else \
+                    f"int64 {(*mb.input_ids.shape, sparse_layers, moe.num_experts_per_tok)}"
+                raise ValueError(f"microbatches[{r}].routed_experts is {routed.dtype} {tuple(routed.shape)}, "
+                                 f"expected {want}")
 
     def _check_norm(self, norm: LossNorm, loss: LossConfig, here: int) -> None:
         """`here`: the loss tokens of this call's microbatches, all ranks."""

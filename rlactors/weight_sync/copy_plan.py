@@ -3,7 +3,8 @@
 vLLM's `load_weights` walks every HF tensor through Python weight loaders, which fuse q/k/v into
 qkv_proj and gate/up into gate_up_proj: tens of milliseconds per sync for a 1.7B model. In an
 unsharded (TP=1) model those loaders only copy: each parameter is one HF tensor, or several
-stacked on dim 0 as the model's `packed_modules_mapping` names them. `CopyPlan.derive` builds
+stacked on dim 0 as the model's `packed_modules_mapping` names them, or, for a mixture of experts,
+one of the trainer's fused expert tensors (`FUSED_EXPERTS`). `CopyPlan.derive` builds
 that map from names and shapes, and keeps it only if the parameters `load_weights` just filled
 from the same buffer equal it bit for bit. Any parameter it cannot place (a sharded TP worker, a
 padded vocabulary, a weight the loader transforms) means no plan, and the replica keeps using
@@ -19,12 +20,22 @@ import torch
 
 from rlactors.weight_sync.packed import PackedLayout
 
+# vLLM's FusedMoE holds a layer's experts in the layout rlactors' trainer sends them in
+# (rlactors.models.moe.Experts): w13_weight [E, 2I, H] (each expert's gate rows, then its up rows)
+# is gate_up_proj, w2_weight [E, H, I] is down_proj.
+FUSED_EXPERTS = {"experts.routed_experts.w13_weight": "experts.gate_up_proj",
+                 "experts.routed_experts.w2_weight": "experts.down_proj"}
+
 
 def _sources(param_name: str, available: Mapping[str, torch.Tensor],
              packed: Mapping[str, list[str]]) -> list[str] | None:
     """The HF tensors a model parameter is made of, in stacking order, or None."""
     if param_name in available:
         return [param_name]
+    for vllm_name, ours in FUSED_EXPERTS.items():
+        if param_name.endswith(f".{vllm_name}"):
+            name = param_name.removesuffix(vllm_name) + ours
+            return [name] if name in available else None
     parts = param_name.split(".")
     for i, part in enumerate(parts):
         if part in packed:

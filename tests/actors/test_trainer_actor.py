@@ -92,7 +92,7 @@ def test_two_ranks_match_one_rank_however_the_batch_is_split(loop, two_ranks, ti
         assert metrics["logprob_diff/max"] == pytest.approx(one["logprob_diff/max"], rel=1e-5)
 
 
-@pytest.mark.parametrize("family, tie", [("qwen2", False), ("llama", True)])
+@pytest.mark.parametrize("family, tie", [("qwen2", False), ("llama", True), ("qwen3_moe", False)])
 def test_two_ranks_match_one_rank_for_each_family(loop, family_ckpt, family, tie):
     ckpt, batch = family_ckpt(family, tie), rows(5)
     norm = LossNorm.for_step(batch, LOSS.name)

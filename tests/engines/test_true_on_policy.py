@@ -13,6 +13,9 @@ import torch
 from support.trainer_inputs import one_rank_process_group
 from support.true_on_policy import episode, generate, make_core, prompts, requests_with, trainer_and_generator_logprobs
 
+from rlactors.config import BatcherConfig
+from rlactors.models.moe import SparseMoeBlock
+from rlactors.rollout.batcher import Batcher
 from rlactors.types import SamplingParams
 
 
@@ -74,3 +77,55 @@ def test_trainer_equals_generator_bit_for_bit_for_each_family(family, tie, famil
         trainer, generator = trainer_and_generator_logprobs(core, episodes, row_tokens)
         assert trainer.numel() == sum(len(c.token_ids) for c in batched.values())
         assert torch.equal(trainer, generator), (row_tokens, (trainer - generator).abs().max())
+
+
+def trainer_experts(core, completion):
+    """The experts the trainer core routes each generated token's input position to (the
+    position whose logits give that token), the sequence scored alone: [tokens, sparse layers, k]."""
+    record = []
+    hooks = [module.experts.register_forward_hook(lambda _, inputs, out: record.append(inputs[1]))
+             for module in core.model.modules() if isinstance(module, SparseMoeBlock)]
+    try:
+        ep = episode(completion)
+        mb = Batcher(BatcherConfig(row_tokens=len(ep.token_ids), rows_per_microbatch=1)).pack([ep]).per_rank[0][0]
+        core.compute_logprobs([mb])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    first = len(completion.prompt_token_ids) - 1
+    return torch.stack(record, dim=1)[first:first + len(completion.token_ids)].tolist()
+
+
+def test_moe_routing_and_logprobs_do_not_depend_on_the_batch_and_equal_the_trainer(family_ckpt, device):
+    """Qwen3-MoE in true on-policy mode: the request's tokens, logprobs and the experts each token
+    was routed to are bitwise the same alone and among 6 others, and the trainer routes every
+    token to the same experts and computes the same logprobs."""
+    ckpt = family_ckpt("qwen3_moe", False)
+    mine = (prompts(1, seed=7)[0], SamplingParams(max_tokens=16, temperature=1.0, seed=3))
+    alone = generate(ckpt, True, {"mine": mine})["mine"]
+    batched = generate(ckpt, True, requests_with(mine, 6, seed=8), max_num_tokens=64)
+    assert (alone.token_ids, alone.logprobs, alone.routed_experts) == (
+        batched["mine"].token_ids, batched["mine"].logprobs, batched["mine"].routed_experts)
+    assert [len(experts) for experts in alone.routed_experts] == [3] * 16  # 3 sparse layers, every token
+    core = make_core(ckpt, device, true_on_policy=True)
+    assert trainer_experts(core, alone) == alone.routed_experts
+    episodes = [episode(c) for c in batched.values()]
+    for row_tokens in (80, 1024):
+        trainer, generator = trainer_and_generator_logprobs(core, episodes, row_tokens)
+        assert trainer.numel() == sum(len(c.token_ids) for c in batched.values())
+        assert torch.equal(trainer, generator), (row_tokens, (trainer - generator).abs().max())
+
+
+def test_moe_default_mode_expert_mismatch_is_measured(family_ckpt, device, record_property):
+    ckpt = family_ckpt("qwen3_moe", False)
+    completions = generate(ckpt, False, requests_with((prompts(1, seed=7)[0], SamplingParams(max_tokens=16, seed=3)),
+                                                      6, seed=8), max_num_tokens=64)
+    core = make_core(ckpt, device, true_on_policy=False)
+    differing = total = 0
+    for completion in completions.values():
+        for generated, trained in zip(completion.routed_experts, trainer_experts(core, completion), strict=True):
+            differing += generated != trained
+            total += 1
+    record_property("default_expert_mismatch_share", differing / total)
+    print(f"default mode: {differing} of {total} tokens routed to other experts by the trainer")
+    assert total == sum(len(c.token_ids) for c in completions.values())

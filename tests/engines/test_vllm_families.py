@@ -1,6 +1,7 @@
 """vLLM serves every model family from rlactors' checkpoints, and weight sync loads into it by the
 copy plan. Per family (Qwen3; Qwen2 with q/k/v biases and an untied head; Llama 3 with its RoPE
-scaling): vLLM's raw logprobs of its own completions match our fp32 model's; the broadcast path's
+scaling; Qwen3-MoE, served by vLLM's own FusedMoE, its experts synced in the trainer's fused
+layout): vLLM's raw logprobs of its own completions match our fp32 model's; the broadcast path's
 load (`rlactors.weight_sync.broadcast.worker_load_staged`) of a received buffer first goes through
 vLLM's `load_weights` and proves a copy plan, and the next weights, copied by that plan, serve the
 logprobs of our model with those weights. Skipped without CUDA and vLLM."""
@@ -14,7 +15,7 @@ import torch
 from support.vllm_checks import LOGPROB_ATOL, NEEDS_VLLM_GPU, max_logprob_error, prompts, run
 
 from rlactors.config import GeneratorConfig, ModelConfig
-from rlactors.models.checkpoint import from_pretrained, load_state_dict
+from rlactors.models.checkpoint import from_pretrained, fuse_experts, load_args, load_state_dict
 from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.types import SamplingParams
 from rlactors.weight_sync.packed import PackedLayout
@@ -41,7 +42,7 @@ def _receive_into(worker, layout: PackedLayout, buffer: torch.Tensor) -> None:
     worker.rlactors_receiver = SimpleNamespace(layout=layout, buffer=buffer)
 
 
-@pytest.mark.parametrize("family, tie", [("qwen3", True), ("qwen2", False), ("llama", True)])
+@pytest.mark.parametrize("family, tie", [("qwen3", True), ("qwen2", False), ("llama", True), ("qwen3_moe", False)])
 def test_vllm_serves_each_family_and_loads_weights_by_the_copy_plan(family, tie, tmp_path):
     from rlactors.engines.vllm_engine import VLLMEngine
 
@@ -52,8 +53,9 @@ def test_vllm_serves_each_family_and_loads_weights_by_the_copy_plan(family, tie,
         batch = prompts(16)
         assert ckpt_logprob_error(ckpts[0], generate(engine, batch)) < LOGPROB_ATOL
 
-        # What the trainer sends: the checkpoint's tensors (a tied head only as the embedding).
-        weights = [load_state_dict(ckpt) for ckpt in ckpts[1:]]
+        # What the trainer sends: the model's parameters (a tied head only as the embedding; experts
+        # fused, as FusedMoE holds them).
+        weights = [fuse_experts(load_state_dict(ckpt), load_args(ckpt)) for ckpt in ckpts[1:]]
         assert ("lm_head.weight" in weights[0]) == (not tie)
         layout = PackedLayout.of(weights[0])
         buffer = layout.pack(weights[0], layout.empty("cuda").zero_())

@@ -25,7 +25,7 @@ from support.vllm_checks import NEEDS_VLLM_GPU, attention_of_last_queries, scena
 from rlactors.attention.varlen import VarlenAttention
 from rlactors.config import ModelConfig, TrainerConfig
 from rlactors.engines.vllm_model import PagedFlashAttention
-from rlactors.models.checkpoint import load_args, load_state_dict, save_pretrained
+from rlactors.models.checkpoint import fuse_experts, load_args, load_state_dict, save_pretrained
 from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.trainer.core import PolicyTrainerCore
 
@@ -34,22 +34,25 @@ pytestmark = NEEDS_VLLM_GPU
 SCENARIOS = Path(__file__).resolve().parents[1] / "support" / "vllm_scenarios.py"
 DEMO_CHECKPOINT = Path(__file__).resolve().parents[2] / "examples" / "alphabet_sort" / "warm_checkpoint_gpu"
 # model -> the engine's max_num_seqs and max_num_tokens
-ENGINE_SETTINGS = {"0.6b": (256, 512), "demo": (512, 8192)}
+ENGINE_SETTINGS = {"0.6b": (256, 512), "demo": (512, 8192), "moe": (256, 512)}
 
 
 @pytest.fixture(scope="module", params=sorted(ENGINE_SETTINGS))
 def checkpoints(request, tmp_path_factory):
-    """The model (the Qwen3-0.6B shape with random weights, or the demo's), and the same weights
-    moved a little (the update)."""
+    """The model (the Qwen3-0.6B shape with random weights, the demo's, or a small Qwen3-MoE with
+    random weights), and the same weights moved a little (the update)."""
     if request.param == "demo":
         ckpt = DEMO_CHECKPOINT
+    elif request.param == "moe":
+        ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), size="small", seed=0, dtype="bfloat16",
+                                    tie_word_embeddings=False, family="qwen3_moe")
     else:
         ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), size="0.6b", seed=0, dtype="bfloat16")
     g = torch.Generator().manual_seed(1)
     moved = {name: (t.float() * (1 + 0.01 * torch.randn(t.shape, generator=g))).to(torch.bfloat16)
              for name, t in load_state_dict(ckpt, "cpu").items()}
     updated = tmp_path_factory.mktemp("updated")
-    save_pretrained(moved, load_args(ckpt), updated)
+    save_pretrained(fuse_experts(moved, load_args(ckpt)), load_args(ckpt), updated)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (updated / name).write_bytes((ckpt / name).read_bytes())
     return request.param, ckpt, updated

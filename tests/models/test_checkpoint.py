@@ -75,7 +75,8 @@ def test_weight_files_get_the_mode_of_the_dirs_other_files(tiny_ckpt, tmp_path, 
         assert len(modes) > 3 and set(modes.values()) == {0o666 & ~umask}, modes
 
 
-@pytest.mark.parametrize("family, tie", [("qwen3", True), ("qwen2", True), ("qwen2", False), ("llama", False)])
+@pytest.mark.parametrize("family, tie", [("qwen3", True), ("qwen2", True), ("qwen2", False), ("llama", False),
+                                         ("qwen3_moe", False)])
 def test_transformers_loads_our_bf16_save_and_we_load_theirs(family, tie, family_ckpt, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -258,6 +259,15 @@ def test_model_args_read_qwen2_and_llama3_configs():
     ("llama", {"mlp_bias": True}, "mlp_bias"),
     ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
     ("qwen3", {"hidden_size": None}, "missing"),
+    ("qwen3_moe", {"num_experts": 0}, "num_experts must be a positive int, got 0"),
+    ("qwen3_moe", {"num_experts_per_tok": 9}, r"num_experts_per_tok \(9\) must not exceed num_experts \(8\)"),
+    ("qwen3_moe", {"moe_intermediate_size": 1.5}, "moe_intermediate_size must be a positive int"),
+    ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive int"),
+    ("qwen3_moe", {"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+    ("qwen3_moe", {"mlp_only_layers": [0, 4]}, r"mlp_only_layers \[0, 4\] name layers beyond num_hidden_layers \(4\)"),
+    ("qwen3_moe", {"mlp_only_layers": [-1]}, "mlp_only_layers must list layer indices"),
+    ("qwen3_moe", {"router_aux_loss_coef": -1}, "router_aux_loss_coef must be a number >= 0"),
+    ("qwen3_moe", {"output_router_logits": True}, "output_router_logits"),
 ])
 def test_model_args_reject_unsupported_configs(family, change, message):
     config = {**size_args("tiny", 1024, family=family).to_hf_config(), **change}
@@ -272,7 +282,7 @@ def test_a_checkpoint_of_another_family_fails_at_load_naming_its_model_type(tiny
         (tmp_path / name).write_bytes((tiny_ckpt / name).read_bytes())
     (tmp_path / "config.json").write_text(json.dumps({**load_args(tiny_ckpt).to_hf_config(), "model_type": "gemma2"}))
     with pytest.raises(ValueError, match=r"^config.json has model_type 'gemma2'; rlactors supports \['llama', "
-                                         r"'qwen2', 'qwen3'\]$"):
+                                         r"'qwen2', 'qwen3', 'qwen3_moe'\]$"):
         from_pretrained(tmp_path)
 
 

@@ -10,6 +10,7 @@ from rlactors.attention.varlen import cu_seqlens_from_positions
 from rlactors.models import DecoderForCausalLM, ModelArgs, VarlenAttention, from_pretrained
 from rlactors.models.args import FAMILIES
 from rlactors.models.decoder import rope_inverse_frequencies
+from rlactors.models.moe import SparseMoeBlock
 from rlactors.models.tiny import size_args
 
 
@@ -38,7 +39,8 @@ def test_packed_logits_and_gradients_match_hf_transformers_per_document(family, 
     assert type(ref).__name__ == FAMILIES[family].architecture
     attention = ours.model.layers[0].self_attn
     assert (attention.q_proj.bias is not None) == (family == "qwen2")  # the family's switches
-    assert (attention.q_norm is not None) == (family == "qwen3")
+    assert (attention.q_norm is not None) == family.startswith("qwen3")
+    assert isinstance(ours.model.layers[1].mlp, SparseMoeBlock) == (family == "qwen3_moe")
     assert (ours.args.rope_scaling is not None) == (family == "llama")
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tie
     assert ours.args.num_key_value_heads < ours.args.num_attention_heads  # GQA is exercised

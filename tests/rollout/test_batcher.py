@@ -29,7 +29,8 @@ def make_episode(rng, length, index):
 def row_documents(mb, r):
     """Row r of a microbatch split at positions == 0: one dict of fields per document."""
     starts = (mb.positions[r] == 0).nonzero().flatten().tolist() + [mb.positions.shape[1]]
-    return [{name: getattr(mb, name)[r, a:b].tolist() for name in vars(mb)} for a, b in zip(starts, starts[1:])]
+    fields = [name for name, t in vars(mb).items() if t is not None]
+    return [{name: getattr(mb, name)[r, a:b].tolist() for name in fields} for a, b in zip(starts, starts[1:])]
 
 
 def documents(per_rank):
@@ -166,3 +167,24 @@ def test_ranks_with_fewer_rows_spread_them_instead_of_padding():
     calls = packed.forward_calls()
     assert len(calls) == 2 and all(len(call) == 2 for call in calls)
     assert calls[1][0] is packed.per_rank[0][1] and calls[0][1] is packed.per_rank[1][0]
+
+
+def test_routed_experts_are_aligned_to_targets_like_the_logprobs():
+    """An episode's routed experts (per generated token; None for context) land where its
+    generator logprobs do; unknown slots and episodes without them are -1."""
+    rng = random.Random(3)
+    with_experts = [make_episode(rng, 30, i) for i in range(3)]
+    for ep in with_experts:
+        ep.routed_experts = [[[t % 8, (t + 1) % 8]] * 2 if m else None for t, m in zip(ep.token_ids, ep.loss_mask)]
+    without = make_episode(rng, 20, 3)
+    batch = Batcher(BatcherConfig(row_tokens=64, rows_per_microbatch=4)).pack([*with_experts, without])
+    [mb] = batch.per_rank[0]
+    assert mb.routed_experts.shape == (*mb.input_ids.shape, 2, 2)
+    for r in range(mb.input_ids.shape[0]):
+        for t in range(mb.input_ids.shape[1]):
+            experts = mb.routed_experts[r, t].tolist()
+            target = int(mb.target_ids[r, t])
+            known = bool(mb.loss_mask[r, t]) and mb.versions[r, t] != 3  # the episode without experts
+            assert experts == ([[target % 8, (target + 1) % 8]] * 2 if known else [[-1, -1]] * 2), (r, t)
+    no_experts = Batcher(BatcherConfig(row_tokens=64, rows_per_microbatch=4)).pack([without])
+    assert no_experts.per_rank[0][0].routed_experts is None

@@ -111,3 +111,18 @@ def test_turn_without_generated_tokens_makes_no_episode():
     rollout = Rollout(group_id="g0", index=0, session_id="g0/0", seed=0, sample=None,
                       turns=[Turn([1, 2], [], [], [], "stop")])
     assert rollout_to_episodes(rollout) == []
+
+
+def test_routed_experts_follow_the_generated_tokens_and_are_none_if_a_turn_lacks_them():
+    def turn(prompt, tokens, experts):
+        return Turn(prompt_token_ids=prompt, token_ids=tokens, logprobs=[-0.1] * len(tokens),
+                    versions=[0] * len(tokens), finish_reason="stop", routed_experts=experts)
+
+    first = turn([1, 2], [3, 4], [[[0, 1]], [[2, 3]]])
+    second = turn([1, 2, 3, 4, 9], [5], [[[4, 5]]])
+    rollout = Rollout(group_id="g", index=0, session_id="s", seed=0, sample=None, turns=[first, second])
+    [episode] = rollout_to_episodes(rollout)
+    assert episode.routed_experts == [None, None, [[0, 1]], [[2, 3]], None, [[4, 5]]]
+    second.routed_experts = None  # a generator that returns none
+    [episode] = rollout_to_episodes(rollout)
+    assert episode.routed_experts is None

@@ -12,7 +12,7 @@ from support.trainer_inputs import cat, one_rank_process_group, rows
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm, compute_loss
 from rlactors.models.args import FAMILIES
-from rlactors.models.checkpoint import TIED_KEY, from_pretrained, load_state_dict
+from rlactors.models.checkpoint import TIED_KEY, from_pretrained, fuse_experts, load_args, load_state_dict
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.checkpoint import COMPLETE_FILE, latest_checkpoint, partial_dir
 from rlactors.trainer.core import MICROBATCH_FIELDS, PolicyTrainerCore
@@ -78,7 +78,7 @@ def test_two_steps_match_plain_pytorch_however_microbatched(family, family_ckpt,
     ckpt = family_ckpt(family)
     batch1, batch2 = rows(0), rows(1)
     expected, norms = reference_steps(ckpt, [cat(batch1), cat(batch2)])
-    initial = load_state_dict(ckpt)
+    initial = fuse_experts(load_state_dict(ckpt), load_args(ckpt))
     core = make_core(ckpt, device)
     m1 = step(core, [cat(batch1[:1]), cat(batch1[1:])])
     m2 = step(core, [cat(batch2[:2]), cat(batch2[2:3]), cat(batch2[3:])])
@@ -92,6 +92,55 @@ def test_two_steps_match_plain_pytorch_however_microbatched(family, family_ckpt,
     assert_weights_close(actual, expected, atol=2e-5)
     moved = max((actual[n] - initial[n]).abs().max().item() for n in initial)
     assert moved > 1e-3  # the comparison above is far tighter than the update
+
+
+def test_router_aux_loss_is_off_by_default_and_adds_the_load_balancing_loss(family_ckpt, tiny_ckpt, device):
+    ckpt, batch = family_ckpt("qwen3_moe"), rows(2)
+    plain, balanced = make_core(ckpt, device), make_core(ckpt, device, router_aux_loss_coef=0.5)
+    norm = LossNorm.for_step(batch, "dapo", max_tokens=40)
+    for core in (plain, balanced):
+        for mb in (cat(batch[:3]), cat(batch[3:])):
+            core.forward_backward([mb], norm, LossConfig(name="dapo", clip_high=0.28))
+    router = "model.layers.1.mlp.gate.weight"
+    plain_grads, balanced_grads = grads(plain), grads(balanced)
+    assert not torch.equal(plain_grads[router], balanced_grads[router])
+    plain_metrics, balanced_metrics = plain.optim_step(), balanced.optim_step()
+    assert "router_aux_loss" not in plain_metrics
+    assert 1.0 <= balanced_metrics["router_aux_loss"] < 8  # 1 at an even load; at most num_experts
+    assert balanced_metrics["loss"] == plain_metrics["loss"]  # the policy loss alone
+    with pytest.raises(ValueError, match=r"trainer.router_aux_loss_coef is 0.5, but .* \(qwen3\) has no experts"):
+        make_core(tiny_ckpt, device, router_aux_loss_coef=0.5)
+
+
+def test_the_share_of_tokens_routed_to_other_experts_than_the_generators(family_ckpt, device):
+    """Microbatches that carry the generator's routed experts: the trainer counts the current
+    policy's loss tokens it routes otherwise (in any sparse layer)."""
+    from rlactors.models.moe import SparseMoeBlock
+
+    core, mb = make_core(family_ckpt("qwen3_moe"), device), cat(rows(6)[:2])
+    record = []
+    hooks = [m.experts.register_forward_hook(lambda _, inputs, out: record.append(inputs[1]))
+             for m in core.model.modules() if isinstance(m, SparseMoeBlock)]
+    core.compute_logprobs([mb])
+    for hook in hooks:
+        hook.remove()
+    ours = torch.stack(record, dim=1).reshape(*mb.input_ids.shape, 3, 2)  # 3 sparse layers, top 2
+    routed = ours.clone()
+    routed[~mb.loss_mask] = -1  # prompt tokens: not returned
+    routed[0, 5, 1] = routed[0, 5, 1].flip(-1)  # one token: its second layer's experts swapped ...
+    routed[1, 10, 2, 0] = (routed[1, 10, 2, 0] + 1) % 8  # ... another: a third layer's first expert
+    routed[1, 11] = -1  # and one not known
+    assert mb.loss_mask[0, 5] and mb.loss_mask[1, 10] and mb.loss_mask[1, 11]
+    norm, loss = LossNorm.for_step([mb], "dapo"), LossConfig(name="dapo")
+    core.forward_backward([MicroBatch(**{**vars(mb), "routed_experts": routed})], norm, loss)
+    core.forward_backward([mb], norm, loss)  # no routed experts: counts nothing
+    metrics = core.optim_step()
+    assert metrics["routed_tokens"] == mb.num_loss_tokens - 1
+    assert metrics["expert_mismatch/share"] == 2 / (mb.num_loss_tokens - 1)
+    with pytest.raises(ValueError, match=r"routed_experts is torch.int64 \(2, 48, 3, 3\), expected int64 "
+                                         r"\(2, 48, 3, 2\)"):
+        core.forward_backward([MicroBatch(**{**vars(mb), "routed_experts": torch.zeros(2, 48, 3, 3).long()})],
+                              norm, loss)
 
 
 def test_activation_checkpointing_gives_the_same_step(tiny_ckpt, device):

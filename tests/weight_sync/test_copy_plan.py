@@ -1,5 +1,6 @@
 """CopyPlan against a model whose load_weights fuses HF tensors the way vLLM's Qwen3, Qwen2 and
-Llama do (q/k/v into qkv_proj, biases too; gate/up into gate_up_proj)."""
+Llama do (q/k/v into qkv_proj, biases too; gate/up into gate_up_proj), and one holding experts
+as vLLM's Qwen3-MoE does (FusedMoE's w13_weight / w2_weight)."""
 
 import pytest
 import torch
@@ -104,3 +105,66 @@ def test_no_plan_where_copies_would_differ_from_load_weights():
     buffer = received(0, layout, layout.empty("cpu").zero_())
     model.load_weights(layout.views(buffer))
     assert CopyPlan.derive(model, layout, buffer) is None  # a parameter whose sources it cannot name
+
+
+EXPERTS = 4
+
+
+class FusedExpertsModel(nn.Module):
+    """vLLM's Qwen3-MoE layout: a router ``mlp.gate`` and ``mlp.experts.routed_experts.w13_weight /
+    w2_weight``; load_weights takes the trainer's fused ``mlp.experts.gate_up_proj [E, 2I, H]``
+    and ``down_proj [E, H, I]`` as vLLM 0.26's RoutedExperts.load_weights does for 3-D tensors:
+    gate_up chunked in two along dim 1 (w1 = gate, w3 = up), each expert copied in turn."""
+
+    def __init__(self, swap_gate_up: bool = False):
+        super().__init__()
+        self.swap_gate_up = swap_gate_up
+        self.gate = nn.Parameter(torch.zeros(EXPERTS, HIDDEN, dtype=torch.bfloat16), requires_grad=False)
+        self.w13 = nn.Parameter(torch.zeros(EXPERTS, 2 * FFN, HIDDEN, dtype=torch.bfloat16), requires_grad=False)
+        self.w2 = nn.Parameter(torch.zeros(EXPERTS, HIDDEN, FFN, dtype=torch.bfloat16), requires_grad=False)
+
+    def named_parameters(self, *args, **kwargs):
+        yield "model.layers.0.mlp.gate.weight", self.gate
+        yield "model.layers.0.mlp.experts.routed_experts.w13_weight", self.w13
+        yield "model.layers.0.mlp.experts.routed_experts.w2_weight", self.w2
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            if name.endswith("gate.weight"):
+                self.gate.data.copy_(tensor)
+            elif name.endswith("gate_up_proj"):
+                gate, up = tensor.chunk(2, dim=1)
+                w1, w3 = (up, gate) if self.swap_gate_up else (gate, up)
+                for e in range(EXPERTS):
+                    self.w13.data[e, :FFN].copy_(w1[e])
+                    self.w13.data[e, FFN:].copy_(w3[e])
+            else:
+                for e in range(EXPERTS):
+                    self.w2.data[e].copy_(tensor[e])
+
+
+def trainer_experts(seed):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"model.layers.0.mlp.gate.weight": (EXPERTS, HIDDEN),
+              "model.layers.0.mlp.experts.gate_up_proj": (EXPERTS, 2 * FFN, HIDDEN),
+              "model.layers.0.mlp.experts.down_proj": (EXPERTS, HIDDEN, FFN)}
+    return {name: torch.randn(shape, generator=g).to(torch.bfloat16) for name, shape in shapes.items()}
+
+
+def test_fused_experts_load_by_one_copy_each_into_vllms_layout():
+    layout = PackedLayout.of(trainer_experts(0))
+    buffer = layout.pack(trainer_experts(0), layout.empty("cpu").zero_())
+    model = FusedExpertsModel()
+    model.load_weights(layout.views(buffer))
+    plan = CopyPlan.derive(model, layout, buffer)
+    assert plan is not None and len(plan.targets) == 3  # the router, w13 and w2: one copy each
+    layout.pack(trainer_experts(1), buffer)
+    plan.apply()
+    reference = FusedExpertsModel()
+    reference.load_weights(layout.views(buffer))
+    for (name, actual), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(actual, expected) and actual.abs().max() > 0, name
+
+    swapped = FusedExpertsModel(swap_gate_up=True)  # a loader that reorders: no plan
+    swapped.load_weights(layout.views(buffer))
+    assert CopyPlan.derive(swapped, layout, buffer) is None

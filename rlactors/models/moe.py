@@ -1,0 +1,147 @@
+"""The mixture-of-experts block of ``qwen3_moe`` models, with Hugging Face parameter names.
+
+A sparse layer's MLP is ``SparseMoeBlock``: a router (``gate``, a linear to one logit per
+expert), a softmax, the top ``k`` experts per token (``route``), each chosen expert's SwiGLU MLP,
+and the outputs summed weighted by the router's probabilities. The experts are held fused, as
+transformers 5 holds them in memory (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj
+[E, H, I]``), so dim 0 of every expert tensor is the expert: FSDP shards it by experts, and
+expert parallelism over a trainer mesh dim can place whole experts on ranks. Checkpoints on disk
+hold one tensor per expert (``rlactors.models.checkpoint`` converts).
+
+Tokens are sorted by expert and every expert multiplies its rows in one matmul
+(``grouped_linear``: ``torch._grouped_mm`` for bf16 on CUDA, a matmul per expert otherwise).
+
+In batch-invariant mode (true on-policy) every op gives a token the bits it would have alone:
+the router is a ``batch_invariant.Linear``, the softmax ``exp(batch_invariant.log_softmax)``,
+top-k a stable sort (ties go to the lower expert index), each expert's matmul the
+batch-invariant linear over its rows (each row's result depends on that row alone, so not on
+how many tokens the expert got), the activation ``silu_mul``, and the weighted sum runs over a
+token's ``k`` experts in rank order, elementwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlactors.models import batch_invariant as bi
+from rlactors.models.args import ModelArgs
+
+
+class SparseMoeBlock(nn.Module):
+    """``residual`` plus the mixture of experts' output, for a ``[T, hidden]`` input."""
+
+    batch_invariant = False
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.moe.num_experts_per_tok
+        self.norm_topk_prob = args.moe.norm_topk_prob
+        self.experts = Experts(args)
+        self.gate = bi.Linear(args.hidden_size, args.moe.num_experts)  # the router
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = route(self.gate(x), self.top_k, self.norm_topk_prob, self.batch_invariant)
+        return residual + self.experts(x, expert_ids, weights.to(x.dtype))
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, expert_ids)``, both ``[T, top_k]``: each token's ``top_k`` most probable
+    experts, most probable first, and their fp32 probabilities (renormalized to sum to 1 with
+    ``renormalize``). Equal probabilities go to the lower expert index, on any device."""
+    if batch_invariant:
+        probs = _InvariantSoftmax.apply(router_logits)
+    else:
+        probs = router_logits.float().softmax(-1)
+    probs, expert_ids = probs.sort(dim=-1, descending=True, stable=True)
+    weights, expert_ids = probs[:, :top_k], expert_ids[:, :top_k]
+    if renormalize:
+        weights = weights / _sum_in_order(weights.unbind(-1))[:, None]
+    return weights, expert_ids
+
+
+def _sum_in_order(terms) -> torch.Tensor:
+    """``terms[0] + terms[1] + ...``, left to right: elementwise, so a row's sum never depends on
+    the shape of the batch (a reduction kernel may pick its order by shape)."""
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+class _InvariantSoftmax(torch.autograd.Function):
+    """fp32 softmax as ``exp(batch_invariant.log_softmax)`` forward, softmax's gradient backward
+    (the CUDA log_softmax's values have no autograd graph of their own)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        probs = bi.log_softmax(logits).exp()
+        ctx.save_for_backward(probs)
+        ctx.dtype = logits.dtype
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (probs,) = ctx.saved_tensors
+        return (probs * (grad - (grad * probs).sum(-1, keepdim=True))).to(ctx.dtype)
+
+
+class Experts(nn.Module):
+    """``num_experts`` SwiGLU MLPs in two fused parameters: ``gate_up_proj [E, 2I, H]`` (each
+    expert's gate rows, then its up rows) and ``down_proj [E, H, I]``."""
+
+    batch_invariant = False
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        moe = args.moe
+        self.num_experts = moe.num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.moe_intermediate_size, args.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, args.hidden_size, moe.moe_intermediate_size))
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``sum_j weights[t, j] * expert[expert_ids[t, j]](x[t])`` for every token ``t``, the
+        sum over ``j`` in order."""
+        tokens, top_k = expert_ids.shape
+        slots = expert_ids.reshape(-1)  # slot t * top_k + j: token t's j-th expert
+        order = slots.argsort(stable=True)  # the slots grouped by expert, each group in token order
+        counts = torch.bincount(slots, minlength=self.num_experts)
+        gate_up = grouped_linear(x[order // top_k], self.gate_up_proj, counts, self.batch_invariant)
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.batch_invariant:
+            hidden = bi.silu_mul(gate.contiguous(), up.contiguous())
+        else:
+            hidden = F.silu(gate) * up
+        out = grouped_linear(hidden, self.down_proj, counts, self.batch_invariant)
+        out = out[order.argsort()].view(tokens, top_k, -1)  # back to slot order
+        return _sum_in_order([out[:, j] * weights[:, j, None] for j in range(top_k)])
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                   batch_invariant: bool = False) -> torch.Tensor:
+    """``x``'s rows in groups, ``counts[e]`` rows for expert ``e`` in expert order, each group
+    times its expert's ``weight[e].T`` (``weight [E, out, in]``)."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and not batch_invariant:
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+    # Batch-invariant: each row alone, so its bits do not depend on how many rows its expert got.
+    matmul = bi.linear if batch_invariant else lambda rows, w: rows @ w.T
+    groups = [(e, rows) for e, rows in enumerate(x.split(counts.tolist())) if rows.shape[0]]
+    if not groups:
+        return x.new_empty(0, weight.shape[1])
+    return torch.cat([matmul(rows, weight[e]) for e, rows in groups])
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
+    """The Switch Transformer's auxiliary loss, averaged over the sparse layers whose router
+    logits ``[T, E]`` are given: ``E * sum_e f_e * P_e``, ``f_e`` the share of the tokens' top-k
+    slots that go to expert ``e`` and ``P_e`` its mean router probability; 1 when the load is even."""
+    losses = []
+    for logits in router_logits:
+        probs = logits.float().softmax(-1)
+        num_experts = probs.shape[-1]
+        chosen = probs.topk(top_k, dim=-1).indices.reshape(-1)
+        share = torch.bincount(chosen, minlength=num_experts).float() / chosen.numel()
+        losses.append(num_experts * (share * probs.mean(0)).sum())
+    return torch.stack(losses).mean()

@@ -157,8 +157,11 @@ class ProcWatcher:
             # host agent (in this process) reaps the child and its status with it.
             def peek() -> None:
                 status = _peek_wait_status(pidfd, block=True)
-                if status is not None:
-                    loop.call_soon_threadsafe(self._conclude, proc, describe_wait_status(status))
+                if status is not None and proc._pidfd is not None:  # else no longer watched
+                    try:
+                        loop.call_soon_threadsafe(self._conclude, proc, describe_wait_status(status))
+                    except RuntimeError:
+                        pass  # its loop has closed since
 
             pidfd = proc._pidfd
             threading.Thread(target=peek, name=f"exit of {proc.label}", daemon=True).start()

@@ -9,8 +9,8 @@ thread in the proc) with its machine and OS pid. `ProcWatcher` keeps two facts p
   machine is seen dead by a ping that fails (Monarch's proc status: about a second).
 - Unresponsive: a ping unanswered for `slow_after_s` makes the proc slow (the router routes new
   requests elsewhere), logged every `report_every_s` with how long it has been silent; one
-  unanswered for `unresponsive_timeout_s` (controller.unresponsive_timeout_s) is lost. A proc
-  that answers again is back, and says so.
+  unanswered for `unresponsive_timeout_s` (controller.unresponsive_timeout_s) is lost (and, on this
+  machine, killed). A proc that answers again is back, and says so.
 
 A lost proc's verdict ("trainer rank 0 (pid 123) exited (signal 9)", "... unresponsive for 63 s")
 fails every call made through `guard` at once, with `ProcLost`, while Monarch, whose state queries
@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -202,6 +203,10 @@ class ProcWatcher:
                     answer.cancel()
                     self._conclude(proc, f"unresponsive for {silent:.0f} s (alive, but no answer within "
                                          f"{self.timeout_key}={self.unresponsive_timeout_s:g})")
+                    if proc._pidfd is not None:
+                        # Lost for good: killed, so that it frees what it holds (a GPU) and its
+                        # procs stop at once instead of after Monarch's graceful wait.
+                        signal.pidfd_send_signal(proc._pidfd, signal.SIGKILL)
                     return
                 if silent >= self.slow_after_s and (reported_at is None or
                                                     time.monotonic() - reported_at >= self.report_every_s):

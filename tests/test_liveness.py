@@ -70,7 +70,7 @@ def test_an_exit_is_the_verdict_at_once_with_its_status_and_fails_pending_calls(
         child.wait()
 
 
-def test_a_silent_proc_is_slow_then_lost_after_the_timeout(caplog):
+def test_a_silent_proc_is_slow_then_lost_and_killed_after_the_timeout(caplog):
     child = _child("import time; time.sleep(60)")
 
     async def main():
@@ -90,6 +90,7 @@ def test_a_silent_proc_is_slow_then_lost_after_the_timeout(caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="rlactors.liveness"):
             message = asyncio.run(main())
+        assert child.wait(10) == -signal.SIGKILL  # lost for good: killed by the watcher
     finally:
         child.kill()
         child.wait()

@@ -84,6 +84,42 @@ def test_a_trainer_stopped_for_8s_is_slow_not_dead_and_the_run_matches_an_undist
                  run_s=time.monotonic() - start, step2_train_s=metrics[1]["time/train_s"])
 
 
+class TrainerStoppedForGood(Controller):
+    """SIGSTOPs the trainer proc as step 2's update begins, for good."""
+
+    async def _train_on(self, episodes, step):
+        if step == 2:
+            self.stopped_pid = _trainer_pid(self)
+            os.kill(self.stopped_pid, signal.SIGSTOP)
+            self.stopped_at = time.monotonic()
+        return await super()._train_on(episodes, step)
+
+
+def test_a_trainer_unresponsive_past_the_timeout_stops_the_run_saying_so(tiny_ckpt, tmp_path, fault_record):
+    timeout_s = 10
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path,
+                                                   f"controller.unresponsive_timeout_s={timeout_s}"))
+    controller = TrainerStoppedForGood(config)
+    try:
+        with pytest.raises(TrainingError) as raised:
+            asyncio.run(asyncio.wait_for(controller.run(), 120))
+        stopped_s = time.monotonic() - controller.stopped_at
+    finally:
+        if getattr(controller, "stopped_pid", None):
+            try:
+                os.kill(controller.stopped_pid, signal.SIGKILL)  # if the shutdown left it
+            except ProcessLookupError:
+                pass
+    message = str(raised.value)
+    assert re.match(re.escape(f"step 2: trainer rank 0 (pid {controller.stopped_pid}) unresponsive for ") +
+                    r"1\d s \(alive, but no answer within controller.unresponsive_timeout_s=10\); the last complete "
+                    r"checkpoint is .*step_00000001; continue with --resume$", message), message
+    assert stopped_s >= timeout_s
+    fault_record("trainer proc unresponsive past the timeout", f"SIGSTOP of the trainer proc as step 2's update began, "
+                 f"never continued (controller.unresponsive_timeout_s={timeout_s})", None,
+                 f"step 2's update: the run stopped with `{message.split(';')[0]}`", controller_exit_s=stopped_s)
+
+
 class ReplicaStoppedInStep2(Controller):
     """SIGSTOPs generator replica 1 at step 2's first request, and SIGCONTs it STOPPED_S later;
     records the router's stats at the end."""

@@ -32,7 +32,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-UNRESPONSIVE_TIMEOUT_S = 60.0  # controller.unresponsive_timeout_s's default
+TIMEOUT_KEY = "controller.unresponsive_timeout_s"  # the setting, named in the verdicts
+UNRESPONSIVE_TIMEOUT_S = 60.0  # its default
 PING_EVERY_S = 1.0
 STATUS_WAIT_S = 1.5  # for Monarch's word on an exit whose status was reaped before it could be read
 SLOW_AFTER_S = 3.0
@@ -125,13 +126,11 @@ class ProcWatcher:
     """Watches procs for exits and silence (see the module docstring); one per event loop."""
 
     def __init__(self, unresponsive_timeout_s: float, *, ping_every_s: float = PING_EVERY_S,
-                 slow_after_s: float = SLOW_AFTER_S, report_every_s: float = REPORT_EVERY_S,
-                 timeout_key: str = "controller.unresponsive_timeout_s"):
+                 slow_after_s: float = SLOW_AFTER_S, report_every_s: float = REPORT_EVERY_S):
         self.unresponsive_timeout_s = unresponsive_timeout_s
         self.ping_every_s = ping_every_s
         self.slow_after_s = slow_after_s
         self.report_every_s = report_every_s
-        self.timeout_key = timeout_key
         self.procs: list[WatchedProc] = []
 
     async def watch(self, name: str, ping: Callable[[], Awaitable[dict[str, Any]]]) -> WatchedProc:
@@ -202,17 +201,20 @@ class ProcWatcher:
                 if silent >= self.unresponsive_timeout_s:
                     answer.cancel()
                     self._conclude(proc, f"unresponsive for {silent:.0f} s (alive, but no answer within "
-                                         f"{self.timeout_key}={self.unresponsive_timeout_s:g})")
+                                         f"{TIMEOUT_KEY}={self.unresponsive_timeout_s:g})")
                     if proc._pidfd is not None:
                         # Lost for good: killed, so that it frees what it holds (a GPU) and its
                         # procs stop at once instead of after Monarch's graceful wait.
-                        signal.pidfd_send_signal(proc._pidfd, signal.SIGKILL)
+                        try:
+                            signal.pidfd_send_signal(proc._pidfd, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass  # it has just exited
                     return
                 if silent >= self.slow_after_s and (reported_at is None or
                                                     time.monotonic() - reported_at >= self.report_every_s):
                     reported_at = time.monotonic()
                     logger.warning("%s unresponsive for %.0f s (counted lost after %s=%g s)", proc.label, silent,
-                                   self.timeout_key, self.unresponsive_timeout_s)
+                                   TIMEOUT_KEY, self.unresponsive_timeout_s)
             if answer.cancelled():
                 return
             if answer.exception() is not None:

@@ -54,11 +54,13 @@ def render(rows: list[dict], runs: int, suite_s: list[float]) -> str:
         "",
         f"`python benchmarks/faults_report.py --runs {runs}` on {platform.machine()}, {os.cpu_count()} CPU cores, "
         f"Python {platform.python_version()}; suite wall time {seconds(suite_s)}. Real Monarch procs on CPU, "
-        "tiny random Qwen3, `rlactors.supervision.FAST_SUPERVISION` (poll every 1 s, state queries unanswered "
-        "for 1 s count as a death). Times: " + timing + ".",
+        "tiny random Qwen3, `rlactors.supervision.FAST_SUPERVISION` (Monarch polls every 1 s; its own verdict on "
+        "an unanswered state query held back to 10 min) and `rlactors.liveness` (an exit is seen by its pidfd at "
+        "once; a silent proc is slow, and lost only after `controller.unresponsive_timeout_s`, 60 s). Times: "
+        + timing + ".",
         "",
         "Detection: from the injection to the moment the system knows (the router marks the replica dead; "
-        "the controller logs the trainer's death; the checksum rejects the weights). Where detection is "
+        "the controller's watcher logs the trainer's exit; the checksum rejects the weights). Where detection is "
         "synchronous (a raised exception, a NaN check, a timeout at its configured value) it is left blank.",
         "",
         "| fault | injected | detected in | lost | other timings | test |",

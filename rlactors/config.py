@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rlactors.liveness import UNRESPONSIVE_TIMEOUT_S
 from rlactors.placement import gpu_layout
+from rlactors.supervision import MONARCH_STATE_QUERY_WAIT_S
 
 # The choices of the Literal fields that code outside this module also names.
 UpdateMode = Literal["drain", "hot_swap"]
@@ -190,9 +192,15 @@ class ControllerConfig(_Section):
     run_dir: str = "runs/alphabet_sort"
     seed: int = 0
     log_samples: bool = True
+    # A proc that stops answering (stopped, CPU-starved, in a long call) is slow, not dead, until
+    # it has been silent this long; one whose process exits is dead at once (rlactors.liveness).
+    unresponsive_timeout_s: float = UNRESPONSIVE_TIMEOUT_S
 
     def validate(self, key: str) -> None:
         _check(self.steps >= 1, f"{key}.steps", f"must be >= 1, got {self.steps}")
+        most = MONARCH_STATE_QUERY_WAIT_S / 2  # Monarch's own verdict on a silent proc must come later
+        _check(5 <= self.unresponsive_timeout_s <= most, f"{key}.unresponsive_timeout_s",
+               f"must be between 5 and {most:g} s, got {self.unresponsive_timeout_s}")
         _check(self.max_staleness >= 0, f"{key}.max_staleness", "must be >= 0")
         _check(self.checkpoint_every >= 0, f"{key}.checkpoint_every", "must be >= 0")
         _check(self.eval_every >= 0, f"{key}.eval_every", f"must be >= 0 (0 = off), got {self.eval_every}")

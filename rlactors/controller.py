@@ -37,6 +37,7 @@ from monarch.actor import ActorError
 
 from rlactors.config import Config, ConfigError, dump_toml, read_toml
 from rlactors.evaluation import Evaluator, eval_due, eval_samples
+from rlactors.liveness import ProcLost, ProcWatcher
 from rlactors.losses import LossNorm
 from rlactors.metrics import EnvErrorLog, MetricsLogger, WandbSink, check_wandb
 from rlactors.placement import Hosts, allocate_hosts, first_value, gpu_layout
@@ -101,6 +102,7 @@ class Controller:
         self.interrupt_report: str | None = None  # the line that says what Ctrl-C kept
         self._faults: list[str] = []
         self._procs: list[Any] = []
+        self.watcher = ProcWatcher(config.controller.unresponsive_timeout_s)  # tells dead procs from slow ones
         self._hosts: Hosts | None = None
         self._generator_busy: tuple[float, float] | None = None  # (time, busy seconds of all replicas)
         self.evaluator: Evaluator | None = None  # with controller.eval_every
@@ -120,6 +122,7 @@ class Controller:
         import monarch.actor
         from monarch.actor import this_host
 
+        from rlactors.actors.liveness import watch_procs
         from rlactors.actors.router import GeneratorRouter
         from rlactors.actors.trainer import spawn_trainer
         from rlactors.models import load_checked_tokenizer
@@ -154,12 +157,17 @@ class Controller:
         device = c.controller.device
         replica_gpus = gpu_layout(c)[1] if device == "cuda" else None
         self._hosts = allocate_hosts(c.job)
-        trainer_procs, self.trainer, ranks = await spawn_trainer(self._hosts.trainers, c.model, c.trainer, device,
-                                                                 generator_engine=c.generator.engine)
+        trainer_procs, trainer, ranks = await spawn_trainer(self._hosts.trainers, c.model, c.trainer, device,
+                                                            generator_engine=c.generator.engine)
         router_procs = this_host().spawn_procs(per_host={"procs": 1})
         self._procs = [trainer_procs, router_procs]
-        self.router = router_procs.spawn("router", GeneratorRouter, c.generator, c.model, replica_gpus,
-                                         self._hosts.generators)
+        router = router_procs.spawn("router", GeneratorRouter, c.generator, c.model, replica_gpus,
+                                    self._hosts.generators, c.controller.unresponsive_timeout_s)
+        # Calls to a proc that exits (or stays unresponsive past the timeout) fail at once with ProcLost.
+        trainer_watch = await watch_procs(self.watcher, trainer_procs, [f"trainer rank {r['rank']}" for r in ranks])
+        router_watch = await watch_procs(self.watcher, router_procs, ["generator router"])
+        self.trainer = self.watcher.guard(trainer, trainer_watch)
+        self.router = self.watcher.guard(router, router_watch)
         await self._print_placement(ranks)
         await self._start_gateway(env)
 
@@ -244,6 +252,7 @@ class Controller:
         print(f"resumed from {path} at step {self.step} (policy version {self.policy_version})", flush=True)
 
     async def shutdown(self) -> None:
+        self.watcher.close()  # the procs' exits are expected from here on
         if self.gateway is not None:
             await self.gateway.stop()
         if self.router is not None:
@@ -258,6 +267,16 @@ class Controller:
                 logger.warning("stopping procs failed: %s", e)
         if self._hosts is not None:
             self._hosts.release()
+
+    async def _lost(self, error: BaseException) -> str:
+        """What was lost: the watcher's verdict ("trainer rank 0 (pid 7) exited (signal 9)"), which
+        Monarch's own SupervisionError may precede by a moment; else Monarch's words."""
+        if isinstance(error, ProcLost):
+            return str(error)
+        watched = self.watcher.procs
+        if watched:
+            await asyncio.wait([p.verdict for p in watched], timeout=2.0, return_when=asyncio.FIRST_COMPLETED)
+        return self.watcher.lost(*watched) or " ".join(str(error).split())
 
     def _on_unhandled_fault(self, failure: Any) -> None:
         self._faults.append(str(failure))
@@ -317,6 +336,8 @@ class Controller:
         except RunComplete as complete:
             print(complete, flush=True)
             return []
+        except ProcLost as e:  # while starting: no step to name
+            raise TrainingError(f"{e}; {self._last_checkpoint()}") from None
         except asyncio.CancelledError:
             await self._keep_last_step()
             raise
@@ -366,9 +387,10 @@ class Controller:
                 self._raise_failed_eval()
                 await self._evaluate_if_due(self.step)
             await self._finish_evals()
-        except SupervisionError as e:
-            # A proc died (trainer or router): stop with what died and where to resume from.
-            raise TrainingError(f"step {self.step + 1}: {' '.join(str(e).split())}; {self._last_checkpoint()}; "
+        except (SupervisionError, ProcLost) as e:
+            # A proc died or stayed unresponsive (trainer or router): stop with which, how, and
+            # where to resume from.
+            raise TrainingError(f"step {self.step + 1}: {await self._lost(e)}; {self._last_checkpoint()}; "
                                 "continue with --resume") from None
         finally:
             self.watchdog.stop()

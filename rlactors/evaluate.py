@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. eval.samples=64")
     args = parser.parse_intermixed_args(argv)  # options may come between CHECKPOINT and the overrides
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    use_fast_supervision()  # notice a dead replica within about a second; before Monarch starts
+    use_fast_supervision()  # poll procs every second, hold back Monarch's own verdict; before Monarch starts
     try:
         checkpoint = resolve_checkpoint(args.checkpoint)
         config = load_eval_config(checkpoint, args.config, args.overrides)

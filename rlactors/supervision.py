@@ -1,21 +1,32 @@
-"""How fast Monarch notices a dead proc. The variables must be in the environment before Monarch
-starts; actor procs inherit them.
+"""How Monarch watches procs. The variables must be in the environment before Monarch starts;
+actor procs inherit them.
+
+Monarch polls each actor mesh: it asks the host agent for its procs' OS status (an exited proc is
+seen there, with its exit status, within a poll), then asks the proc's own agent for its actors'
+states. An unanswered state query blocks that mesh's poll, and once it has waited
+GET_ACTOR_STATE_MAX_IDLE the proc counts as dead ("The process likely crashed"), though a
+CPU-starved or stopped proc is alive. So here that wait is a late backstop, and
+rlactors.liveness tells dead from slow instead: a pidfd for exits (at once), pings for silence
+(lost after controller.unresponsive_timeout_s, which config.py bounds below the backstop).
 
 - HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY: how often proc and actor states are polled
-  (Monarch's default, 10 s, is how long a dead replica would keep its requests).
-- HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE: how long an unanswered state query waits before the
-  actor counts as dead. A query in flight when its proc is SIGKILLed can go unanswered, and
-  with Monarch's default (30 s) a killed replica was then noticed only after 30 s, in about one
-  run of tests/faults in three.
+  (Monarch's default, 10 s, is how long a dead proc on another machine would go unseen).
+- HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE: the backstop above.
+- HYPERACTOR_MESH_SUPERVISION_WATCHDOG_TIMEOUT: how long a caller waits for any supervision
+  message before it counts the mesh as unreachable; Monarch wants it >= the poll frequency + the
+  state-query wait + the proc-state-query wait (GET_PROC_STATE_MAX_IDLE, 1 min).
 """
 
 from __future__ import annotations
 
 import os
 
+MONARCH_STATE_QUERY_WAIT_S = 600  # the backstop; controller.unresponsive_timeout_s stays below it
+
 FAST_SUPERVISION = {
     "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY": "1s",
-    "HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE": "1s",
+    "HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE": f"{MONARCH_STATE_QUERY_WAIT_S}s",
+    "HYPERACTOR_MESH_SUPERVISION_WATCHDOG_TIMEOUT": f"{MONARCH_STATE_QUERY_WAIT_S + 120}s",
 }
 
 

@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
 
     from rlactors.supervision import use_fast_supervision
 
-    use_fast_supervision()  # notice a dead actor proc within about a second; before Monarch starts
+    use_fast_supervision()  # poll procs every second, hold back Monarch's own verdict; before Monarch starts
 
     from rlactors.config import ConfigError, load_config
     from rlactors.controller import NO_SIGNAL_HINT, Controller, TrainingError

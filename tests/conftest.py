@@ -11,9 +11,9 @@ import torch
 
 from rlactors.supervision import use_fast_supervision
 
-# Actor procs inherit this environment: detect a dead proc within a second (forced: the fault
-# tests' detection times depend on it), and keep each proc to one intra-op thread on the 2-core
-# CI box, where 2-thread procs contend.
+# Actor procs inherit this environment: Monarch's supervision as the CLI sets it (forced: the fault
+# tests' detection times, and their slow procs, depend on it), and each proc kept to one intra-op
+# thread on the 2-core CI box, where 2-thread procs contend.
 use_fast_supervision(force=True)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

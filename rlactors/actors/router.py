@@ -15,6 +15,10 @@
 - Failover: a replica whose call fails because its proc or its engine loop died is marked dead
   and the request is retried on a serving replica; a request error (ValueError) goes back to the
   caller. With `generator.restart_dead`, a dead replica that had served is replaced.
+- Dead or slow (`rlactors.liveness`): a replica whose OS process exits is dead at once, its calls
+  in flight failed over; one that stops answering is slow after a few seconds (new requests go to
+  the others while any answers; its own calls wait), and dead only once unresponsive for
+  `unresponsive_timeout_s`. A slow replica that answers again serves again, never restarted.
 - Weights: `update_weights` fans out to every serving replica in parallel. The router keeps the
   latest (version, tensors, checksum) it fanned out so that a restarted replica is brought to the
   current version before it takes requests. Weights that reach the replicas by the trainer's
@@ -38,8 +42,10 @@ import torch
 from monarch.actor import Actor, ActorError, concurrent_endpoint, default_bootstrap_cmd, this_host
 
 from rlactors.actors.generator import Generator
+from rlactors.actors.liveness import watch_procs
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.async_engine import EngineDeadError
+from rlactors.liveness import UNRESPONSIVE_TIMEOUT_S, ProcLost, ProcWatcher, WatchedProc
 from rlactors.placement import cuda_visible_devices, host_of, num_hosts
 from rlactors.types import Completion, SamplingParams
 
@@ -106,11 +112,13 @@ class _Replica:
     routed: int = 0
     completed: int = 0
     version: int | None = None
+    watched: WatchedProc | None = None  # once it is up
 
 
 class GeneratorRouter(Actor):
     def __init__(self, generator_config: GeneratorConfig, model_config: ModelConfig,
-                 gpu_ids: Sequence[Sequence[int]] | None = None, hosts: Any = None):
+                 gpu_ids: Sequence[Sequence[int]] | None = None, hosts: Any = None,
+                 unresponsive_timeout_s: float = UNRESPONSIVE_TIMEOUT_S):
         g = generator_config
         self.hosts = hosts if hosts is not None else this_host()
         self.replicas_per_host = g.replicas // num_hosts(self.hosts)  # they split evenly (Config.validate)
@@ -122,6 +130,7 @@ class GeneratorRouter(Actor):
         self.model_config = model_config
         self.gpu_ids = [list(ids) for ids in gpu_ids] if gpu_ids is not None else None
         self.picker = ReplicaPicker()
+        self.watcher = ProcWatcher(unresponsive_timeout_s)
         self.latest_weights: tuple[int, Mapping[str, torch.Tensor], str | None] | None = None
         self.counters = {"retries": 0, "deaths": 0, "restarts": 0, "failed_restarts": 0, "weight_groups": 0}
         self._spawned = 0
@@ -160,11 +169,12 @@ class GeneratorRouter(Actor):
         return [r for r in self.replicas if r.state is ReplicaState.SERVING]
 
     async def _bring_up(self, replica: _Replica) -> bool:
-        """Waits for a new replica's first answer and brings it to the latest weights fanned out
-        (even if a newer version arrives meanwhile); True once it serves, or, with broadcast
-        sync, once it is up and waits for the next weight group."""
+        """Waits for a new replica's first answer, watches its proc, and brings it to the latest
+        weights fanned out (even if a newer version arrives meanwhile); True once it serves, or,
+        with broadcast sync, once it is up and waits for the next weight group."""
         try:
             replica.version = (await replica.actor.stats.call_one())["version"]
+            await self._watch(replica)
             by_broadcast = self._weight_group is not None
             while not by_broadcast and self.latest_weights is not None and replica.version != self.latest_weights[0]:
                 version, tensors, checksum = self.latest_weights
@@ -180,6 +190,17 @@ class GeneratorRouter(Actor):
         else:
             self._serve(replica)
         return True
+
+    async def _watch(self, replica: _Replica) -> None:
+        """Watches the replica's proc: its calls fail over, and it is dead, once it is lost."""
+        (replica.watched,) = await watch_procs(self.watcher, replica.procs,
+                                               [f"generator replica {replica.index}"])
+        replica.actor = self.watcher.guard(replica.actor, [replica.watched])
+        replica.watched.verdict.add_done_callback(
+            lambda verdict: verdict.cancelled() or self._mark_dead(replica, ProcLost(verdict.result())))
+
+    def _slow(self, replica: _Replica) -> bool:
+        return replica.watched is not None and self.watcher.slow(replica.watched)
 
     def _serve(self, replica: _Replica) -> None:
         replica.state = ReplicaState.SERVING
@@ -201,6 +222,8 @@ class GeneratorRouter(Actor):
             self._restarts[replica.index] = asyncio.create_task(self._restart(replica))
 
     async def _restart(self, dead: _Replica) -> None:
+        if dead.watched is not None:
+            self.watcher.forget(dead.watched)  # stopped on purpose now
         try:
             try:
                 await dead.procs.stop()
@@ -222,7 +245,9 @@ class GeneratorRouter(Actor):
         mesh_name = getattr(failure, "mesh_name", "")
         for replica in self.replicas:
             if mesh_name.startswith(replica.name + "-"):
-                self._mark_dead(replica, RuntimeError(str(failure)))
+                # Its exit, as the pidfd saw it (with the exit status), if that came first.
+                lost = replica.watched and self.watcher.lost(replica.watched)
+                self._mark_dead(replica, ProcLost(lost) if lost else RuntimeError(str(failure)))
         return True  # handled: the router lives on with the other replicas
 
     # -- endpoints --------------------------------------------------------------------------
@@ -237,7 +262,11 @@ class GeneratorRouter(Actor):
         # Bounded, so that a request that kills every engine it reaches cannot loop forever.
         for _ in range(2 * len(self.replicas) + 1):
             loads = [r.in_flight if r.state is ReplicaState.SERVING else None for r in self.replicas]
-            index = self.picker.pick(loads, session_id, frozenset(failed))
+            # Slow replicas get no new request while another serving replica answers.
+            slow = {i for i, r in enumerate(self.replicas) if self._slow(r)}
+            index = self.picker.pick(loads, session_id, frozenset(failed | slow))
+            if index is None:
+                index = self.picker.pick(loads, session_id, frozenset(failed))
             if index is None:
                 if self._restarts:
                     await self._serving.wait()  # a restart is under way
@@ -381,8 +410,9 @@ class GeneratorRouter(Actor):
                 states[replicas.index(replica)] = ReplicaState.DEAD
             else:
                 by_replica[replica] = result
-        per_replica = [{"index": r.index, "state": state.value, "in_flight": r.in_flight, "routed": r.routed,
-                        "completed": r.completed, "version": r.version, "engine": by_replica.get(r)}
+        per_replica = [{"index": r.index, "state": state.value, "slow": self._slow(r), "in_flight": r.in_flight,
+                        "routed": r.routed, "completed": r.completed, "version": r.version,
+                        "engine": by_replica.get(r)}
                        for r, state in zip(replicas, states)]
         return {"replicas": per_replica, "states": {s.value: states.count(s) for s in ReplicaState},
                 "restarting": sorted(self._restarts), "sessions": len(self.picker.sessions), **self.counters}
@@ -390,6 +420,7 @@ class GeneratorRouter(Actor):
     @concurrent_endpoint
     async def close(self) -> None:
         """Closes every live replica's engine and stops all replica procs."""
+        self.watcher.close()  # their exits are expected from here on
         for task in list(self._restarts.values()):
             task.cancel()
         serving = self._serving_replicas()

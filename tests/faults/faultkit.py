@@ -112,3 +112,21 @@ class CliProcess:
 
     def text(self, name: str) -> str:
         return "\n".join(line for _, line in self.lines[name])
+
+
+class Spinners:
+    """`n` processes that spin on the CPU (a busy machine), stopped on exit from the `with`."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Spinners:
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.wait()

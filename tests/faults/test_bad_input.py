@@ -133,6 +133,8 @@ IMPOSSIBLE = [
     (['controller.run_dir=""'], "controller.run_dir"),
     (["controller.seed=-1"], "controller.seed"),
     (["controller.seed=4294967296"], "controller.seed"),  # sampling seeds would overflow 63 bits
+    (["controller.unresponsive_timeout_s=1"], "controller.unresponsive_timeout_s"),  # scheduling noise
+    (["controller.unresponsive_timeout_s=900"], "controller.unresponsive_timeout_s"),  # after Monarch's own
     (['job.scheduler="kubernetes"'], "job.scheduler"),
     (['job.scheduler="process"', 'controller.device="cuda"', 'generator.engine="vllm"'], "job.scheduler"),
     (["job.trainer_hosts=0"], "job.trainer_hosts"),

@@ -177,16 +177,18 @@ def test_trainer_killed_in_step_2_stops_cleanly_and_resume_matches_an_uninterrup
                or cli.proc.poll() is not None, 120, what="step 1's metrics")
     # Step 1 is checkpointed and logged; step 2 is under way (its rollouts take >= 1 s: one hangs
     # until step_timeout_s).
+    pid = _trainer_pid(cli)
     killed_at = time.monotonic()
-    os.kill(_trainer_pid(cli), signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
     code = cli.wait()
     stopped_s = time.monotonic() - killed_at
     stderr = cli.text("stderr")
     assert code == 2, stderr[-3000:]
     assert "Traceback" not in stderr
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "trainer" in last and "--resume" in last, last
-    detected = cli.first_line_after("stderr", killed_at, "unhandled Monarch fault")
+    trainer = f"trainer rank 0 (pid {pid})"
+    assert last.startswith(f"error: step 2: {trainer} exited (signal 9); ") and "--resume" in last, last
+    detected = cli.first_line_after("stderr", killed_at, f"{trainer} exited")
     detection_s = None if detected is None else detected - killed_at
     assert detection_s is not None and detection_s < 2.0, stderr[-3000:]
     assert [m["step"] for m in read_metrics(run_dir)] == [1]

@@ -1,0 +1,311 @@
+"""Liveness: tell a dead proc from a slow one, by construction.
+
+Each watched proc answers pings (the `Liveness` actor of rlactors.actors.liveness, on its own
+thread in the proc) with its machine and OS pid. `ProcWatcher` keeps two facts per proc:
+
+- Exited: on this machine a pidfd turns readable the moment the OS process ends; its wait
+  status (when it can still be read: the proc's parent reaps it at once) gives "exited (signal 9)"
+  or "exited with code 1". Within milliseconds, whatever Monarch is waiting for. A proc on another
+  machine is seen dead by a ping that fails (Monarch's proc status: about a second).
+- Unresponsive: a ping unanswered for `slow_after_s` makes the proc slow (the router routes new
+  requests elsewhere), logged every `report_every_s` with how long it has been silent; one
+  unanswered for `unresponsive_timeout_s` (controller.unresponsive_timeout_s) is lost (and, on this
+  machine, killed). A proc that answers again is back, and says so.
+
+A lost proc's verdict ("trainer rank 0 (pid 123) exited (signal 9)", "... unresponsive for 63 s")
+fails every call made through `guard` at once, with `ProcLost`, while Monarch, whose state queries
+wait much longer (rlactors.supervision), may not have noticed yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_KEY = "controller.unresponsive_timeout_s"  # the setting, named in the verdicts
+UNRESPONSIVE_TIMEOUT_S = 60.0  # its default
+PING_EVERY_S = 1.0
+STATUS_WAIT_S = 1.5  # for Monarch's word on an exit whose status was reaped before it could be read
+SLOW_AFTER_S = 3.0
+REPORT_EVERY_S = 10.0
+
+
+class ProcLost(RuntimeError):
+    """A watched proc exited, or stayed unresponsive past the timeout; the message is the verdict."""
+
+
+def this_machine() -> str:
+    return socket.gethostname()
+
+
+def describe_wait_status(status: int | None) -> str:
+    """'exited (signal 9)', 'exited with code 1', or 'exited' when the wait status was not seen."""
+    if status is None:
+        return "exited (exit status not seen: its parent reaped it first)"
+    if os.WIFSIGNALED(status):
+        return f"exited (signal {os.WTERMSIG(status)})"
+    return f"exited with code {os.waitstatus_to_exitcode(status)}"
+
+
+def describe_failure(error: BaseException) -> str:
+    """A failed ping's cause as an exit where Monarch names one (a proc on another machine)."""
+    text = " ".join(str(error).split())
+    if match := re.search(r"Killed\(sig=(\d+)", text):
+        return f"exited (signal {match.group(1)})"
+    if match := re.search(r"exited with non-zero code (-?\d+)", text):
+        return f"exited with code {match.group(1)}"
+    return f"failed: {text}"
+
+
+def _peek_wait_status(pidfd: int, block: bool) -> int | None:
+    """The wait status of a child of this process, peeked without reaping it (its reaper is
+    Monarch's host agent), or None once reaped or when not a child."""
+    try:
+        result = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOWAIT | (0 if block else os.WNOHANG))
+    except (ChildProcessError, OSError):
+        return None
+    if result is None:
+        return None
+    if result.si_code == os.CLD_EXITED:
+        return (result.si_status & 0xFF) << 8
+    return result.si_status & 0x7F  # killed or dumped: the signal
+
+
+def _read_wait_status(pid: int, pidfd: int) -> int | None:
+    """The wait status of an ended process, while it is still a zombie: peeked (a child), else
+    read from /proc."""
+    if (status := _peek_wait_status(pidfd, block=False)) is not None:
+        return status
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return int(fields[-1]) if fields[0] == "Z" else None  # field 52: exit_code, a wait status
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class WatchedProc:
+    """One OS process under watch: its name, where it runs, and its verdict once lost."""
+
+    def __init__(self, name: str, ping: Callable[[], Awaitable[Any]], verdict: asyncio.Future):
+        self.name = name
+        self.ping = ping
+        self.verdict = verdict  # resolves to the message once the proc is lost
+        self.pid: int | None = None
+        self.machine: str | None = None
+        self.silent_since: float | None = None  # when the unanswered ping was sent
+        self.task: asyncio.Task | None = None
+        self._pidfd: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (pid {self.pid})" if self.pid is not None else self.name
+
+    def silent_s(self, now: float | None = None) -> float:
+        """Seconds its oldest unanswered ping has waited (0 when it answers)."""
+        return 0.0 if self.silent_since is None else (now or time.monotonic()) - self.silent_since
+
+
+class ProcWatcher:
+    """Watches procs for exits and silence (see the module docstring); one per event loop."""
+
+    def __init__(self, unresponsive_timeout_s: float, *, ping_every_s: float = PING_EVERY_S,
+                 slow_after_s: float = SLOW_AFTER_S, report_every_s: float = REPORT_EVERY_S):
+        self.unresponsive_timeout_s = unresponsive_timeout_s
+        self.ping_every_s = ping_every_s
+        self.slow_after_s = slow_after_s
+        self.report_every_s = report_every_s
+        self.procs: list[WatchedProc] = []
+
+    async def watch(self, name: str, ping: Callable[[], Awaitable[dict[str, Any]]]) -> WatchedProc:
+        """Starts watching the proc that `ping()` reaches; its first answer ({'machine', 'pid'})
+        says which OS process that is. Returns once it has answered."""
+        proc = WatchedProc(name, ping, asyncio.get_running_loop().create_future())
+        answer = await ping()
+        proc.pid, proc.machine = int(answer["pid"]), str(answer["machine"])
+        if proc.machine == this_machine():
+            self._watch_exit(proc)
+        proc.task = asyncio.ensure_future(self._ping_loop(proc))
+        self.procs.append(proc)
+        return proc
+
+    def _watch_exit(self, proc: WatchedProc) -> None:
+        try:
+            proc._pidfd = os.pidfd_open(proc.pid)
+        except (ProcessLookupError, PermissionError, OSError) as e:
+            logger.warning("%s: cannot watch its process for exits (%s); relying on pings", proc.label, e)
+            return
+        loop = asyncio.get_running_loop()
+        if _parent_of(proc.pid) == os.getpid():
+            # A thread blocked in waitid is woken by the exit itself, usually before Monarch's
+            # host agent (in this process) reaps the child and its status with it.
+            def peek() -> None:
+                status = _peek_wait_status(pidfd, block=True)
+                if status is not None and proc._pidfd is not None:  # else no longer watched
+                    try:
+                        loop.call_soon_threadsafe(self._conclude, proc, describe_wait_status(status))
+                    except RuntimeError:
+                        pass  # its loop has closed since
+
+            pidfd = proc._pidfd
+            threading.Thread(target=peek, name=f"exit of {proc.label}", daemon=True).start()
+
+        def exited() -> None:
+            loop.remove_reader(proc._pidfd)
+            if proc.verdict.done():
+                return
+            status = _read_wait_status(proc.pid, proc._pidfd)
+            if status is not None:
+                self._conclude(proc, describe_wait_status(status))
+                return
+            # Its parent (Monarch's host agent) reaped it first; Monarch then names the status
+            # to the ping within about a second (_ping_loop), unless its state query was stuck.
+            logger.warning("%s exited; waiting %g s for its exit status", proc.label, STATUS_WAIT_S)
+            loop.call_later(STATUS_WAIT_S, self._conclude, proc, describe_wait_status(None))
+
+        loop.add_reader(proc._pidfd, exited)
+
+    def _conclude(self, proc: WatchedProc, what: str) -> None:
+        if not proc.verdict.done():
+            proc.verdict.set_result(f"{proc.label} {what}")
+            logger.warning("%s %s", proc.label, what)
+
+    async def _ping_loop(self, proc: WatchedProc) -> None:
+        while not proc.verdict.done():
+            proc.silent_since = time.monotonic()
+            answer = asyncio.ensure_future(proc.ping())
+            reported_at = None
+            while not answer.done():
+                await asyncio.wait([answer, proc.verdict], timeout=self.ping_every_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if proc.verdict.done():
+                    answer.cancel()
+                    return
+                silent = proc.silent_s()
+                if silent >= self.unresponsive_timeout_s:
+                    answer.cancel()
+                    self._conclude(proc, f"unresponsive for {silent:.0f} s (alive, but no answer within "
+                                         f"{TIMEOUT_KEY}={self.unresponsive_timeout_s:g})")
+                    if proc._pidfd is not None:
+                        # Lost for good: killed, so that it frees what it holds (a GPU) and its
+                        # procs stop at once instead of after Monarch's graceful wait.
+                        try:
+                            signal.pidfd_send_signal(proc._pidfd, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass  # it has just exited
+                    return
+                if silent >= self.slow_after_s and (reported_at is None or
+                                                    time.monotonic() - reported_at >= self.report_every_s):
+                    reported_at = time.monotonic()
+                    logger.warning("%s unresponsive for %.0f s (counted lost after %s=%g s)", proc.label, silent,
+                                   TIMEOUT_KEY, self.unresponsive_timeout_s)
+            if answer.cancelled():
+                return
+            if answer.exception() is not None:
+                # Monarch found the proc gone (on another machine, the first news of an exit).
+                self._conclude(proc, describe_failure(answer.exception()))
+                return
+            if reported_at is not None:
+                logger.warning("%s answers again after %.0f s", proc.label, proc.silent_s())
+            proc.silent_since = None
+            await asyncio.wait([proc.verdict], timeout=self.ping_every_s)
+
+    def slow(self, proc: WatchedProc) -> bool:
+        """Its ping has waited `slow_after_s` or more (it is not lost yet)."""
+        return proc.silent_s() >= self.slow_after_s
+
+    def lost(self, *procs: WatchedProc) -> str | None:
+        """The verdict of the first of `procs` that is lost, else None."""
+        return next((p.verdict.result() for p in procs if p.verdict.done() and not p.verdict.cancelled()), None)
+
+    async def race(self, call: Awaitable[Any], procs: list[WatchedProc]) -> Any:
+        """`call`'s result, unless one of `procs` is lost first: then ProcLost with its verdict
+        (the call is abandoned). Procs no longer watched do not count."""
+        if (verdict := self.lost(*procs)) is not None:
+            _abandon(call)
+            raise ProcLost(verdict)
+        task = asyncio.ensure_future(call)
+        watching = [p.verdict for p in procs if not p.verdict.done()]
+        while watching and not task.done():
+            await asyncio.wait([task, *watching], return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and (verdict := self.lost(*procs)) is not None:
+                _abandon(task)
+                raise ProcLost(verdict)
+            watching = [v for v in watching if not v.done()]
+        return await task
+
+    def guard(self, actor: Any, procs: list[WatchedProc]) -> Any:
+        """`actor` (an actor mesh) whose endpoint calls fail with ProcLost once one of `procs` is lost."""
+        return _Guarded(actor, self, procs)
+
+    def forget(self, proc: WatchedProc) -> None:
+        """Stops watching `proc` (a proc about to be stopped on purpose)."""
+        if proc.task is not None:
+            proc.task.cancel()
+        if proc._pidfd is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(proc._pidfd)
+            except RuntimeError:
+                pass  # no loop: nothing registered any more
+            os.close(proc._pidfd)
+            proc._pidfd = None
+        if not proc.verdict.done():
+            proc.verdict.cancel()
+        if proc in self.procs:
+            self.procs.remove(proc)
+
+    def close(self) -> None:
+        """Stops watching every proc (before stopping them: their exits are then expected)."""
+        for proc in list(self.procs):
+            self.forget(proc)
+
+
+def _abandon(call: Any) -> None:
+    if isinstance(call, asyncio.Future):
+        call.cancel()
+        call.add_done_callback(lambda f: f.cancelled() or f.exception())  # abandoned, not an error
+    elif asyncio.iscoroutine(call):
+        call.close()
+
+
+class _GuardedEndpoint:
+    def __init__(self, endpoint: Any, watcher: ProcWatcher, procs: list[WatchedProc]):
+        self._endpoint, self._watcher, self._procs = endpoint, watcher, procs
+
+    async def call(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._watcher.race(self._endpoint.call(*args, **kwargs), self._procs)
+
+    async def call_one(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._watcher.race(self._endpoint.call_one(*args, **kwargs), self._procs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._endpoint, name)
+
+
+class _Guarded:
+    """An actor mesh seen through `ProcWatcher.guard`."""
+
+    def __init__(self, actor: Any, watcher: ProcWatcher, procs: list[WatchedProc]):
+        self._actor, self._watcher, self._procs = actor, watcher, procs
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._actor, name)
+        if hasattr(attr, "call_one"):
+            return _GuardedEndpoint(attr, self._watcher, self._procs)
+        return attr

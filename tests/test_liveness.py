@@ -1,0 +1,100 @@
+"""rlactors.liveness without Monarch: a real child process for exits (with their status), pings
+that a test answers or withholds for silence, and calls failed by a lost proc's verdict."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from rlactors.liveness import ProcLost, ProcWatcher, describe_failure, describe_wait_status, this_machine
+
+
+def test_wait_statuses_and_monarch_failures_are_named():
+    assert describe_wait_status(signal.SIGKILL) == "exited (signal 9)"
+    assert describe_wait_status(3 << 8) == "exited with code 3"
+    assert describe_wait_status(None).startswith("exited (exit status not seen")
+    monarch = ("The actor <root>.<W w0{'gpus': 0/1}> and all its descendants have failed: the process this actor "
+               "was running on failed: Killed(sig=9)")
+    assert describe_failure(RuntimeError(monarch)) == "exited (signal 9)"
+    assert describe_failure(RuntimeError("... exited with non-zero code 7")) == "exited with code 7"
+    assert describe_failure(RuntimeError("boom\n  here")) == "failed: boom here"
+
+
+class Pinged:
+    """A ping for `pid` that answers at once unless `silent` is set."""
+
+    def __init__(self, pid: int):
+        self.pid, self.silent = pid, asyncio.Event()
+
+    async def __call__(self):
+        if self.silent.is_set():
+            await asyncio.Event().wait()  # never answers
+        return {"machine": this_machine(), "pid": self.pid}
+
+
+def _child(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+@pytest.mark.parametrize(("code", "kill", "verdict"), [
+    ("import time; time.sleep(60)", True, "exited (signal 9)"),
+    ("import sys, time; time.sleep(0.5); sys.exit(3)", False, "exited with code 3"),
+])
+def test_an_exit_is_the_verdict_at_once_with_its_status_and_fails_pending_calls(code, kill, verdict):
+    child = _child(code)
+
+    async def main():
+        watcher = ProcWatcher(60.0)
+        proc = await watcher.watch("worker", Pinged(child.pid))
+        pending = asyncio.ensure_future(watcher.race(asyncio.Event().wait(), [proc]))
+        if kill:
+            os.kill(child.pid, signal.SIGKILL)
+        with pytest.raises(ProcLost) as lost:
+            await asyncio.wait_for(pending, 10)
+        # A call made after the verdict fails before it starts.
+        with pytest.raises(ProcLost):
+            await watcher.race(asyncio.sleep(0), [proc])
+        watcher.close()
+        return str(lost.value)
+
+    try:
+        assert asyncio.run(main()) == f"worker (pid {child.pid}) {verdict}"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_silent_proc_is_slow_then_lost_and_killed_after_the_timeout(caplog):
+    child = _child("import time; time.sleep(60)")
+
+    async def main():
+        watcher = ProcWatcher(1.5, ping_every_s=0.05, slow_after_s=0.3, report_every_s=10.0)
+        ping = Pinged(child.pid)
+        proc = await watcher.watch("worker", ping)
+        ping.silent.set()
+        await asyncio.sleep(0.1)
+        assert not watcher.slow(proc)
+        await asyncio.sleep(0.5)
+        assert watcher.slow(proc) and watcher.lost(proc) is None  # slow, not lost
+        with pytest.raises(ProcLost) as raised:
+            await asyncio.wait_for(watcher.race(asyncio.Event().wait(), [proc]), 10)
+        watcher.close()
+        return str(raised.value)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="rlactors.liveness"):
+            message = asyncio.run(main())
+        assert child.wait(10) == -signal.SIGKILL  # lost for good: killed by the watcher
+    finally:
+        child.kill()
+        child.wait()
+    assert message.startswith(f"worker (pid {child.pid}) unresponsive for ") and \
+        message.endswith("(alive, but no answer within controller.unresponsive_timeout_s=1.5)")
+    said = [r.getMessage() for r in caplog.records]
+    assert any(f"worker (pid {child.pid}) unresponsive for 0 s (counted lost after" in line for line in said), said

@@ -22,9 +22,12 @@ is scored on the env's eval split (rlactors.evaluation): in sync mode before the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
+import os
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Sequence
@@ -37,10 +40,10 @@ from monarch.actor import ActorError
 
 from rlactors.config import Config, ConfigError, dump_toml, read_toml
 from rlactors.evaluation import Evaluator, eval_due, eval_samples
-from rlactors.liveness import ProcLost, ProcWatcher
+from rlactors.liveness import ProcLost, ProcWatcher, this_machine, with_descendants
 from rlactors.losses import LossNorm
 from rlactors.metrics import EnvErrorLog, MetricsLogger, WandbSink, check_wandb
-from rlactors.placement import Hosts, allocate_hosts, first_value, gpu_layout
+from rlactors.placement import Hosts, allocate_hosts, first_value, gpu_layout, host_name
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.env import SampleStream, load_env
 from rlactors.rollout.producer import RolloutProducer
@@ -55,6 +58,8 @@ from rlactors.weight_sync.sync import BroadcastStuck, NoReplicaUp, WeightSync, W
 logger = logging.getLogger(__name__)
 
 CONTROLLER_STATE = "controller_state.json"
+# How long shutdown waits for the gateway, router and procs to stop before it kills the procs.
+SHUTDOWN_WAIT_S = 60.0
 # Settings a resumed run must keep: another env or seed would make it a different run.
 FIXED_ON_RESUME = ("env.name", "env.args", "controller.seed")
 # What to try when steps train nothing because every group's rewards are equal.
@@ -102,6 +107,7 @@ class Controller:
         self.interrupt_report: str | None = None  # the line that says what Ctrl-C kept
         self._faults: list[str] = []
         self._procs: list[Any] = []
+        self._replica_pids: set[int] = set()  # replicas' OS processes on this machine (_router_stats)
         self.watcher = ProcWatcher(config.controller.unresponsive_timeout_s)  # tells dead procs from slow ones
         self._hosts: Hosts | None = None
         self._generator_busy: tuple[float, float] | None = None  # (time, busy seconds of all replicas)
@@ -180,7 +186,7 @@ class Controller:
 
     async def _print_placement(self, ranks: list[dict[str, Any]]) -> None:
         """One line: the host of each trainer rank and of each generator replica, in order."""
-        stats = await self.router.stats.call_one()
+        stats = await self._router_stats()
         replica_hosts = [r["engine"]["host"] if r["engine"] else r["state"] for r in stats["replicas"]]
         print(f"trainer ranks on {', '.join(r['host'] for r in ranks)}; "
               f"generator replicas on {', '.join(replica_hosts)}", flush=True)
@@ -252,7 +258,26 @@ class Controller:
         print(f"resumed from {path} at step {self.step} (policy version {self.policy_version})", flush=True)
 
     async def shutdown(self) -> None:
+        """Stops the gateway, the router and the procs. A proc still inside a call that does not
+        return (a collective whose peer died, say) is killed after SHUTDOWN_WAIT_S, with every
+        process under it (the replicas' procs), so that the run's last line is never held back
+        by its own shutdown."""
+        local = [(p.label, p.pid) for p in self.watcher.procs if p.pid is not None and p.machine == this_machine()]
         self.watcher.close()  # the procs' exits are expected from here on
+        try:
+            await asyncio.wait_for(self._stop(), SHUTDOWN_WAIT_S)
+        except TimeoutError:
+            for pid in with_descendants([pid for _, pid in local] + sorted(self._replica_pids)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            killed = [label for label, _ in local] + [f"replica pid {pid}" for pid in sorted(self._replica_pids)]
+            print(f"warning: the procs did not stop within {SHUTDOWN_WAIT_S:.0f} s; killed "
+                  f"{', '.join(killed) or 'none (none of them runs on this machine)'}", file=sys.stderr, flush=True)
+        finally:
+            if self._hosts is not None:
+                self._hosts.release()
+
+    async def _stop(self) -> None:
         if self.gateway is not None:
             await self.gateway.stop()
         if self.router is not None:
@@ -265,8 +290,6 @@ class Controller:
                 await procs.stop()
             except Exception as e:  # noqa: BLE001
                 logger.warning("stopping procs failed: %s", e)
-        if self._hosts is not None:
-            self._hosts.release()
 
     async def _lost(self, error: BaseException) -> str:
         """What was lost: the watcher's verdict ("trainer rank 0 (pid 7) exited (signal 9)"), which
@@ -565,8 +588,16 @@ class Controller:
                                 f"{self._last_checkpoint()}") from None
         return Path(first_value(path))
 
-    async def _generator_metrics(self) -> dict[str, float]:
+    async def _router_stats(self) -> dict[str, Any]:
+        """The router's stats; notes the OS processes of the replicas that run on this machine,
+        which a stuck shutdown kills (`shutdown`)."""
         stats = await self.router.stats.call_one()
+        self._replica_pids |= {r["engine"]["pid"] for r in stats["replicas"]
+                               if r["engine"] is not None and r["engine"]["host"] == host_name()}
+        return stats
+
+    async def _generator_metrics(self) -> dict[str, float]:
+        stats = await self._router_stats()
         serving = stats["states"]["serving"]
         metrics = {"generator/serving_replicas": float(serving),
                    "generator/dead_replicas": float(stats["states"]["dead"]),

@@ -100,6 +100,19 @@ def _parent_of(pid: int) -> int | None:
         return None
 
 
+def with_descendants(pids: list[int]) -> list[int]:
+    """`pids` and every process started under them (a replica's proc under the router's, vLLM's
+    engine processes under a replica's), parents first (Linux /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (parent := _parent_of(int(entry))) is not None:
+            parents[int(entry)] = parent
+    found = list(pids)
+    for pid in found:  # grows as children are found
+        found += [child for child, parent in parents.items() if parent == pid and child not in found]
+    return found
+
+
 class WatchedProc:
     """One OS process under watch: its name, where it runs, and its verdict once lost."""
 

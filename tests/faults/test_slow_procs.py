@@ -14,8 +14,9 @@ import signal
 import time
 
 import pytest
-from faultkit import Spinners, run_cli, small_run_overrides
+from faultkit import Spinners, run_cli, small_run_overrides, wait_until
 
+import rlactors.controller as controller_module
 from rlactors.config import load_config
 from rlactors.controller import Controller, TrainingError
 from rlactors.metrics import read_metrics
@@ -262,3 +263,38 @@ def test_a_cpu_demo_run_completes_on_a_3x_oversubscribed_machine(tiny_ckpt, tmp_
     assert "likely crashed" not in done.stderr and " exited" not in done.stderr, done.stderr[-3000:]
     fault_record("busy machine", f"the CPU demo config (3 steps) beside {spinners} spinning processes on "
                  f"{os.cpu_count()} cores", None, "nothing: the run completed", wall_s=wall_s)
+
+
+class StopNeverReturns(Controller):
+    """A shutdown whose router close and proc stops never return, as when a proc is inside a
+    collective whose peer died."""
+
+    async def _stop(self) -> None:
+        await asyncio.Event().wait()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_shutdown_that_never_returns_kills_the_procs_after_its_wait(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(controller_module, "SHUTDOWN_WAIT_S", 2.0)
+    controller = StopNeverReturns(load_config(None, small_run_overrides(tiny_ckpt, tmp_path)))
+
+    async def start_then_shut_down():
+        await controller.start()
+        procs = {p.name: p.pid for p in controller.watcher.procs}
+        replica = (await controller.router.stats.call_one())["replicas"][0]["engine"]["pid"]
+        start = time.monotonic()
+        await controller.shutdown()
+        return procs, replica, time.monotonic() - start
+
+    procs, replica, took = asyncio.run(start_then_shut_down())
+    assert set(procs) == {"trainer rank 0", "generator router"} and took < 10, (procs, took)
+    # The replica's proc (started by this process's host agent, as the others) goes too.
+    wait_until(lambda: not any(_running(pid) for pid in [*procs.values(), replica]), 30, 0.1, "every proc gone")
+    assert (f"warning: the procs did not stop within 2 s; killed trainer rank 0 (pid {procs['trainer rank 0']}), "
+            f"generator router (pid {procs['generator router']}), replica pid {replica}") in capsys.readouterr().err

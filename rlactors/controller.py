@@ -39,7 +39,7 @@ from rlactors.config import Config, ConfigError, dump_toml
 from rlactors.evaluation import Evaluator, eval_due, eval_samples
 from rlactors.losses import LossNorm
 from rlactors.metrics import EnvErrorLog, MetricsLogger, WandbSink, check_wandb
-from rlactors.placement import Hosts, allocate_hosts, first_value, gpu_layout
+from rlactors.placement import Hosts, NoHosts, allocate_hosts, first_value, gpu_layout
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.env import SampleStream, load_env
 from rlactors.rollout.producer import RolloutProducer
@@ -101,6 +101,7 @@ class Controller:
         self._faults: list[str] = []
         self._procs: list[Any] = []
         self._hosts: Hosts | None = None
+        self.hosts_lost: str | None = None  # what took the job's hosts away mid-run (a cancelled Slurm job)
         self._generator_busy: tuple[float, float] | None = None  # (time, busy seconds of all replicas)
         self.evaluator: Evaluator | None = None  # with controller.eval_every
         self._eval_tasks: dict[int, asyncio.Task] = {}  # async mode: evals running beside training
@@ -153,7 +154,10 @@ class Controller:
 
         device = c.controller.device
         replica_gpus = gpu_layout(c)[1] if device == "cuda" else None
-        self._hosts = allocate_hosts(c.job)
+        try:
+            self._hosts = allocate_hosts(c.job, gpus=device == "cuda", log_dir=self.run_dir / "slurm")
+        except NoHosts as e:
+            raise TrainingError(f"job.scheduler: {e}") from None
         trainer_procs, self.trainer, ranks = await spawn_trainer(self._hosts.trainers, c.model, c.trainer, device,
                                                                  generator_engine=c.generator.engine)
         router_procs = this_host().spawn_procs(per_host={"procs": 1})
@@ -233,6 +237,9 @@ class Controller:
         print(f"resumed from {path} at step {self.step} (policy version {self.policy_version})", flush=True)
 
     async def shutdown(self) -> None:
+        if self.hosts_lost:  # nothing there answers: a call to what ran there would wait for Monarch's timeouts
+            self._hosts.release()
+            return
         if self.router is not None:
             try:
                 await self.router.close.call_one()
@@ -300,7 +307,7 @@ class Controller:
         checkpoint exists; `interrupt_report` says what was kept."""
         try:
             await self.start()
-            return await self.train()
+            return await self._while_hosts_hold(self.train())
         except RunComplete as complete:
             print(complete, flush=True)
             return []
@@ -309,6 +316,26 @@ class Controller:
             raise
         finally:
             await self.shutdown()
+
+    async def _while_hosts_hold(self, training: Awaitable[list[dict[str, float]]]) -> list[dict[str, float]]:
+        """Runs `training`, but stops the run as soon as the job's hosts are gone (its Slurm job
+        cancelled or out of time): Monarch would notice only when its calls to them time out."""
+        train = asyncio.ensure_future(training)
+        lost = asyncio.ensure_future(self._hosts.wait_lost())
+        try:
+            await asyncio.wait({train, lost}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # Ctrl-C: training ends as it would alone (its step completes)
+            train.cancel()
+            return await train
+        finally:
+            lost.cancel()
+        if train.done():
+            return train.result()
+        self.hosts_lost = lost.result()
+        train.cancel()
+        await asyncio.wait({train})
+        raise TrainingError(f"step {self.step + 1}: {self.hosts_lost}; {self._last_checkpoint()}; "
+                            "continue with --resume")
 
     async def _keep_last_step(self) -> None:
         """After Ctrl-C: saves the last completed step unless its checkpoint is complete, and says
@@ -353,8 +380,10 @@ class Controller:
                 await self._evaluate_if_due(self.step)
             await self._finish_evals()
         except SupervisionError as e:
-            # A proc died (trainer or router): stop with what died and where to resume from.
-            raise TrainingError(f"step {self.step + 1}: {' '.join(str(e).split())}; {self._last_checkpoint()}; "
+            # A proc died (trainer or router), or the job's hosts went away: stop with what died
+            # and where to resume from.
+            cause = self._hosts.lost() or ' '.join(str(e).split())
+            raise TrainingError(f"step {self.step + 1}: {cause}; {self._last_checkpoint()}; "
                                 "continue with --resume") from None
         finally:
             try:
@@ -386,6 +415,9 @@ class Controller:
             return await asyncio.shield(finish)
         except asyncio.CancelledError:
             if not finish.done():
+                if self.hosts_lost:  # the step cannot complete: its trainer and generators are gone
+                    finish.cancel()
+                    raise
                 print(f"interrupted: completing step {step}, whose update has begun (Ctrl-C again to quit at once)",
                       file=sys.stderr, flush=True)
                 await finish

@@ -155,13 +155,13 @@ class Controller:
         device = c.controller.device
         replica_gpus = gpu_layout(c)[1] if device == "cuda" else None
         try:
-            self._hosts = allocate_hosts(c.job, gpus=device == "cuda", log_dir=self.run_dir / "slurm")
+            self._hosts = await allocate_hosts(c.job, gpus=device == "cuda", log_dir=self.run_dir / "slurm")
         except NoHosts as e:
             raise TrainingError(f"job.scheduler: {e}") from None
         trainer_procs, self.trainer, ranks = await spawn_trainer(self._hosts.trainers, c.model, c.trainer, device,
                                                                  generator_engine=c.generator.engine)
         router_procs = this_host().spawn_procs(per_host={"procs": 1})
-        self._procs = [trainer_procs, router_procs]
+        self._procs = [trainer_procs, router_procs]  # the router's last: on this host
         self.router = router_procs.spawn("router", GeneratorRouter, c.generator, c.model, replica_gpus,
                                          self._hosts.generators)
         await self._print_placement(ranks)
@@ -237,15 +237,14 @@ class Controller:
         print(f"resumed from {path} at step {self.step} (policy version {self.policy_version})", flush=True)
 
     async def shutdown(self) -> None:
-        if self.hosts_lost:  # nothing there answers: a call to what ran there would wait for Monarch's timeouts
-            self._hosts.release()
-            return
-        if self.router is not None:
+        # Once the job's hosts are lost nothing on them answers, and a call there would wait for
+        # Monarch's timeouts: then only the procs on this host (the router's) are stopped.
+        if self.router is not None and not self.hosts_lost:
             try:
                 await self.router.close.call_one()
             except Exception as e:  # noqa: BLE001 - shutting down: report and go on
                 logger.warning("router close failed: %s", e)
-        for procs in self._procs:
+        for procs in self._procs[-1:] if self.hosts_lost else self._procs:
             try:
                 await procs.stop()
             except Exception as e:  # noqa: BLE001

@@ -106,7 +106,7 @@ class NoHosts(RuntimeError):
     """The job's hosts could not be had (a Slurm job refused, or ended before it started)."""
 
 
-def allocate_hosts(job: JobConfig, gpus: bool, log_dir: Path) -> Hosts:
+async def allocate_hosts(job: JobConfig, gpus: bool, log_dir: Path) -> Hosts:
     """The host meshes of `job`: this host for both, or a job's named host meshes (the trainer
     mesh for both when job.generator_hosts is 0). A Slurm job asks for job.gpus_per_host GPUs a
     node when `gpus`, and its workers write their output to `log_dir`."""
@@ -128,6 +128,8 @@ def allocate_hosts(job: JobConfig, gpus: bool, log_dir: Path) -> Hosts:
                                gpus_per_node=job.gpus_per_host if gpus else None,
                                partition=job.partition or None, time_limit=job.time_limit or None)
     try:
+        if job.scheduler == "slurm":
+            await monarch_job.submit_and_wait()
         state = monarch_job.state(cached_path=None)
         trainers = getattr(state, TRAINER_MESH)
         return Hosts(trainers, getattr(state, GENERATOR_MESH) if job.generator_hosts else trainers, monarch_job)

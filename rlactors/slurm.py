@@ -12,6 +12,7 @@ Two differences from Monarch 0.7's own:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 from typing import Any
@@ -45,6 +46,19 @@ class SlurmJob(MonarchSlurmJob):
     def __init__(self, meshes: dict[str, int], **kwargs: Any) -> None:
         super().__init__(meshes, **kwargs)
         enable_transport(f"tcp://{local_address()}:0")
+
+    async def submit_and_wait(self, every_s: float = 2.0) -> None:
+        """Submits the job (sbatch) and returns once it runs; a cancel (Ctrl-C) ends the wait in
+        the queue at once (Monarch's own wait, in `state`, would hold the event loop)."""
+        self.apply()
+        while True:
+            info = await asyncio.to_thread(self._get_job_info_json, self._slurm_job_id)
+            states = info["job_state"] if info else ["gone from the queue"]
+            if "RUNNING" in states:
+                return
+            if info is None or set(states) & _ENDED:
+                raise RuntimeError(f"the Slurm job {self._slurm_job_id} ended in the queue ({', '.join(states)})")
+            await asyncio.sleep(every_s)
 
     def ended(self) -> str | None:
         """What ended the allocation ('the Slurm job 7 ended: CANCELLED'); None while it runs, or

@@ -2,6 +2,7 @@
 tests/test_e2e.py, Slurm in tests/test_slurm.py; here a stand-in SlurmJob checks what the config
 asks of it, and the squeue output of two Slurm versions is read."""
 
+import asyncio
 import json
 import socket
 import subprocess
@@ -23,32 +24,38 @@ class RecordingSlurmJob:
     """Takes SlurmJob's arguments and hands out two named host meshes (or fails on `state`)."""
 
     made: list["RecordingSlurmJob"] = []
-    fail_state = False
+    fail_submit = False
 
     def __init__(self, meshes, **kwargs):
         self.meshes, self.kwargs, self.kills = meshes, kwargs, 0
         RecordingSlurmJob.made.append(self)
 
+    async def submit_and_wait(self):
+        if RecordingSlurmJob.fail_submit:
+            raise RuntimeError("Failed to submit SLURM job: sbatch: error: invalid partition specified: h100")
+
     def state(self, cached_path):
         assert cached_path is None
-        if RecordingSlurmJob.fail_state:
-            raise RuntimeError("Failed to submit SLURM job: sbatch: error: invalid partition specified: h100")
         return SimpleNamespace(**{name: f"{name} host mesh" for name in self.meshes})
 
     def kill(self):
         self.kills += 1
 
 
+def _allocate(job: JobConfig, gpus: bool):
+    return asyncio.run(allocate_hosts(job, gpus=gpus, log_dir=LOGS))
+
+
 @pytest.fixture
 def slurm(monkeypatch):
-    RecordingSlurmJob.made, RecordingSlurmJob.fail_state = [], False
+    RecordingSlurmJob.made, RecordingSlurmJob.fail_submit = [], False
     monkeypatch.setattr(rlactors.slurm, "SlurmJob", RecordingSlurmJob)
     return RecordingSlurmJob
 
 
 def test_slurm_job_gets_the_configs_meshes_and_resources_and_is_released_once(slurm):
-    hosts = allocate_hosts(JobConfig(scheduler="slurm", trainer_hosts=2, generator_hosts=1, gpus_per_host=8,
-                                     partition="h200", time_limit="04:00:00"), gpus=True, log_dir=LOGS)
+    hosts = _allocate(JobConfig(scheduler="slurm", trainer_hosts=2, generator_hosts=1, gpus_per_host=8,
+                                partition="h200", time_limit="04:00:00"), gpus=True)
     (job,) = slurm.made
     assert job.meshes == {"trainers": 2, "generators": 1}
     assert job.kwargs == {"python_exe": sys.executable, "job_name": "rlactors", "log_dir": str(LOGS),
@@ -58,21 +65,21 @@ def test_slurm_job_gets_the_configs_meshes_and_resources_and_is_released_once(sl
     hosts.release()
     assert job.kills == 1
     # No partition or time limit: the cluster's defaults; a CPU run asks for no GPUs.
-    allocate_hosts(JobConfig(scheduler="slurm"), gpus=False, log_dir=LOGS)
+    _allocate(JobConfig(scheduler="slurm"), gpus=False)
     assert [slurm.made[1].kwargs[k] for k in ("partition", "time_limit", "gpus_per_node")] == [None, None, None]
 
 
 def test_generators_on_the_trainer_hosts_are_one_mesh_of_the_trainer_hosts(slurm):
-    hosts = allocate_hosts(JobConfig(scheduler="slurm", trainer_hosts=2, generator_hosts=0), gpus=True, log_dir=LOGS)
+    hosts = _allocate(JobConfig(scheduler="slurm", trainer_hosts=2, generator_hosts=0), gpus=True)
     assert slurm.made[0].meshes == {"trainers": 2}
     assert hosts.trainers == hosts.generators == "trainers host mesh"
 
 
 def test_a_slurm_job_that_fails_to_start_is_killed_and_says_why(slurm):
-    slurm.fail_state = True
+    slurm.fail_submit = True
     with pytest.raises(NoHosts, match=r"^the Slurm job did not start: Failed to submit SLURM job: sbatch: error: "
                                       r"invalid partition specified: h100$"):
-        allocate_hosts(JobConfig(scheduler="slurm"), gpus=True, log_dir=LOGS)
+        _allocate(JobConfig(scheduler="slurm"), gpus=True)
     assert slurm.made[0].kills == 1
 
 

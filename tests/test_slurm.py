@@ -137,14 +137,19 @@ def _job_processes(job: str) -> list[str]:
     return found
 
 
+def _job_state(job: str) -> str:
+    """Slurm's state of job `job` ('' once it has left the queue)."""
+    return subprocess.run(["squeue", "--noheader", "--states=all", "--job", job, "--format=%T"],
+                          capture_output=True, text=True).stdout.strip()
+
+
 def _assert_released(job: str, timeout: float = 60) -> None:
     """Slurm job `job` holds no node and leaves no process (Slurm's KillWait is 5 s)."""
     deadline = time.monotonic() + timeout
     while True:
-        state = subprocess.run(["squeue", "--noheader", "--states=all", "--job", job, "--format=%T"],
-                               capture_output=True, text=True).stdout.split()
+        state = _job_state(job)
         left = _job_processes(job)
-        if not left and not set(state) & {"PENDING", "RUNNING", "COMPLETING"}:
+        if not left and state not in ("PENDING", "RUNNING", "COMPLETING"):
             return
         assert time.monotonic() < deadline, f"job {job} ({state}) not released within {timeout} s: {left}"
         time.sleep(0.5)
@@ -196,6 +201,24 @@ def test_ctrl_c_saves_the_last_step_and_releases_the_allocation(cli, tmp_path):
     assert code == 130, err[-3000:]
     assert "interrupted after step" in err and "continue with --resume" in err
     _assert_released(job)
+
+
+def test_ctrl_c_while_the_job_waits_in_the_queue_cancels_it(cli, tmp_path):
+    holder = subprocess.run(["sbatch", "--parsable", "--exclusive", "--output=/dev/null", "--wrap=sleep 300"],
+                            capture_output=True, text=True, check=True).stdout.strip()  # takes the only node
+    try:
+        run = cli(*_overrides(tmp_path / "run", *ON_SLURM))
+        job = run.job_id()
+        assert _job_state(job) == "PENDING"
+        run.proc.send_signal(signal.SIGINT)
+        code, _, err = run.wait()
+        assert code == 130, err[-3000:]
+        assert err.strip().splitlines()[-1] == ("interrupted before step 1 completed: nothing is saved; start the "
+                                                "run again (without --resume)")
+        _assert_released(job)
+    finally:
+        subprocess.run(["scancel", holder], check=True)
+    _assert_released(holder)
 
 
 def test_a_run_that_fails_on_its_hosts_releases_the_allocation(cli, tmp_path):

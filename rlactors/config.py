@@ -247,26 +247,38 @@ class MetricsConfig(_Section):
 class JobConfig(_Section):
     """Where the meshes run. 'local': every proc on this host. 'process': each host is a worker
     process of a Monarch ProcessJob on this machine (CPU: tries a multi-host layout, and the tests
-    run one). 'slurm': the hosts of a Monarch SlurmJob, one sbatch allocation for the run."""
+    run one). 'slurm': the hosts of a Monarch SlurmJob, one sbatch allocation for the run, of
+    trainer_hosts + generator_hosts nodes."""
 
     scheduler: Literal["local", "process", "slurm"] = "local"
     trainer_hosts: int = 1  # trainer.ranks are split evenly over them
-    generator_hosts: int = 1  # generator.replicas are split evenly over them
+    # generator.replicas are split evenly over them; 0: over the trainer hosts, after their ranks' GPUs
+    generator_hosts: int = 1
     gpus_per_host: int = 8  # slurm: GPUs each node is asked for
     partition: str = ""  # slurm; "" = the cluster's default
     time_limit: str = ""  # slurm, HH:MM:SS; "" = the partition's default
 
+    @property
+    def shares_hosts(self) -> bool:
+        """The generator replicas run on the trainer's hosts."""
+        return self.scheduler == "local" or self.generator_hosts == 0
+
+    @property
+    def replica_hosts(self) -> int:
+        """The hosts the generator replicas are split over."""
+        return self.generator_hosts or self.trainer_hosts
+
     def validate(self, key: str) -> None:
-        for name in ("trainer_hosts", "generator_hosts", "gpus_per_host"):
+        for name, least in (("trainer_hosts", 1), ("generator_hosts", 0), ("gpus_per_host", 1)):
             value = getattr(self, name)
-            _check(value >= 1, f"{key}.{name}", f"must be >= 1, got {value}")
+            _check(value >= least, f"{key}.{name}", f"must be >= {least}, got {value}")
         _check(not any(ch.isspace() for ch in self.partition), f"{key}.partition",
                f"must be a partition name, got {self.partition!r}")
         _check(not self.time_limit or re.fullmatch(r"(\d+-)?\d+(:\d\d){0,2}", self.time_limit) is not None,
                f"{key}.time_limit", f"expected Slurm's [D-]HH:MM:SS (or MM, HH:MM), got {self.time_limit!r}")
         if self.scheduler == "local":
-            for name in ("trainer_hosts", "generator_hosts"):
-                _check(getattr(self, name) == 1, f"{key}.{name}",
+            for name, allowed in (("trainer_hosts", (1,)), ("generator_hosts", (0, 1))):
+                _check(getattr(self, name) in allowed, f"{key}.{name}",
                        "scheduler 'local' runs on this host only: set job.scheduler to 'process' or 'slurm'")
 
 
@@ -335,8 +347,10 @@ class Config:
         j = c.job
         _check(c.trainer.ranks % j.trainer_hosts == 0, "trainer.ranks",
                f"{c.trainer.ranks} ranks do not split evenly over job.trainer_hosts={j.trainer_hosts}")
-        _check(c.generator.replicas % j.generator_hosts == 0, "generator.replicas",
-               f"{c.generator.replicas} replicas do not split evenly over job.generator_hosts={j.generator_hosts}")
+        hosts = f"job.generator_hosts={j.generator_hosts}" if j.generator_hosts else \
+            f"the job.trainer_hosts={j.trainer_hosts} (job.generator_hosts=0)"
+        _check(c.generator.replicas % j.replica_hosts == 0, "generator.replicas",
+               f"{c.generator.replicas} replicas do not split evenly over {hosts}")
         _check(c.generator.weight_sync != "broadcast" or not c.controller.colocate, "generator.weight_sync",
                "'broadcast' needs generators on GPUs of their own (controller.colocate is set)")
         # vLLM runs our own model in true on-policy mode (rlactors.engines.vllm_model), unsharded.

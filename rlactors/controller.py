@@ -43,7 +43,7 @@ from rlactors.evaluation import Evaluator, eval_due, eval_samples
 from rlactors.liveness import ProcLost, ProcWatcher, this_machine, with_descendants
 from rlactors.losses import LossNorm
 from rlactors.metrics import EnvErrorLog, MetricsLogger, WandbSink, check_wandb
-from rlactors.placement import Hosts, allocate_hosts, first_value, gpu_layout, host_name
+from rlactors.placement import Hosts, NoHosts, allocate_hosts, first_value, gpu_layout, host_name
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.env import SampleStream, load_env
 from rlactors.rollout.producer import RolloutProducer
@@ -110,6 +110,7 @@ class Controller:
         self._replica_pids: set[int] = set()  # replicas' OS processes on this machine (_router_stats)
         self.watcher = ProcWatcher(config.controller.unresponsive_timeout_s)  # tells dead procs from slow ones
         self._hosts: Hosts | None = None
+        self.hosts_lost: str | None = None  # what took the job's hosts away mid-run (a cancelled Slurm job)
         self._generator_busy: tuple[float, float] | None = None  # (time, busy seconds of all replicas)
         self.evaluator: Evaluator | None = None  # with controller.eval_every
         self._eval_tasks: dict[int, asyncio.Task] = {}  # async mode: evals running beside training
@@ -162,11 +163,14 @@ class Controller:
 
         device = c.controller.device
         replica_gpus = gpu_layout(c)[1] if device == "cuda" else None
-        self._hosts = allocate_hosts(c.job)
+        try:
+            self._hosts = await allocate_hosts(c.job, gpus=device == "cuda", log_dir=self.run_dir / "slurm")
+        except NoHosts as e:
+            raise TrainingError(f"job.scheduler: {e}") from None
         trainer_procs, trainer, ranks = await spawn_trainer(self._hosts.trainers, c.model, c.trainer, device,
                                                             generator_engine=c.generator.engine)
         router_procs = this_host().spawn_procs(per_host={"procs": 1})
-        self._procs = [trainer_procs, router_procs]
+        self._procs = [trainer_procs, router_procs]  # the router's last: on this host
         router = router_procs.spawn("router", GeneratorRouter, c.generator, c.model, replica_gpus,
                                     self._hosts.generators, c.controller.unresponsive_timeout_s)
         # Calls to a proc that exits (or stays unresponsive past the timeout) fail at once with ProcLost.
@@ -274,18 +278,25 @@ class Controller:
             print(f"warning: the procs did not stop within {SHUTDOWN_WAIT_S:.0f} s; killed "
                   f"{', '.join(killed) or 'none (none of them runs on this machine)'}", file=sys.stderr, flush=True)
         finally:
-            if self._hosts is not None:
-                self._hosts.release()
+            self.release_hosts()
+
+    def release_hosts(self) -> None:
+        """Ends the job's worker processes or its Slurm allocation (idempotent); also called by a
+        second Ctrl-C, which quits without a shutdown."""
+        if self._hosts is not None:
+            self._hosts.release()
 
     async def _stop(self) -> None:
         if self.gateway is not None:
             await self.gateway.stop()
-        if self.router is not None:
+        # Once the job's hosts are lost nothing on them answers, and a call there would wait for
+        # Monarch's timeouts: then only the procs on this host (the router's) are stopped.
+        if self.router is not None and not self.hosts_lost:
             try:
                 await self.router.close.call_one()
             except Exception as e:  # noqa: BLE001 - shutting down: report and go on
                 logger.warning("router close failed: %s", e)
-        for procs in self._procs:
+        for procs in self._procs[-1:] if self.hosts_lost else self._procs:
             try:
                 await procs.stop()
             except Exception as e:  # noqa: BLE001
@@ -355,7 +366,7 @@ class Controller:
         step: saved unless its checkpoint exists; `interrupt_report` says what was kept."""
         try:
             await self.start()
-            return await self.train()
+            return await self._while_hosts_hold(self.train())
         except RunComplete as complete:
             print(complete, flush=True)
             return []
@@ -366,6 +377,26 @@ class Controller:
             raise
         finally:
             await self.shutdown()
+
+    async def _while_hosts_hold(self, training: Awaitable[list[dict[str, float]]]) -> list[dict[str, float]]:
+        """Runs `training`, but stops the run as soon as the job's hosts are gone (its Slurm job
+        cancelled or out of time): Monarch would notice only when its calls to them time out."""
+        train = asyncio.ensure_future(training)
+        lost = asyncio.ensure_future(self._hosts.wait_lost())
+        try:
+            await asyncio.wait({train, lost}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # Ctrl-C: training ends as it would alone (its step completes)
+            train.cancel()
+            return await train
+        finally:
+            lost.cancel()
+        if train.done():
+            return train.result()
+        self.hosts_lost = lost.result()
+        train.cancel()
+        await asyncio.wait({train})
+        raise TrainingError(f"step {self.step + 1}: {self.hosts_lost}; {self._last_checkpoint()}; "
+                            "continue with --resume")
 
     async def _keep_last_step(self) -> None:
         """After Ctrl-C: saves the last completed step unless its checkpoint is complete, and says
@@ -411,9 +442,10 @@ class Controller:
                 await self._evaluate_if_due(self.step)
             await self._finish_evals()
         except (SupervisionError, ProcLost) as e:
-            # A proc died or stayed unresponsive (trainer or router): stop with which, how, and
-            # where to resume from.
-            raise TrainingError(f"step {self.step + 1}: {await self._lost(e)}; {self._last_checkpoint()}; "
+            # A proc died or stayed unresponsive (trainer or router), or the job's hosts went away:
+            # stop with which, how, and where to resume from.
+            cause = self._hosts.lost() or await self._lost(e)
+            raise TrainingError(f"step {self.step + 1}: {cause}; {self._last_checkpoint()}; "
                                 "continue with --resume") from None
         finally:
             self.watchdog.stop()
@@ -446,6 +478,9 @@ class Controller:
             return await asyncio.shield(finish)
         except asyncio.CancelledError:
             if not finish.done():
+                if self.hosts_lost:  # the step cannot complete: its trainer and generators are gone
+                    finish.cancel()
+                    raise
                 print(f"interrupted: completing step {step}, whose update has begun (Ctrl-C again to quit at once)",
                       file=sys.stderr, flush=True)
                 await finish

@@ -2,17 +2,20 @@
 
 The meshes live on this host or on the hosts of a Monarch job (`job.scheduler`). The trainer
 mesh spans `job.trainer_hosts` hosts (`trainer.ranks` split evenly, dims hosts x gpus);
-the generator replicas spread over `job.generator_hosts` hosts, replica r on host
-r // (replicas per host). The router and the controller stay on this host.
+the generator replicas spread over `job.generator_hosts` hosts of their own, or over the trainer
+hosts when it is 0, replica r on host r // (replicas per host). The router and the controller
+stay on this host.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -26,16 +29,17 @@ def gpu_layout(config: Config) -> tuple[list[int], list[list[int]]]:
     """GPU ids, counted on their own host, of the trainer ranks of one trainer host and of each
     generator replica (its TP group).
 
-    On one host (job.scheduler 'local') trainers take the first GPUs and replicas the following
-    ones, or, with `controller.colocate`, the same ones from GPU 0 on (the generator then uses
-    only gpu_memory_utilization of each). On a job's hosts each mesh has hosts of its own:
-    every trainer host uses GPUs 0.., and replica r is the (r % per host)-th of its host.
+    Where replicas share the trainer's hosts (one host, or job.generator_hosts = 0), trainers
+    take the first GPUs of each and replicas the following ones, or, with `controller.colocate`,
+    the same ones from GPU 0 on (the generator then uses only gpu_memory_utilization of each).
+    Where each mesh has hosts of its own, every trainer host uses GPUs 0.., and replica r is the
+    (r % per host)-th of its host.
     """
     j = config.job
     tp = config.generator.tp
     ranks_per_host = config.trainer.ranks // j.trainer_hosts
-    replicas_per_host = config.generator.replicas // j.generator_hosts
-    first = ranks_per_host if j.scheduler == "local" and not config.controller.colocate else 0
+    replicas_per_host = config.generator.replicas // j.replica_hosts
+    first = ranks_per_host if j.shares_hosts and not config.controller.colocate else 0
     trainer = list(range(ranks_per_host))
     replicas = [list(range(first + (r % replicas_per_host) * tp, first + (r % replicas_per_host + 1) * tp))
                 for r in range(config.generator.replicas)]
@@ -73,6 +77,24 @@ class Hosts:
     generators: Any  # HostMesh
     job: Any = None  # the Monarch job that owns them (None: this host)
 
+    def lost(self) -> str | None:
+        """What took the hosts away when their Slurm job has ended ('the Slurm job 7 ended:
+        CANCELLED'); None while they hold, or for hosts of another kind."""
+        from rlactors.slurm import SlurmJob
+
+        return self.job.ended() if isinstance(self.job, SlurmJob) else None
+
+    async def wait_lost(self, every_s: float = 2.0) -> str:
+        """What took the hosts away (`lost`), once it has happened, checked every `every_s`
+        seconds; never returns for hosts that are not a Slurm job's."""
+        from rlactors.slurm import SlurmJob
+
+        if not isinstance(self.job, SlurmJob):
+            await asyncio.get_running_loop().create_future()  # never done
+        while (reason := await asyncio.to_thread(self.lost)) is None:  # squeue: off the event loop
+            await asyncio.sleep(every_s)
+        return reason
+
     def release(self) -> None:
         """Ends the job's worker processes (or its Slurm allocation); nothing for this host."""
         if self.job is not None:
@@ -80,28 +102,41 @@ class Hosts:
             self.job = None
 
 
-def allocate_hosts(job: JobConfig) -> Hosts:
-    """The host meshes of `job`: this host for both, or a job's two named host meshes."""
+class NoHosts(RuntimeError):
+    """The job's hosts could not be had (a Slurm job refused, or ended before it started)."""
+
+
+async def allocate_hosts(job: JobConfig, gpus: bool, log_dir: Path) -> Hosts:
+    """The host meshes of `job`: this host for both, or a job's named host meshes (the trainer
+    mesh for both when job.generator_hosts is 0). A Slurm job asks for job.gpus_per_host GPUs a
+    node when `gpus`, and its workers write their output to `log_dir`."""
     from monarch.actor import this_host
 
     if job.scheduler == "local":
         return Hosts(this_host(), this_host())
-    meshes = {TRAINER_MESH: job.trainer_hosts, GENERATOR_MESH: job.generator_hosts}
+    meshes = {TRAINER_MESH: job.trainer_hosts}
+    if job.generator_hosts:
+        meshes[GENERATOR_MESH] = job.generator_hosts
     if job.scheduler == "process":
         from monarch.job import ProcessJob
 
         monarch_job = ProcessJob(meshes)
     else:
-        from monarch.job import SlurmJob
+        from rlactors.slurm import SlurmJob
 
-        monarch_job = SlurmJob(meshes, python_exe=sys.executable, job_name="rlactors",
-                               gpus_per_node=job.gpus_per_host, partition=job.partition or None,
-                               time_limit=job.time_limit or None)
+        monarch_job = SlurmJob(meshes, python_exe=sys.executable, job_name="rlactors", log_dir=str(log_dir),
+                               gpus_per_node=job.gpus_per_host if gpus else None,
+                               partition=job.partition or None, time_limit=job.time_limit or None)
     try:
+        if job.scheduler == "slurm":
+            await monarch_job.submit_and_wait()
         state = monarch_job.state(cached_path=None)
-        return Hosts(getattr(state, TRAINER_MESH), getattr(state, GENERATOR_MESH), monarch_job)
-    except BaseException:
+        trainers = getattr(state, TRAINER_MESH)
+        return Hosts(trainers, getattr(state, GENERATOR_MESH) if job.generator_hosts else trainers, monarch_job)
+    except BaseException as e:
         monarch_job.kill()
+        if job.scheduler == "slurm" and isinstance(e, RuntimeError):  # Monarch's word for a refused or ended job
+            raise NoHosts(f"the Slurm job did not start: {' '.join(str(e).split())}") from None
         raise
 
 

@@ -146,6 +146,24 @@ def test_gpu_layout_on_the_hosts_of_a_job():
     assert (slurm.job.partition, slurm.job.time_limit) == ("h200", "1-12:00:00")
 
 
+def test_generators_on_the_trainer_hosts_take_the_gpus_after_the_ranks():
+    # job.generator_hosts = 0: one allocation of 2 nodes, each 4 trainer ranks then 2 replicas of TP 2.
+    shared = ["controller.device=cuda", "generator.engine=vllm", 'job.scheduler="slurm"', "job.trainer_hosts=2",
+              "job.generator_hosts=0", "trainer.ranks=8", "generator.replicas=4", "generator.tp=2"]
+    config = load_config(overrides=shared)
+    assert (config.job.shares_hosts, config.job.replica_hosts) == (True, 2)
+    assert gpu_layout(config) == ([0, 1, 2, 3], [[4, 5], [6, 7], [4, 5], [6, 7]])
+    with pytest.raises(ConfigError, match=r"^job\.gpus_per_host: a host needs 8 GPUs .* gets 6"):
+        load_config(overrides=shared + ["job.gpus_per_host=6"])
+    with pytest.raises(ConfigError, match=r"^generator\.replicas: 3 replicas do not split evenly over the "
+                                          r"job\.trainer_hosts=2 \(job\.generator_hosts=0\)"):
+        load_config(overrides=shared + ["generator.replicas=3"])
+    with pytest.raises(ConfigError, match=r"^job\.generator_hosts: must be >= 0, got -1"):
+        load_config(overrides=shared + ["job.generator_hosts=-1"])
+    # On this host, 0 and 1 both mean this host.
+    assert load_config(overrides=["job.generator_hosts=0"]).job.replica_hosts == 1
+
+
 def test_child_gpus_stay_inside_the_parents_visible_devices(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert cuda_visible_devices([2, 3]) == "2,3"

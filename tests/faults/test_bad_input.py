@@ -139,7 +139,8 @@ IMPOSSIBLE = [
     (['job.scheduler="process"', 'controller.device="cuda"', 'generator.engine="vllm"'], "job.scheduler"),
     (["job.trainer_hosts=0"], "job.trainer_hosts"),
     (["job.trainer_hosts=2"], "job.trainer_hosts"),  # 'local' is one host
-    (["job.generator_hosts=0"], "job.generator_hosts"),
+    (["job.generator_hosts=-1"], "job.generator_hosts"),
+    (["job.generator_hosts=2"], "job.generator_hosts"),  # 'local' is one host
     (['job.scheduler="process"', "job.generator_hosts=3"], "generator.replicas"),  # 2 replicas over 3 hosts
     (['job.scheduler="process"', "job.trainer_hosts=4"], "trainer.ranks"),  # 2 ranks over 4 hosts
     (["job.gpus_per_host=0"], "job.gpus_per_host"),

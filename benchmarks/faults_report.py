@@ -24,6 +24,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "faults.md"
+# Records of the two_gpus fault tests (tests/faults/test_nccl_faults.py), kept from runs on GPU
+# machines with their machine, date, commit and command; shown beside the CPU suite's.
+GPU_RECORDS = REPO / "benchmarks" / "results" / "faults_gpu.jsonl"
 
 
 def run_suite(records: Path) -> float:
@@ -82,6 +85,21 @@ def render(rows: list[dict], runs: int, suite_s: list[float]) -> str:
     return "\n".join(lines)
 
 
+def render_gpu(rows: list[dict]) -> str:
+    """The GPU fault records, one row each as recorded (benchmarks/results/faults_gpu.jsonl)."""
+    lines = ["## On GPUs", "",
+             "The `two_gpus` fault tests run on GPU machines only; each row is one recorded run "
+             "(RLACTORS_FAULTS_REPORT set), kept in faults_gpu.jsonl.", "",
+             "| fault | injected | detected in | lost | other timings | machine, date, commit | test |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        extras = "; ".join(f"{k}: {seconds([r[k]])}" for k in sorted(r) if k.endswith("_s") and k != "detection_s")
+        detection = seconds([r["detection_s"]] if r["detection_s"] is not None else [])
+        lines.append(f"| {r['fault']} | {r['injected']} | {detection} | {r['lost']} | {extras or '-'} | "
+                     f"{r['machine']}, {r['date']}, {r['commit']} | `{r['test'].split('::')[-1]}` |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=1, help="passes of the suite (default 1)")
@@ -96,7 +114,8 @@ def main() -> int:
             suite_s.append(run_suite(records))
             rows += [json.loads(line) for line in records.read_text().splitlines()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(rows, args.runs, suite_s))
+    gpu = [json.loads(line) for line in GPU_RECORDS.read_text().splitlines()] if GPU_RECORDS.exists() else []
+    args.out.write_text(render(rows, args.runs, suite_s) + ("\n" + render_gpu(gpu) if gpu else ""))
     print(f"wrote {args.out}")
     return 0
 

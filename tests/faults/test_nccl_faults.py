@@ -72,7 +72,7 @@ def test_a_replica_killed_between_nccl_syncs_is_restarted_into_a_new_group(ckpt,
     assert stats["deaths"] == 1 and stats["restarts"] == 1 and stats["weight_groups"] == 2
     assert [(r["state"], r["version"]) for r in stats["replicas"]] == [("serving", 3)]
     assert controller.detection_s <= 3, controller.detection_s
-    fault_record("generator replica SIGKILLed between NCCL weight syncs (2 x H100: trainer GPU 0, vLLM GPU 1)",
+    fault_record("generator replica SIGKILLed between NCCL weight syncs",
                  "the only replica's proc, after step 1 trained, before its NCCL broadcast",
                  controller.detection_s, "nothing: the restarted replica joined a new NCCL group and received "
                  "step 1's weights; 3/3 steps trained", restart_s=controller.restart_s)
@@ -118,7 +118,7 @@ def test_a_replica_killed_during_an_nccl_broadcast_stops_the_run_naming_it(ckpt,
                                  "broadcast, which waits for every member; no checkpoint was completed; "
                                  "continue with --resume")
     assert stopped_s < 10, stopped_s
-    fault_record("generator replica SIGKILLed during an NCCL broadcast (2 x H100: trainer GPU 0, vLLM GPU 1)",
+    fault_record("generator replica SIGKILLed during an NCCL broadcast",
                  "the only replica's proc, as step 1's NCCL broadcast starts", None,
                  f"step 1's update: the sync gave up {stopped_s:.1f} s after the kill and the run stopped with the "
                  f"documented line (whole run, shutdown included: {time.monotonic() - start:.0f} s)")

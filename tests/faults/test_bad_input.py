@@ -77,6 +77,8 @@ IMPOSSIBLE = [
     (["trainer.weight_decay=-0.1"], "trainer.weight_decay"),
     (["trainer.weight_decay=inf"], "trainer.weight_decay"),
     (["trainer.warmup_steps=-1"], "trainer.warmup_steps"),
+    (["trainer.router_aux_loss_coef=-0.01"], "trainer.router_aux_loss_coef"),
+    (["trainer.router_aux_loss_coef=inf"], "trainer.router_aux_loss_coef"),
     (["trainer.max_grad_norm=0"], "trainer.max_grad_norm"),
     (["trainer.logprob_chunk_tokens=0"], "trainer.logprob_chunk_tokens"),
     (['generator.engine="sglang"'], "generator.engine"),
@@ -134,6 +136,12 @@ IMPOSSIBLE = [
     (["controller.seed=-1"], "controller.seed"),
     (["controller.seed=4294967296"], "controller.seed"),  # sampling seeds would overflow 63 bits
     (["controller.unresponsive_timeout_s=1"], "controller.unresponsive_timeout_s"),  # scheduling noise
+    (['gateway.host=""'], "gateway.host"),
+    (['gateway.host="127.0.0.1 "'], "gateway.host"),
+    (["gateway.port=65536"], "gateway.port"),
+    (["gateway.port=-1"], "gateway.port"),
+    (["gateway.max_request_bytes=100"], "gateway.max_request_bytes"),
+    (["gateway.max_messages=0"], "gateway.max_messages"),
     (["controller.unresponsive_timeout_s=900"], "controller.unresponsive_timeout_s"),  # after Monarch's own
     (['job.scheduler="kubernetes"'], "job.scheduler"),
     (['job.scheduler="process"', 'controller.device="cuda"', 'generator.engine="vllm"'], "job.scheduler"),
@@ -280,7 +288,7 @@ def test_incomplete_or_unsupported_checkpoints_are_named_before_any_proc_starts(
         "missing_shard": f"{dirs['missing_shard']}: model.safetensors.index.json names weight files that are "
                          f"missing: {missing_shard}",
         "gemma2": f"{dirs['gemma2']}: config.json has model_type 'gemma2'; rlactors supports "
-                  "['llama', 'qwen2', 'qwen3']",
+                  "['llama', 'qwen2', 'qwen3', 'qwen3_moe']",
         "config_not_json": f"{dirs['config_not_json'] / 'config.json'} is not JSON: Expecting property name "
                            "enclosed in double quotes: line 1 column 2 (char 1)",
         "small_vocab": f"the tokenizer of {dirs['small_vocab']} has {len(load_tokenizer(tiny_ckpt))} tokens but "

@@ -254,14 +254,18 @@ class ProcWatcher:
             _abandon(call)
             raise ProcLost(verdict)
         task = asyncio.ensure_future(call)
-        watching = [p.verdict for p in procs if not p.verdict.done()]
-        while watching and not task.done():
-            await asyncio.wait([task, *watching], return_when=asyncio.FIRST_COMPLETED)
-            if not task.done() and (verdict := self.lost(*procs)) is not None:
-                _abandon(task)
-                raise ProcLost(verdict)
-            watching = [v for v in watching if not v.done()]
-        return await task
+        try:
+            watching = [p.verdict for p in procs if not p.verdict.done()]
+            while watching and not task.done():
+                await asyncio.wait([task, *watching], return_when=asyncio.FIRST_COMPLETED)
+                if not task.done() and (verdict := self.lost(*procs)) is not None:
+                    _abandon(task)
+                    raise ProcLost(verdict)
+                watching = [v for v in watching if not v.done()]
+            return await task
+        except asyncio.CancelledError:  # the caller gave up: so does the call, whose failure nobody reads
+            _abandon(task)
+            raise
 
     def guard(self, actor: Any, procs: list[WatchedProc]) -> Any:
         """`actor` (an actor mesh) whose endpoint calls fail with ProcLost once one of `procs` is lost."""

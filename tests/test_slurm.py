@@ -177,7 +177,7 @@ def test_a_run_on_slurm_trains_like_one_host_a_scancel_stops_it_and_resume_conti
     last = latest_checkpoint(run.run_dir / "checkpoints")
     assert done < 3 and last is not None and last.name == f"step_{done:08d}"
     assert err.strip().splitlines()[-1] == (f"error: step {done + 1}: the Slurm job {job} ended: CANCELLED; the last "
-                                            f"complete checkpoint is {last}; continue with --resume")
+                                            f"complete checkpoint is {last}; continue with --resume"), err[-3000:]
     assert "Traceback" not in err
     _assert_released(job)
 
@@ -222,13 +222,18 @@ def test_ctrl_c_while_the_job_waits_in_the_queue_cancels_it(cli, tmp_path):
 
 
 def test_a_run_that_fails_on_its_hosts_releases_the_allocation(cli, tmp_path):
-    broken = tmp_path / "broken"  # the trainer cannot load the weights: the run fails after its allocation
-    shutil.copytree(WARM_CHECKPOINT, broken)
-    (broken / "model.safetensors").write_bytes(b"\0" * 100)
-    run = cli(*_overrides(tmp_path / "run", f'model.path="{broken}"', *ON_SLURM))
+    """The job's actor procs (trainer ranks and replicas) SIGKILLed after step 1, as when the node's
+    processes are lost: the run stops naming the dead proc, and the allocation is released."""
+    run = cli(*_overrides(tmp_path / "run", *ON_SLURM))
+    job = run.job_id()
+    run.wait_for_step(1)
+    procs = [int(line.split(":", 1)[0]) for line in _job_processes(job) if "bootstrap_main" in line]
+    assert procs, _job_processes(job)
+    for pid in procs:
+        os.kill(pid, signal.SIGKILL)
     code, _, err = run.wait()
-    assert code != 0 and "SafetensorError" in err, err[-3000:]
-    _assert_released(run.job_id())
+    assert code == 2 and "exited (signal 9)" in err.strip().splitlines()[-1], err[-3000:]
+    _assert_released(job)
 
 
 def test_a_job_slurm_refuses_stops_the_run_with_sbatchs_reason(cli, tmp_path):

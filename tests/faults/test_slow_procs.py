@@ -127,13 +127,13 @@ class ReplicaStoppedInStep2(Controller):
 
     stopped_pid = None
 
-    async def _generate(self, prompt_token_ids, sampling, request_id, session_id=None):
+    async def generate(self, prompt_token_ids, sampling, request_id, session_id=None):
         if self.stopped_pid is None and request_id.startswith("g2/"):
             stats = await self.router.stats.call_one()
             self.stopped_pid = stats["replicas"][1]["engine"]["pid"]
             os.kill(self.stopped_pid, signal.SIGSTOP)
             asyncio.get_running_loop().call_later(STOPPED_S, _continue, self.stopped_pid)
-        return await super()._generate(prompt_token_ids, sampling, request_id, session_id)
+        return await super().generate(prompt_token_ids, sampling, request_id, session_id)
 
     async def shutdown(self):
         if self.router is not None:

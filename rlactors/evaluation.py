@@ -111,24 +111,26 @@ def training_evaluator(env: TokenEnv, config: Config, generate: GenerateFn) -> E
 
 
 class EvalSchedule:
-    """Training's evaluations: `after_step(step, version)` evaluates the policy of `step`, which the
-    generators hold, when `eval_due` says so, and logs its record with `log`. Sync mode waits for
+    """Training's evaluations: `after_step(step)` evaluates the policy of `step`, which the
+    generators hold (`policy_version()`, read as the eval starts), when `eval_due` says so, and
+    logs its record with `log`. Sync mode waits for
     it there, before the next step's update, so every eval request runs on that policy (the next
     step's rollouts may be generated meanwhile); async mode lets it run beside training, which does
     not wait for it. A failed evaluation stops the run (TrainingError)."""
 
     def __init__(self, evaluator: Evaluator | None, config: ControllerConfig,
-                 log: Callable[[int, dict[str, float]], None]) -> None:
+                 log: Callable[[int, dict[str, float]], None], policy_version: Callable[[], int]) -> None:
         self.evaluator = evaluator
         self.config = config
         self.log = log
+        self.policy_version = policy_version
         self._running: dict[int, asyncio.Task] = {}  # async mode: evals running beside training
 
-    async def after_step(self, step: int, policy_version: int) -> None:
+    async def after_step(self, step: int) -> None:
         c = self.config
         if self.evaluator is None or not eval_due(step, c.eval_every, c.steps):
             return
-        task = asyncio.ensure_future(self._evaluate(step, policy_version))
+        task = asyncio.ensure_future(self._evaluate(step))
         if c.mode == "async":
             self._running[step] = task
             return
@@ -137,8 +139,8 @@ class EvalSchedule:
         except Exception as e:  # noqa: BLE001 - reported as the run's error
             raise TrainingError(f"evaluation of step {step} failed: {e!r}") from e
 
-    async def _evaluate(self, step: int, policy_version: int) -> None:
-        self.log(step, await self.evaluator.evaluate(step, policy_version))
+    async def _evaluate(self, step: int) -> None:
+        self.log(step, await self.evaluator.evaluate(step, self.policy_version()))
 
     def raise_failed(self) -> None:
         """Async mode: forgets the evals that finished, and stops the run if one failed."""

@@ -109,7 +109,7 @@ def run_controller(controller: Controller) -> list[dict[str, float]]:
             kept = f"the last complete checkpoint is {last}; continue with --resume" if last else "nothing is saved"
             print(f"interrupted again: quitting at once; {kept}", file=sys.stderr, flush=True)
             sys.stdout.flush()
-            controller.release_hosts()  # a Slurm allocation outlives this process otherwise
+            controller.meshes.release_hosts()  # a Slurm allocation outlives this process otherwise
             os._exit(130)
 
         async def until_done() -> list[dict[str, float]]:

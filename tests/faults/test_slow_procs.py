@@ -16,7 +16,7 @@ import time
 import pytest
 from faultkit import Spinners, run_cli, small_run_overrides, wait_until
 
-import rlactors.controller as controller_module
+import rlactors.meshes as meshes_module
 from rlactors.config import load_config
 from rlactors.controller import Controller, TrainingError
 from rlactors.metrics import read_metrics
@@ -38,7 +38,7 @@ def _continue(pid: int) -> None:
 
 
 def _trainer_pid(controller: Controller) -> int:
-    return next(p.pid for p in controller.watcher.procs if p.name == "trainer rank 0")
+    return next(p.pid for p in controller.meshes.watcher.procs if p.name == "trainer rank 0")
 
 
 @pytest.fixture(scope="module")
@@ -281,12 +281,12 @@ def _running(pid: int) -> bool:
 
 
 def test_a_shutdown_that_never_returns_kills_the_procs_after_its_wait(tiny_ckpt, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(controller_module, "SHUTDOWN_WAIT_S", 2.0)
+    monkeypatch.setattr(meshes_module, "SHUTDOWN_WAIT_S", 2.0)
     controller = StopNeverReturns(load_config(None, small_run_overrides(tiny_ckpt, tmp_path)))
 
     async def start_then_shut_down():
         await controller.start()
-        procs = {p.name: p.pid for p in controller.watcher.procs}
+        procs = {p.name: p.pid for p in controller.meshes.watcher.procs}
         replica = (await controller.router.stats.call_one())["replicas"][0]["engine"]["pid"]
         start = time.monotonic()
         await controller.shutdown()

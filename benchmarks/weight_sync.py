@@ -88,7 +88,7 @@ async def measure(config, iters: int) -> list[dict[str, float]]:
         for _ in range(iters + 1):
             loaded = [n + 1 for n in await _updates(controller)]
             start = time.perf_counter()
-            timings = await controller._push_weights()
+            timings = await controller.push_weights()
             while await _updates(controller) != loaded:
                 await asyncio.sleep(0.001)
             timings["served_s"] = time.perf_counter() - start

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
+import functools
 import json
 import logging
 import sys
@@ -29,13 +29,11 @@ from typing import Any
 
 from rlactors.config import Config, ConfigError, load_config
 from rlactors.evaluation import Evaluator, eval_samples
+from rlactors.generation import generate, serve_gateway, spawn_router
 from rlactors.metrics import eval_line
-from rlactors.placement import gpu_layout
+from rlactors.run_dir import CHECKPOINTS_DIR, CONFIG_FILE
 from rlactors.supervision import use_fast_supervision
 from rlactors.trainer.checkpoint import HF_DIR, is_complete, latest_checkpoint, read_state
-from rlactors.types import Completion, SamplingParams
-
-RUN_CONFIG = "config.toml"  # written into every run dir by the controller
 
 
 @dataclass
@@ -54,10 +52,11 @@ def resolve_checkpoint(path: Path) -> Checkpoint:
     complete checkpoint); raises ValueError naming the path otherwise."""
     if not path.is_dir():
         raise ValueError(f"checkpoint {path}: no such directory")
-    if (path / "checkpoints").is_dir() and not (path / "config.json").is_file():
-        newest = latest_checkpoint(path / "checkpoints")
+    checkpoints = path / CHECKPOINTS_DIR
+    if checkpoints.is_dir() and not (path / "config.json").is_file():
+        newest = latest_checkpoint(checkpoints)
         if newest is None:
-            raise ValueError(f"checkpoint {path}: a run dir without a complete checkpoint under {path / 'checkpoints'}")
+            raise ValueError(f"checkpoint {path}: a run dir without a complete checkpoint under {checkpoints}")
         path = newest
     if (path / HF_DIR / "config.json").is_file():
         step_dir = path
@@ -65,11 +64,11 @@ def resolve_checkpoint(path: Path) -> Checkpoint:
         step_dir = path.parent if path.name == HF_DIR else None
     else:
         raise ValueError(f"checkpoint {path}: neither an HF checkpoint dir (config.json), a training checkpoint "
-                         f"(with {HF_DIR}/config.json) nor a run dir (with checkpoints/)")
+                         f"(with {HF_DIR}/config.json) nor a run dir (with {CHECKPOINTS_DIR}/)")
     if step_dir is None or not is_complete(step_dir):
         return Checkpoint(path, None)
     state = read_state(step_dir)
-    run_config = step_dir.parent.parent / RUN_CONFIG  # run_dir/checkpoints/step_N
+    run_config = step_dir.parent.parent / CONFIG_FILE  # run_dir/checkpoints/step_N
     return Checkpoint(step_dir / HF_DIR, run_config if run_config.is_file() else None, int(state["step"]),
                       int(state["policy_version"]))
 
@@ -78,7 +77,7 @@ def load_eval_config(checkpoint: Checkpoint, config_path: Path | None, overrides
     """The run config with model.path set to the checkpoint's HF dir."""
     config_path = config_path or checkpoint.run_config
     if config_path is None:
-        raise ConfigError(f"--config: {checkpoint.hf_dir} is not in a run dir (no {RUN_CONFIG} to read the env "
+        raise ConfigError(f"--config: {checkpoint.hf_dir} is not in a run dir (no {CONFIG_FILE} to read the env "
                           "and generator settings from); name a run config with --config")
     return load_config(config_path, [*overrides, f'model.path="{checkpoint.hf_dir}"'])
 
@@ -86,11 +85,8 @@ def load_eval_config(checkpoint: Checkpoint, config_path: Path | None, overrides
 async def evaluate(config: Config, checkpoint: Checkpoint, progress: bool = True) -> dict[str, float]:
     """Starts the router and replicas of `config`, scores the eval split, stops them."""
     import monarch.actor
-    from monarch.actor import this_host
     from tqdm import tqdm
 
-    from rlactors.actors.router import GeneratorRouter
-    from rlactors.gateway import serve_agent_env
     from rlactors.models import load_checked_tokenizer
     from rlactors.rollout.env import load_env
 
@@ -99,19 +95,11 @@ async def evaluate(config: Config, checkpoint: Checkpoint, progress: bool = True
     samples = eval_samples(env, config.env.name, config.eval)  # fails before any proc starts
     # Monarch's default for a fault nobody handled is to kill this process: the failing call raises instead.
     monarch.actor.unhandled_fault_hook = lambda failure: logging.getLogger(__name__).error("Monarch fault: %s", failure)
-    replica_gpus = gpu_layout(config)[1] if config.controller.device == "cuda" else None
-    procs = this_host().spawn_procs(per_host={"procs": 1})
-    router = procs.spawn("router", GeneratorRouter, config.generator, config.model, replica_gpus)
-
-    async def generate(prompt_token_ids: list[int], sampling: SamplingParams, request_id: str,
-                       session_id: str | None = None) -> Completion:
-        completion = await router.generate.call_one(prompt_token_ids, sampling, request_id, session_id)
-        # The replicas number the weights they loaded 0: here those are the checkpoint's policy version.
-        versions = [checkpoint.policy_version + v if v >= 0 else v for v in completion.versions]
-        return dataclasses.replace(completion, versions=versions)
-
-    gateway = await serve_agent_env(env, config.gateway, config.rollout.max_tokens_per_turn, tokenizer)
-    evaluator = Evaluator(env, generate, config.rollout, config.eval, samples)
+    procs, router = spawn_router(config)
+    gateway = await serve_gateway(env, config, tokenizer)
+    # The replicas load the checkpoint as their version 0: their versions count from its policy version.
+    evaluator = Evaluator(env, functools.partial(generate, router, base_version=checkpoint.policy_version),
+                          config.rollout, config.eval, samples)
     bar = tqdm(total=evaluator.num_rollouts, desc="eval", unit="rollout", disable=not progress)
     try:
         return await evaluator.evaluate(checkpoint.step, checkpoint.policy_version, on_rollout=lambda _: bar.update())

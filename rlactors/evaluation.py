@@ -7,6 +7,10 @@ error statuses are those of training. Seeds and ids are fixed per eval sample an
 drawn from training's counters: evals at different steps score the same samples with the same
 seeds (comparable), and training's seeds and sample order are the same with evaluation on or off.
 Ids are `eval{step}-{i}/{j}` (sample i, rollout j) and `.../t{k}` per turn; training's are `g{n}/...`.
+
+In training, `EvalSchedule` says when: the policy of step 0, of every `controller.eval_every`-th
+step and of the last step, in sync mode before the next step's update, in async mode beside
+training.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rlactors.config import ConfigError, EvalConfig, RolloutConfig
+from rlactors.config import Config, ConfigError, ControllerConfig, EvalConfig, RolloutConfig
 from rlactors.rollout.env import TokenEnv
 from rlactors.rollout.rollouter import GenerateFn, Rollouter
 from rlactors.rollout.types import Rollout, RolloutStatus
+from rlactors.run_dir import TrainingError
 
 EVAL_SPLIT = "eval"
 PREFIX = "eval/"
@@ -90,6 +95,69 @@ class Evaluator:
         metrics[PREFIX + "policy_version_max"] = float(max(versions, default=policy_version))
         metrics[PREFIX + "time_s"] = time.perf_counter() - start
         return metrics
+
+
+def training_evaluator(env: TokenEnv, config: Config, generate: GenerateFn) -> Evaluator | None:
+    """The Evaluator of a training run (None without controller.eval_every); an eval split that
+    cannot serve is a ConfigError naming controller.eval_every."""
+    every = config.controller.eval_every
+    if not every:
+        return None
+    try:
+        held_out = eval_samples(env, config.env.name, config.eval)
+    except ConfigError as e:
+        raise ConfigError(f"controller.eval_every={every}: {e}") from None
+    return Evaluator(env, generate, config.rollout, config.eval, held_out)
+
+
+class EvalSchedule:
+    """Training's evaluations: `after_step(step)` evaluates the policy of `step`, which the
+    generators hold (`policy_version()`, read as the eval starts), when `eval_due` says so, and
+    logs its record with `log`. Sync mode waits for
+    it there, before the next step's update, so every eval request runs on that policy (the next
+    step's rollouts may be generated meanwhile); async mode lets it run beside training, which does
+    not wait for it. A failed evaluation stops the run (TrainingError)."""
+
+    def __init__(self, evaluator: Evaluator | None, config: ControllerConfig,
+                 log: Callable[[int, dict[str, float]], None], policy_version: Callable[[], int]) -> None:
+        self.evaluator = evaluator
+        self.config = config
+        self.log = log
+        self.policy_version = policy_version
+        self._running: dict[int, asyncio.Task] = {}  # async mode: evals running beside training
+
+    async def after_step(self, step: int) -> None:
+        c = self.config
+        if self.evaluator is None or not eval_due(step, c.eval_every, c.steps):
+            return
+        task = asyncio.ensure_future(self._evaluate(step))
+        if c.mode == "async":
+            self._running[step] = task
+            return
+        try:
+            await task
+        except Exception as e:  # noqa: BLE001 - reported as the run's error
+            raise TrainingError(f"evaluation of step {step} failed: {e!r}") from e
+
+    async def _evaluate(self, step: int) -> None:
+        self.log(step, await self.evaluator.evaluate(step, self.policy_version()))
+
+    def raise_failed(self) -> None:
+        """Async mode: forgets the evals that finished, and stops the run if one failed."""
+        for step, task in list(self._running.items()):
+            if task.done():
+                del self._running[step]
+                if task.exception() is not None:
+                    raise TrainingError(f"evaluation of step {step} failed: {task.exception()!r}") from task.exception()
+
+    async def finish(self) -> None:
+        """Async mode, after the last step: waits for the evals still running (the last step's)."""
+        await asyncio.gather(*self._running.values(), return_exceptions=True)
+        self.raise_failed()
+
+    def cancel(self) -> None:
+        for task in self._running.values():
+            task.cancel()
 
 
 def summarize_eval(groups: Sequence[Sequence[Rollout]], pass_reward: float) -> dict[str, float]:

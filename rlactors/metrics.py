@@ -14,17 +14,25 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlactors.run_dir import (
+    ENV_ERRORS_FILE,
+    METRICS_FILE,
+    REWARD_CURVE_FILE,
+    SAMPLES_FILE,
+    TENSORBOARD_DIR,
+    WANDB_RUN_ID_FILE,
+)
+
 if TYPE_CHECKING:
-    from rlactors.rollout.types import Rollout
+    from rlactors.rollout.types import Episode, Rollout, RolloutGroup
 
 REWARD_MEAN, REWARD_MIN, REWARD_MAX = "rollout/reward_mean", "rollout/reward_min", "rollout/reward_max"
 REWARD_P25, REWARD_P75 = "rollout/reward_p25", "rollout/reward_p75"
 EVAL_REWARD_MEAN = "eval/reward_mean"
-WANDB_RUN_ID_FILE = "wandb_run_id"  # in the run dir: a resumed run goes on logging into the same W&B run
 
 CONSOLE_KEYS = (
     (REWARD_MEAN, "reward {:.3f}"),
@@ -36,7 +44,9 @@ CONSOLE_KEYS = (
 )
 # The statuses of a rollout that the env ended: it raised, hung or returned something unusable.
 ENV_ERROR_STATUSES = ("error_env", "error_timeout", "error_parse")
-ENV_ERRORS_FILE = "env_errors.log"
+# What to try when steps train nothing because every group's rewards are equal.
+NO_SIGNAL_HINT = ("start from a policy that sometimes succeeds (a warm start in model.path), make the task easier "
+                  "or its reward partial, or raise rollout.group_size or rollout.temperature")
 
 
 class MetricsLogger:
@@ -48,23 +58,33 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
-        self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.samples_path = self.run_dir / "samples.jsonl"
+        self.metrics_path = self.run_dir / METRICS_FILE
+        self.samples_path = self.run_dir / SAMPLES_FILE
         for path in (self.metrics_path, self.samples_path):
             _truncate_after(path, resume_step)
         self._writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step + 1)
+            self._writer = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR), purge_step=resume_step + 1)
         self._wandb = wandb
         self._start = time.monotonic()
         self._first_step = resume_step + 1
+        self._told_no_signal = False
 
     def log(self, step: int, metrics: dict[str, float], note: str | None = None) -> None:
         """One step's record; `note` ends its console line (e.g. why the step trained nothing)."""
         self._write(step, metrics)
         print(self.console_line(step, metrics, note), file=sys.stdout, flush=True)
+
+    def log_step(self, step: int, metrics: dict[str, float], groups: Sequence[RolloutGroup],
+                 untrained: str | None) -> None:
+        """A step's record; a step that trained nothing says why (`untrained`) on its line, and the
+        first one whose groups all earned equal rewards says what to try."""
+        self.log(step, metrics, note=untrained and f"trained nothing: {untrained}")
+        if untrained and all(g.dropped for g in groups) and not self._told_no_signal:
+            self._told_no_signal = True
+            print(no_signal_line(step), flush=True)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """One evaluation's `eval/*` record, at the step of the policy it scored."""
@@ -219,6 +239,111 @@ class EnvErrorLog:
         return f"env error in step {step}, rollout {rollout.session_id} ({rollout.status.value}): {rollout.error}"
 
 
+def step_metrics(groups: Sequence[RolloutGroup], train_metrics: dict[str, float], *, trained: bool,
+                 policy_version: int, ages: Sequence[int], stale: int, step_s: float, rollout_wait_s: float,
+                 train_s: float, sync: dict[str, float], sync_s: float, checkpoint_s: float) -> dict[str, float]:
+    """A step's record: its rollouts (`summarize` of its groups), its update, the age of its
+    episodes, where its time went and its throughput."""
+    from rlactors.rollout.rollouter import summarize
+
+    generated = sum(r.num_generated_tokens for g in groups for r in g.rollouts)
+    metrics = {
+        **summarize(groups),
+        **train_metrics,
+        "train/trained": float(trained),
+        "policy/version": float(policy_version),
+        "policy/age_mean": sum(ages) / len(ages) if ages else 0.0,
+        "policy/age_max": float(max(ages, default=0)),
+        "policy/stale_episodes_dropped": float(stale),
+        "time/step_s": step_s,
+        "time/rollout_wait_s": rollout_wait_s,
+        "time/train_s": train_s,
+        "time/weight_sync_s": sync_s,
+        **{f"weight_sync/{k}": v for k, v in sync.items()},
+        "time/checkpoint_s": checkpoint_s,
+        "time/trainer_idle_fraction": rollout_wait_s / step_s if step_s else 0.0,
+        "throughput/generated_tokens_per_s": generated / step_s if step_s else 0.0,
+    }
+    if "batcher/tokens" in train_metrics and train_s:
+        metrics["throughput/trained_tokens_per_s"] = train_metrics["batcher/tokens"] / train_s
+    return metrics
+
+
+def untrained_reason(groups: Sequence[RolloutGroup], episodes: Sequence[Episode], stale: int,
+                     max_staleness: int) -> str:
+    """Why a step took no optimizer step, for its console line."""
+    if all(g.dropped for g in groups):
+        return f"equal rewards in each of its {len(groups)} groups"
+    if stale and not episodes:
+        return f"its {stale} episodes were all older than controller.max_staleness={max_staleness} versions"
+    return "its rollouts generated no token to train on"
+
+
+def no_signal_line(step: int) -> str:
+    """Said once, at the first step whose groups all earned equal rewards."""
+    return (f"step {step} trained nothing: the rollouts of each group earned equal rewards, so GRPO has "
+            f"nothing to learn from. The run goes on (later samples may differ); if no step trains, "
+            f"{NO_SIGNAL_HINT}")
+
+
+class GeneratorMetrics:
+    """`generator/*` metrics of a step from the router's stats, and the generators' idle share:
+    the share of replica time since the previous reading spent outside engine steps (not
+    generating). A restarted replica's counter starts again at 0, so a step that saw a restart
+    reports no idle share."""
+
+    def __init__(self) -> None:
+        self._busy: tuple[float, float] | None = None  # (time, busy seconds of all replicas)
+
+    def read(self, stats: dict[str, Any]) -> dict[str, float]:
+        serving = stats["states"]["serving"]
+        metrics = {"generator/serving_replicas": float(serving),
+                   "generator/dead_replicas": float(stats["states"]["dead"]),
+                   "generator/retries": float(stats["retries"]), "generator/restarts": float(stats["restarts"]),
+                   "generator/weight_groups": float(stats["weight_groups"])}
+        engines = [r["engine"] for r in stats["replicas"] if r["engine"] is not None]
+        # Versions a replica accepted but never loaded, because a newer one arrived first.
+        metrics["generator/superseded_updates"] = float(sum(e["superseded"] for e in engines))
+        now = time.perf_counter()
+        busy = sum(e["busy_s"] for e in engines)
+        if self._busy is not None and serving:
+            then, busy_then = self._busy
+            if busy >= busy_then:
+                idle = 1.0 - (busy - busy_then) / ((now - then) * serving)
+                metrics["time/generator_idle_fraction"] = min(max(idle, 0.0), 1.0)
+        self._busy = (now, busy)
+        return metrics
+
+
+def sample_records(groups: Sequence[RolloutGroup], tokenizer: Any) -> list[dict[str, Any]]:
+    """samples.jsonl's records of a step: the best and the worst rollout of each group and every
+    one that ended in an error, decoded: each turn's prompt (the first whole, later ones what the
+    env added) and completion, and the error's message."""
+    out = []
+    for group in groups:
+        ranked = sorted(group.rollouts, key=lambda r: r.reward)
+        chosen = {id(ranked[0]): "worst", id(ranked[-1]): "best"}
+        chosen.update({id(r): "error" for r in group.rollouts if r.status.is_error and id(r) not in chosen})
+        for rollout in group.rollouts:
+            if id(rollout) in chosen:
+                out.append({"group": group.group_id, "rollout": rollout.index, "which": chosen[id(rollout)],
+                            "reward": rollout.reward, "status": rollout.status.value, "error": rollout.error,
+                            "turns": _decoded_turns(rollout, tokenizer)})
+    return out
+
+
+def _decoded_turns(rollout: Rollout, tokenizer: Any) -> list[dict[str, str]]:
+    if not rollout.turns and rollout.prompt_token_ids:  # a prompt that left no room to generate
+        return [{"prompt": tokenizer.decode(rollout.prompt_token_ids), "completion": ""}]
+    turns, context = [], []
+    for turn in rollout.turns:
+        prompt = turn.prompt_token_ids
+        added = prompt[len(context):] if prompt[:len(context)] == context else prompt  # a rewrite: all of it
+        turns.append({"prompt": tokenizer.decode(added), "completion": tokenizer.decode(turn.token_ids)})
+        context = prompt + turn.token_ids
+    return turns
+
+
 def _error_kind(rollout: Rollout) -> tuple[str, ...]:
     if not rollout.error_traceback:
         return (rollout.status.value, rollout.error or "")
@@ -243,7 +368,7 @@ def _truncate_after(path: Path, step: int) -> None:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line]
@@ -258,7 +383,7 @@ def plot_reward_curve(run_dir: str | Path, title: str | None = None) -> Path | N
         return None
     import matplotlib.pyplot as plt
 
-    out = Path(run_dir) / "reward_curve.png"
+    out = Path(run_dir) / REWARD_CURVE_FILE
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out

@@ -159,3 +159,10 @@ def host_name() -> str:
     """This proc's host: a job's worker as Monarch names it ('trainers_1'), else the hostname."""
     process = os.environ.get("HYPERACTOR_PROCESS_NAME", "")  # "<proc> @ <host>" in a job's procs
     return process.split(" @ ", 1)[1] if " @ " in process else socket.gethostname()
+
+
+def placement_line(ranks: Sequence[dict[str, Any]], router_stats: dict[str, Any]) -> str:
+    """The host of each trainer rank and of each generator replica (its state while it has no
+    engine), in order."""
+    replica_hosts = [r["engine"]["host"] if r["engine"] else r["state"] for r in router_stats["replicas"]]
+    return f"trainer ranks on {', '.join(r['host'] for r in ranks)}; generator replicas on {', '.join(replica_hosts)}"

@@ -47,8 +47,8 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
     use_fast_supervision()  # poll procs every second, hold back Monarch's own verdict; before Monarch starts
 
     from rlactors.config import ConfigError, load_config
-    from rlactors.controller import NO_SIGNAL_HINT, Controller, TrainingError
-    from rlactors.metrics import EVAL_REWARD_MEAN, REWARD_MEAN, read_metrics
+    from rlactors.controller import Controller, TrainingError
+    from rlactors.metrics import EVAL_REWARD_MEAN, NO_SIGNAL_HINT, REWARD_MEAN, read_metrics
 
     controller = None
     try:
@@ -105,11 +105,11 @@ def run_controller(controller: Controller) -> list[dict[str, float]]:
                     print(f"interrupted: the event loop is blocked in {controller.watchdog.where(frame)}; the run "
                           "stops once that call returns (Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
                 return
-            last = latest_checkpoint(controller.checkpoint_root)
+            last = latest_checkpoint(controller.run_dir.checkpoints)
             kept = f"the last complete checkpoint is {last}; continue with --resume" if last else "nothing is saved"
             print(f"interrupted again: quitting at once; {kept}", file=sys.stderr, flush=True)
             sys.stdout.flush()
-            controller.release_hosts()  # a Slurm allocation outlives this process otherwise
+            controller.meshes.release_hosts()  # a Slurm allocation outlives this process otherwise
             os._exit(130)
 
         async def until_done() -> list[dict[str, float]]:

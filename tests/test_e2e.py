@@ -9,7 +9,7 @@ import pytest
 
 from rlactors.config import load_config
 from rlactors.controller import Controller
-from rlactors.metrics import read_metrics
+from rlactors.metrics import read_metrics, sample_records
 from rlactors.models import load_tokenizer
 from rlactors.rollout.types import Rollout, RolloutGroup, RolloutStatus, Turn
 
@@ -121,8 +121,7 @@ def test_meshes_on_the_hosts_of_a_process_job_train_like_one_host(tiny_ckpt, tmp
 def test_samples_show_each_turns_prompt_as_the_env_extended_it(tiny_ckpt):
     """samples.jsonl: a turn's prompt is the whole first prompt, then only what the env added after
     the previous completion (or the whole prompt where the env rewrote the history)."""
-    controller = Controller(load_config(None, [f'model.path="{tiny_ckpt}"']))
-    controller.tokenizer = tok = load_tokenizer(tiny_ckpt)
+    tok = load_tokenizer(tiny_ckpt)
 
     def ids(text):
         return tok.encode(text, add_special_tokens=False)
@@ -137,7 +136,7 @@ def test_samples_show_each_turns_prompt_as_the_env_extended_it(tiny_ckpt):
     unlucky = Rollout(group_id="g0", index=2, session_id="g0/2", seed=2, sample={}, turns=turns[:1], reward=0.5,
                       status=RolloutStatus.ERROR_TIMEOUT, error="env step ran past step_timeout_s=1.0")
     group = RolloutGroup("g0", {}, [ok, failed, unlucky], zero_variance=False, dropped=False, episodes=[])
-    samples = controller._samples([group])
+    samples = sample_records([group], tok)
     assert [(s["rollout"], s["which"], s["error"]) for s in samples] == [
         (0, "best", None), (1, "worst", "env reset raised KeyError: 'x'"),
         (2, "error", "env step ran past step_timeout_s=1.0")]

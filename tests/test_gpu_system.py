@@ -61,31 +61,31 @@ def test_nccl_weight_sync_reaches_every_replica_and_is_verified(ckpt, tmp_path):
 
     async def sync_and_wait(controller):
         done = [n + 1 for n in await updates(controller)]
-        await controller._push_weights()  # returns once verified; the load follows
+        await controller.push_weights()  # returns once verified; the load follows
         while await updates(controller) != done:
             await asyncio.sleep(0.01)
 
     async def body(controller):
         prompt = list(range(5, 40))
         sampling = SamplingParams(max_tokens=16, temperature=0.0)
-        before = await controller._generate(prompt, sampling, "before")
+        before = await controller.generate(prompt, sampling, "before")
         # Other weights in the trainer (a checkpoint of another seed), then a sync: vLLM's
         # load_weights, which proves the copy plan.
         other = make_tiny_checkpoint(tmp_path / "other", size="small", seed=1, dtype="bfloat16")
         await controller.trainer.load_checkpoint.call(str(other))
         await sync_and_wait(controller)
-        after = await controller._generate(prompt, sampling, "after")
+        after = await controller.generate(prompt, sampling, "after")
         # Back to the first weights, loaded by the copy plan: the same greedy tokens as vLLM's own load.
         await controller.trainer.load_checkpoint.call(str(ckpt))
         await sync_and_wait(controller)
-        back = await controller._generate(prompt, sampling, "back")
+        back = await controller.generate(prompt, sampling, "back")
         stats = await controller.router.stats.call_one()
         # A corrupted checksum is refused by every replica, which keep serving what they had.
         packed = (await controller.trainer.pack_weights.call()).item(gpus=0)
         with pytest.raises(Exception, match="rejected"):
             await asyncio.gather(controller.trainer.broadcast_weights.call(),
                                  controller.router.receive_weights.call_one(7, "0" * 32, "hot_swap"))
-        again = await controller._generate(prompt, sampling, "again")
+        again = await controller.generate(prompt, sampling, "again")
         return before, after, back, again, stats, packed
 
     before, after, back, again, stats, packed = asyncio.run(_with_controller(config, body))

@@ -10,6 +10,7 @@ collectives. Endpoints that take microbatches get all ranks' (`microbatches[r]` 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm
-from rlactors.placement import cuda_visible_devices, free_port, host_name, local_address, num_hosts
+from rlactors.placement import cuda_visible_devices, first_value, free_port, host_name, local_address, num_hosts
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.core import PolicyTrainerCore, VersionedWeights
 from rlactors.trainer.parallel import init_distributed
@@ -113,3 +114,13 @@ async def spawn_trainer(hosts: HostMesh, model: ModelConfig, trainer: TrainerCon
     actors = procs.spawn("policy_trainer", PolicyTrainer, model, trainer, device, generator_engine)
     ranks = sorted((value for _, value in (await actors.init.call()).items()), key=lambda r: r["rank"])
     return procs, actors, ranks
+
+
+async def train_step(trainer: Any, per_rank: Sequence[Sequence[MicroBatch]], norm: LossNorm,
+                     loss: LossConfig) -> dict[str, Any]:
+    """One optimizer step of `trainer` (a PolicyTrainer mesh) on each rank's microbatches; the
+    answer of optim_step, which reduces the step's loss stats over every rank and microbatch."""
+    # Sent together: an actor serves its calls in order, and the trainer never waits for the host.
+    await asyncio.gather(*(trainer.forward_backward.call([mbs[j] for mbs in per_rank], norm, loss)
+                           for j in range(len(per_rank[0]))))
+    return first_value(await trainer.optim_step.call())

@@ -18,7 +18,7 @@ import asyncio
 
 from rlactors.rollout.env import SampleStream
 from rlactors.rollout.rollouter import Rollouter
-from rlactors.rollout.types import RolloutGroup
+from rlactors.rollout.types import Episode, RolloutGroup
 
 
 class RolloutProducer:
@@ -94,3 +94,20 @@ class RolloutProducer:
             self._finished.put_nowait(error)
         elif task is not self._loop:
             self._finished.put_nowait(task.result())
+
+
+def fresh_episodes(groups: list[RolloutGroup], version: int,
+                   max_staleness: int) -> tuple[list[Episode], list[int], int]:
+    """The episodes of `groups` at most `max_staleness` versions older than the trainer's policy
+    `version`, their ages (versions between `version` and the oldest policy that generated the
+    episode), and how many were older (dropped)."""
+    episodes, ages, stale = [], [], 0
+    for episode in (e for group in groups for e in group.episodes):
+        generated = [v for v in episode.versions if v >= 0]
+        age = version - min(generated) if generated else 0
+        if age > max_staleness:
+            stale += 1
+            continue
+        episodes.append(episode)
+        ages.append(age)
+    return episodes, ages, stale

@@ -48,7 +48,7 @@ class ReplicaKilledBetweenSyncs(Controller):
     """SIGKILLs the replica after step 1 has trained, before its weight sync; records how long the
     router took to count it dead and to have its restart up, then lets the sync go on."""
 
-    async def _push_weights(self):
+    async def push_weights(self):
         if self.step == 1:
             killed = await kill_replica(self.router)
             while (await self.router.stats.call_one())["deaths"] != 1:
@@ -59,7 +59,7 @@ class ReplicaKilledBetweenSyncs(Controller):
                 assert time.monotonic() - killed < 300, "the replica was not restarted"
                 await asyncio.sleep(0.1)
             self.restart_s = time.monotonic() - killed
-        timings = await super()._push_weights()
+        timings = await super().push_weights()
         self.router_stats = await self.router.stats.call_one()
         return timings
 
@@ -101,9 +101,9 @@ class ReplicaKilledDuringBroadcast(Controller):
 
         self.trainer = self.weight_sync.trainer = Trainer()
 
-    async def _push_weights(self):
+    async def push_weights(self):
         try:
-            return await super()._push_weights()
+            return await super().push_weights()
         finally:
             self.given_up_at = time.monotonic()
 

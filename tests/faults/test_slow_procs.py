@@ -16,7 +16,7 @@ import time
 import pytest
 from faultkit import Spinners, run_cli, small_run_overrides, wait_until
 
-import rlactors.controller as controller_module
+import rlactors.meshes as meshes_module
 from rlactors.config import load_config
 from rlactors.controller import Controller, TrainingError
 from rlactors.metrics import read_metrics
@@ -38,7 +38,7 @@ def _continue(pid: int) -> None:
 
 
 def _trainer_pid(controller: Controller) -> int:
-    return next(p.pid for p in controller.watcher.procs if p.name == "trainer rank 0")
+    return next(p.pid for p in controller.meshes.watcher.procs if p.name == "trainer rank 0")
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +127,13 @@ class ReplicaStoppedInStep2(Controller):
 
     stopped_pid = None
 
-    async def _generate(self, prompt_token_ids, sampling, request_id, session_id=None):
+    async def generate(self, prompt_token_ids, sampling, request_id, session_id=None):
         if self.stopped_pid is None and request_id.startswith("g2/"):
             stats = await self.router.stats.call_one()
             self.stopped_pid = stats["replicas"][1]["engine"]["pid"]
             os.kill(self.stopped_pid, signal.SIGSTOP)
             asyncio.get_running_loop().call_later(STOPPED_S, _continue, self.stopped_pid)
-        return await super()._generate(prompt_token_ids, sampling, request_id, session_id)
+        return await super().generate(prompt_token_ids, sampling, request_id, session_id)
 
     async def shutdown(self):
         if self.router is not None:
@@ -281,12 +281,12 @@ def _running(pid: int) -> bool:
 
 
 def test_a_shutdown_that_never_returns_kills_the_procs_after_its_wait(tiny_ckpt, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(controller_module, "SHUTDOWN_WAIT_S", 2.0)
+    monkeypatch.setattr(meshes_module, "SHUTDOWN_WAIT_S", 2.0)
     controller = StopNeverReturns(load_config(None, small_run_overrides(tiny_ckpt, tmp_path)))
 
     async def start_then_shut_down():
         await controller.start()
-        procs = {p.name: p.pid for p in controller.watcher.procs}
+        procs = {p.name: p.pid for p in controller.meshes.watcher.procs}
         replica = (await controller.router.stats.call_one())["replicas"][0]["engine"]["pid"]
         start = time.monotonic()
         await controller.shutdown()

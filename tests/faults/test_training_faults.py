@@ -23,6 +23,7 @@ from faultkit import CliProcess, child_pids, run_cli, small_run_overrides, wait_
 from rlactors.config import load_config
 from rlactors.controller import Controller, TrainingError
 from rlactors.metrics import read_metrics
+from rlactors.run_dir import RunDir
 from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir, partial_dir
 from rlactors.weight_sync import sync
 
@@ -154,11 +155,12 @@ def test_ctrl_c_before_the_first_step_says_nothing_is_saved_and_the_dir_takes_a_
     # What a run stopped before its first step leaves: its config.toml and an empty metrics.jsonl.
     (tmp_path / "config.toml").write_text("[controller]\n")
     (tmp_path / "metrics.jsonl").write_text("")
-    controller = Controller(load_config(None, small_run_overrides(tiny_ckpt, tmp_path)))
-    asyncio.run(controller._keep_last_step())  # what run() does when cancelled; no proc is needed at step 0
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path))
+    controller = Controller(config)
+    asyncio.run(controller.keep_last_step())  # what run() does when cancelled; no proc is needed at step 0
     assert controller.interrupt_report == ("interrupted before step 1 completed: nothing is saved; start the run "
                                            "again (without --resume)")
-    assert controller._check_run_dir() is None  # nothing to lose: a new run may start there
+    assert RunDir(tmp_path).check(config, resume=False) is None  # nothing to lose: a new run may start there
 
 
 def _trainer_pid(cli: CliProcess) -> int:
@@ -238,8 +240,8 @@ class CorruptingController(Controller):
         self.saves += 1
         return await super().save_checkpoint()
 
-    async def _generate(self, prompt_token_ids, sampling, request_id, session_id=None):
-        completion = await super()._generate(prompt_token_ids, sampling, request_id, session_id)
+    async def generate(self, prompt_token_ids, sampling, request_id, session_id=None):
+        completion = await super().generate(prompt_token_ids, sampling, request_id, session_id)
         group, index = _ids(request_id)
         if group < 2 and index == 0:
             completion.logprobs[0], completion.logprobs[1] = float("nan"), float("-inf")
@@ -416,7 +418,7 @@ class ReplicaKilledBeforeSync(Controller):
     replica is up. Records the router's stats after the last sync (and, through
     RecordingBroadcastSync, every weight group formed)."""
 
-    async def _push_weights(self):
+    async def push_weights(self):
         if self.step == 1:
             killed = await _kill_replica(self.router, 1)
             while (await self.router.stats.call_one())["deaths"] != 1:
@@ -428,7 +430,7 @@ class ReplicaKilledBeforeSync(Controller):
             while (await self.router.plan_weight_group.call_one())["members"] != [0, 1]:
                 assert time.monotonic() - up < 120, "replica 1 was not restarted"
                 await asyncio.sleep(0.1)
-        timings = await super()._push_weights()
+        timings = await super().push_weights()
         self.router_stats = await self.router.stats.call_one()
         return timings
 
@@ -460,13 +462,13 @@ def test_a_dead_replica_in_a_broadcast_run_is_restarted_into_a_new_group_and_the
 class OnlyReplicaKilledBeforeSync(Controller):
     """SIGKILLs the only replica (not restarted) after step 1 has trained, before its weight sync."""
 
-    async def _push_weights(self):
+    async def push_weights(self):
         if self.step == 1:
             killed = await _kill_replica(self.router, 0)
             while await self.router.dead_replicas.call_one() != [0]:
                 assert time.monotonic() - killed < 30, "the router did not count replica 0 dead"
                 await asyncio.sleep(0.05)
-        return await super()._push_weights()
+        return await super().push_weights()
 
 
 def test_a_broadcast_run_with_no_replica_left_stops_with_the_step_saved(tiny_ckpt, tmp_path):
@@ -502,9 +504,9 @@ class StuckBroadcastController(Controller):
         await super().start()
         self.trainer = self.weight_sync.trainer = _ActorWith(self.trainer, broadcast_weights=_StuckBroadcast(self))
 
-    async def _push_weights(self):
+    async def push_weights(self):
         try:
-            return await super()._push_weights()
+            return await super().push_weights()
         finally:
             self.given_up_at = time.monotonic()
 

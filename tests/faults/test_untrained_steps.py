@@ -13,8 +13,8 @@ import pytest
 from faultkit import run_cli, small_run_overrides
 
 from rlactors.config import load_config
-from rlactors.controller import NO_SIGNAL_HINT, Controller
-from rlactors.metrics import read_metrics
+from rlactors.controller import Controller
+from rlactors.metrics import NO_SIGNAL_HINT, read_metrics
 from rlactors.rollout.producer import RolloutProducer
 from rlactors.trainer.checkpoint import checkpoint_dir, is_complete
 

@@ -1,0 +1,46 @@
+"""The generator side of a run, as training (rlactors.controller) and evaluation
+(rlactors.evaluate) start and call it: the router and its replicas on a proc of this host, the
+gateway of an AgentEnv's harnesses, and the generate call the Rollouter makes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rlactors.config import Config
+from rlactors.placement import gpu_layout
+from rlactors.types import Completion, SamplingParams
+
+
+def spawn_router(config: Config, hosts: Any = None) -> tuple[Any, Any]:
+    """A proc on this host and the GeneratorRouter on it, which starts the replicas of
+    config.generator (on `hosts`, a job's generator hosts, else on this host; on the GPUs
+    gpu_layout gives them with controller.device = "cuda")."""
+    from monarch.actor import this_host
+
+    from rlactors.actors.router import GeneratorRouter
+
+    replica_gpus = gpu_layout(config)[1] if config.controller.device == "cuda" else None
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    router = procs.spawn("router", GeneratorRouter, config.generator, config.model, replica_gpus, hosts,
+                         config.controller.unresponsive_timeout_s)
+    return procs, router
+
+
+async def serve_gateway(env: Any, config: Config, tokenizer: Any) -> Any:
+    """An AgentEnv's harnesses reach the policy through the gateway, served from this process
+    (on the router's host); None for any other env. The caller stops it."""
+    from rlactors.gateway import serve_agent_env
+
+    return await serve_agent_env(env, config.gateway, config.rollout.max_tokens_per_turn, tokenizer)
+
+
+async def generate(router: Any, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str,
+                   session_id: str | None = None, base_version: int = 0) -> Completion:
+    """One completion from the router. The replicas number the weights they loaded from
+    model.path 0: `base_version` is the policy version those weights are (a checkpoint's)."""
+    completion = await router.generate.call_one(prompt_token_ids, sampling, request_id, session_id)
+    if not base_version:
+        return completion
+    versions = [base_version + v if v >= 0 else v for v in completion.versions]
+    return dataclasses.replace(completion, versions=versions)

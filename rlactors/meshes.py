@@ -1,0 +1,149 @@
+"""The procs of one run: the job's hosts, the trainer mesh on them and the generator router on a
+proc of this host (its replicas on the job's generator hosts). Each proc is watched
+(rlactors.liveness), so a call to one that exits or stays unresponsive fails at once with
+ProcLost; a shutdown that a hung proc does not return from kills the procs after SHUTDOWN_WAIT_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rlactors.config import Config
+from rlactors.generation import spawn_router
+from rlactors.liveness import ProcLost, ProcWatcher, this_machine, with_descendants
+from rlactors.placement import Hosts, NoHosts, allocate_hosts, host_name
+from rlactors.run_dir import TrainingError
+
+logger = logging.getLogger(__name__)
+
+# How long shutdown waits for the gateway, router and procs to stop before it kills the procs.
+SHUTDOWN_WAIT_S = 60.0
+T = TypeVar("T")
+
+
+class HostsLost(Exception):
+    """The job's hosts went away mid-run (its Slurm job cancelled or out of time); says how."""
+
+
+class Meshes:
+    """`spawn` starts the procs of `config`; `shutdown` stops them."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.watcher = ProcWatcher(config.controller.unresponsive_timeout_s)  # tells dead procs from slow ones
+        self.hosts: Hosts | None = None
+        self.hosts_lost: str | None = None  # what took the job's hosts away mid-run
+        self._procs: list[Any] = []  # the router's last: on this host
+        self._replica_pids: set[int] = set()  # replicas' OS processes on this machine (router_stats)
+
+    async def spawn(self, slurm_log_dir: Path) -> tuple[Any, Any, list[dict[str, Any]]]:
+        """The trainer and the router, each guarded by the watcher, and the trainer's ranks."""
+        import monarch.actor
+
+        from rlactors.actors.liveness import watch_procs
+        from rlactors.actors.trainer import spawn_trainer
+
+        # Monarch's default for a fault nobody handled is to kill this process; log it instead, so
+        # the loop can stop cleanly (the failing call raises too).
+        monarch.actor.unhandled_fault_hook = lambda failure: logger.error("unhandled Monarch fault: %s", failure)
+        c = self.config
+        try:
+            self.hosts = await allocate_hosts(c.job, gpus=c.controller.device == "cuda", log_dir=slurm_log_dir)
+        except NoHosts as e:
+            raise TrainingError(f"job.scheduler: {e}") from None
+        trainer_procs, trainer, ranks = await spawn_trainer(self.hosts.trainers, c.model, c.trainer,
+                                                            c.controller.device, generator_engine=c.generator.engine)
+        router_procs, router = spawn_router(c, self.hosts.generators)
+        self._procs = [trainer_procs, router_procs]
+        # Calls to a proc that exits (or stays unresponsive past the timeout) fail at once with ProcLost.
+        trainer_watch = await watch_procs(self.watcher, trainer_procs, [f"trainer rank {r['rank']}" for r in ranks])
+        router_watch = await watch_procs(self.watcher, router_procs, ["generator router"])
+        return self.watcher.guard(trainer, trainer_watch), self.watcher.guard(router, router_watch), ranks
+
+    async def router_stats(self, router: Any) -> dict[str, Any]:
+        """The stats of `router`; notes the OS processes of the replicas that run on this
+        machine, which a stuck shutdown kills."""
+        stats = await router.stats.call_one()
+        self._replica_pids |= {r["engine"]["pid"] for r in stats["replicas"]
+                               if r["engine"] is not None and r["engine"]["host"] == host_name()}
+        return stats
+
+    async def while_hosts_hold(self, work: Awaitable[T]) -> T:
+        """Runs `work`, but cancels it as soon as the job's hosts are gone (Monarch would notice
+        only when its calls to them time out) and raises HostsLost."""
+        task = asyncio.ensure_future(work)
+        lost = asyncio.ensure_future(self.hosts.wait_lost())
+        try:
+            await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # Ctrl-C: the work ends as it would alone
+            task.cancel()
+            return await task
+        finally:
+            lost.cancel()
+        if task.done():
+            return task.result()
+        self.hosts_lost = lost.result()
+        task.cancel()
+        await asyncio.wait({task})
+        raise HostsLost(self.hosts_lost)
+
+    async def cause(self, error: BaseException) -> str:
+        """What `error` (a SupervisionError or ProcLost) lost: the job's hosts, else the watcher's
+        verdict ("trainer rank 0 (pid 7) exited (signal 9)"), which Monarch's own SupervisionError
+        may precede by a moment; else Monarch's words."""
+        if lost := self.hosts.lost():
+            return lost
+        if isinstance(error, ProcLost):
+            return str(error)
+        watched = self.watcher.procs
+        if watched:
+            await asyncio.wait([p.verdict for p in watched], timeout=2.0, return_when=asyncio.FIRST_COMPLETED)
+        return self.watcher.lost(*watched) or " ".join(str(error).split())
+
+    async def stop(self, router: Any) -> None:
+        """Closes `router` (if any) and stops the procs; once the job's hosts are lost, only the
+        procs on this host (the router's): nothing on the lost hosts answers, and a call there
+        would wait for Monarch's timeouts."""
+        if router is not None and not self.hosts_lost:
+            try:
+                await router.close.call_one()
+            except Exception as e:  # noqa: BLE001 - shutting down: report and go on
+                logger.warning("router close failed: %s", e)
+        for procs in self._procs[-1:] if self.hosts_lost else self._procs:
+            try:
+                await procs.stop()
+            except Exception as e:  # noqa: BLE001
+                logger.warning("stopping procs failed: %s", e)
+
+    async def shutdown(self, stop: Callable[[], Awaitable[None]]) -> None:
+        """Runs `stop` (what stops the gateway, the router and the procs). A proc still inside a
+        call that does not return (a collective whose peer died, say) is killed after
+        SHUTDOWN_WAIT_S, with every process under it (the replicas' procs), so that the run's
+        last line is never held back by its own shutdown."""
+        local = [(p.label, p.pid) for p in self.watcher.procs if p.pid is not None and p.machine == this_machine()]
+        self.watcher.close()  # the procs' exits are expected from here on
+        try:
+            await asyncio.wait_for(stop(), SHUTDOWN_WAIT_S)
+        except TimeoutError:
+            for pid in with_descendants([pid for _, pid in local] + sorted(self._replica_pids)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            killed = [label for label, _ in local] + [f"replica pid {pid}" for pid in sorted(self._replica_pids)]
+            print(f"warning: the procs did not stop within {SHUTDOWN_WAIT_S:.0f} s; killed "
+                  f"{', '.join(killed) or 'none (none of them runs on this machine)'}", file=sys.stderr, flush=True)
+        finally:
+            self.release_hosts()
+
+    def release_hosts(self) -> None:
+        """Ends the job's worker processes or its Slurm allocation (idempotent); also called by a
+        second Ctrl-C, which quits without a shutdown."""
+        if self.hosts is not None:
+            self.hosts.release()

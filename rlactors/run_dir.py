@@ -1,0 +1,153 @@
+"""A run dir: the files of one training run, and the rules for starting and resuming one there.
+
+    <run_dir>/
+        config.toml              the run's config, written at every start
+        metrics.jsonl            one record per step and per evaluation (rlactors.metrics)
+        samples.jsonl            decoded rollouts of each step (controller.log_samples)
+        env_errors.log           every env error, with its traceback
+        reward_curve.png         drawn from metrics.jsonl
+        tensorboard/             TensorBoard events
+        wandb_run_id             the W&B run a resumed run goes on logging into
+        slurm/                   the Slurm job's logs (job.scheduler = "slurm")
+        checkpoints/step_N/      trainer checkpoints (rlactors.trainer.checkpoint), each with
+                                 controller_state.json: where the run stood after step N
+
+A new run refuses a dir that holds steps; `--resume` continues from the last complete checkpoint
+and refuses a config whose env or seed differ from the run's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlactors.config import Config, dump_toml, read_toml
+from rlactors.trainer.checkpoint import HF_DIR, checkpoint_dir, is_complete, latest_checkpoint
+
+CONFIG_FILE = "config.toml"
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+ENV_ERRORS_FILE = "env_errors.log"
+REWARD_CURVE_FILE = "reward_curve.png"
+TENSORBOARD_DIR = "tensorboard"
+WANDB_RUN_ID_FILE = "wandb_run_id"
+SLURM_DIR = "slurm"
+CHECKPOINTS_DIR = "checkpoints"
+CONTROLLER_STATE = "controller_state.json"  # in each checkpoint's step dir
+# Settings a resumed run must keep: another env or seed would make it a different run.
+FIXED_ON_RESUME = ("env.name", "env.args", "controller.seed")
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (a dead trainer, a non-finite loss); the message says why."""
+
+
+class RunComplete(Exception):
+    """`--resume` of a run that has reached controller.steps: there is nothing to train."""
+
+
+@dataclass
+class ResumeState:
+    """Where the run stands after a step: what a checkpoint needs beyond the trainer's state."""
+
+    step: int
+    policy_version: int
+    samples: dict[str, int]
+    rollouter: dict[str, int]
+
+    @classmethod
+    def read(cls, checkpoint: Path) -> ResumeState:
+        return cls(**json.loads((checkpoint / CONTROLLER_STATE).read_text()))
+
+    def files(self) -> dict[str, str]:
+        """The files a checkpoint holds beside the trainer's state."""
+        return {CONTROLLER_STATE: json.dumps(self.__dict__)}
+
+
+class RunDir:
+    """The run dir at `path`: its file names and its new-run and resume checks."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.checkpoints = self.path / CHECKPOINTS_DIR
+        self.config = self.path / CONFIG_FILE
+        self.metrics = self.path / METRICS_FILE
+
+    def check(self, config: Config, resume: bool) -> Path | None:
+        """A new run never writes over a run dir that holds steps; `--resume` continues the run
+        here with its env and seed, and raises RunComplete when it has all its steps. Returns the
+        checkpoint to resume from."""
+        if not resume:
+            # A dir with only config.toml (a run stopped before its first step) holds nothing to lose.
+            last = latest_checkpoint(self.checkpoints)
+            held = ([METRICS_FILE] if self.metrics.is_file() and self.metrics.stat().st_size else []) + \
+                ([f"{CHECKPOINTS_DIR}/{last.name}"] if last else [])
+            if held:
+                raise TrainingError(f"controller.run_dir: {self.path} already holds a run ({', '.join(held)}); "
+                                    f"continue it with --resume, or give this run another controller.run_dir "
+                                    f"(or delete {self.path})")
+            return None
+        path = latest_checkpoint(self.checkpoints)
+        if path is None:
+            raise TrainingError(f"--resume: no complete checkpoint under {self.checkpoints}")
+        if not (path / CONTROLLER_STATE).is_file():
+            raise TrainingError(f"--resume: {path} has no {CONTROLLER_STATE}")
+        self._check_resumed_config(config, path)
+        step = ResumeState.read(path).step
+        if step >= config.controller.steps:
+            raise RunComplete(f"nothing to train: the run in {self.path} is at step {step} and controller.steps "
+                              f"is {config.controller.steps}; raise controller.steps to train further")
+        return path
+
+    def _check_resumed_config(self, config: Config, checkpoint: Path) -> None:
+        """Refuses a resume whose env or seed differ from the run's config.toml; prints the other
+        settings that changed."""
+        if not self.config.is_file():
+            return
+        saved = _flat_config(read_toml(self.config))
+        now = _flat_config(json.loads(json.dumps(config.to_dict())))  # tuples as lists, like TOML's
+        changed = {key: (saved[key], now[key]) for key in now if key in saved and saved[key] != now[key]}
+        for key in FIXED_ON_RESUME:
+            if key in changed:
+                was, asked = changed[key]
+                raise TrainingError(
+                    f"--resume: {key} is {asked!r} here but the run in {self.path} has {was!r} ({self.config}); "
+                    f"resume it as it was, or start a new run in another controller.run_dir "
+                    f"(model.path=\"{checkpoint / HF_DIR}\" starts from this run's policy)")
+        if changed:
+            print("resuming with changed settings: "
+                  + "; ".join(f"{key} {was!r} -> {asked!r}" for key, (was, asked) in changed.items()), flush=True)
+
+    def write_config(self, config: Config) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.config.write_text(dump_toml(config), encoding="utf-8")
+
+    def is_saved(self, step: int) -> bool:
+        """Whether the checkpoint of `step` is complete."""
+        return is_complete(checkpoint_dir(self.checkpoints, step))
+
+    def last_checkpoint(self) -> str:
+        """Where a stopped run resumes from, for its error line."""
+        last = latest_checkpoint(self.checkpoints)
+        return f"the last complete checkpoint is {last}" if last else "no checkpoint was completed"
+
+    def resumable(self, what: str) -> str:
+        """The error line of a run stopped by `what`: where it resumes from."""
+        return f"{what}; {self.last_checkpoint()}; continue with --resume"
+
+    def interrupt_report(self, step: int) -> str:
+        """What a run interrupted after `step` (0: before its first) kept, and how to go on."""
+        last = latest_checkpoint(self.checkpoints)
+        if last is None:
+            return (f"interrupted before step {step + 1} completed: nothing is saved; "
+                    "start the run again (without --resume)")
+        after = f" after step {step}" if step else ""
+        return f"interrupted{after}: the run is saved in {last}; continue with --resume"
+
+
+def _flat_config(tree: dict[str, Any]) -> dict[str, Any]:
+    """`section.key` -> value of a config's sections (env.args stays one value)."""
+    return {f"{section}.{key}": value for section, table in tree.items() if isinstance(table, dict)
+            for key, value in table.items()}

@@ -9,9 +9,8 @@ import asyncio
 
 import pytest
 import torch
-from support.vllm_checks import NEEDS_VLLM_GPU
+from support.vllm_checks import NEEDS_VLLM_GPU, vllm_run_config
 
-from rlactors.config import load_config
 from rlactors.controller import Controller
 from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.types import SamplingParams
@@ -33,13 +32,7 @@ def ckpt(tmp_path_factory):
 
 
 def _config(ckpt, run_dir, *extra):
-    return load_config(None, [
-        f'model.path="{ckpt}"', 'model.dtype="bfloat16"', f'controller.run_dir="{run_dir}"', 'controller.device="cuda"',
-        'generator.engine="vllm"', "generator.replicas=1", "generator.gpu_memory_utilization=0.3",
-        "generator.max_model_len=512", 'generator.update_mode="hot_swap"', "trainer.ranks=1", "trainer.lr=1e-3",
-        "controller.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_turns=2",
-        "rollout.max_tokens_per_turn=48", "rollout.max_total_tokens=512", "rollout.keep_zero_variance_groups=true",
-        "batcher.row_tokens=2048", "env.args={ max_turns = 2, max_names_per_turn = 2 }", *extra])
+    return vllm_run_config(ckpt, run_dir, 'generator.update_mode="hot_swap"', "controller.steps=2", *extra)
 
 
 async def _with_controller(config, body):

@@ -130,3 +130,10 @@ class Spinners:
             proc.kill()
         for proc in self.procs:
             proc.wait()
+
+
+async def kill_replica(router, index: int) -> float:
+    """SIGKILLs generator replica `index`'s proc; returns when, by time.monotonic()."""
+    stats = await router.stats.call_one()
+    os.kill(stats["replicas"][index]["engine"]["pid"], signal.SIGKILL)
+    return time.monotonic()

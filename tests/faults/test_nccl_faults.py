@@ -5,15 +5,13 @@ gloo (test_training_faults.py); here NCCL's own waiting is real. Needs 2 GPUs an
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 
 import pytest
 import torch
-from support.vllm_checks import NEEDS_VLLM_GPU
+from faultkit import kill_replica
+from support.vllm_checks import NEEDS_VLLM_GPU, vllm_run_config
 
-from rlactors.config import load_config
 from rlactors.controller import Controller, TrainingError
 from rlactors.models.tiny import make_tiny_checkpoint
 
@@ -27,21 +25,8 @@ def ckpt(tmp_path_factory):
 
 
 def nccl_config(ckpt, run_dir, *extra):
-    return load_config(None, [
-        f'model.path="{ckpt}"', 'model.dtype="bfloat16"', f'controller.run_dir="{run_dir}"', 'controller.device="cuda"',
-        'generator.engine="vllm"', "generator.replicas=1", 'generator.weight_sync="broadcast"',
-        "generator.gpu_memory_utilization=0.3", "generator.max_model_len=512", "trainer.ranks=1", "trainer.lr=1e-3",
-        "controller.steps=3", "controller.checkpoint_every=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        "rollout.max_turns=2", "rollout.max_tokens_per_turn=48", "rollout.max_total_tokens=512",
-        "rollout.keep_zero_variance_groups=true", "batcher.row_tokens=2048",
-        "env.args={ max_turns = 2, max_names_per_turn = 2 }", *extra])
-
-
-async def kill_replica(router) -> float:
-    """SIGKILLs the replica's proc; returns when, by time.monotonic()."""
-    stats = await router.stats.call_one()
-    os.kill(stats["replicas"][0]["engine"]["pid"], signal.SIGKILL)
-    return time.monotonic()
+    return vllm_run_config(ckpt, run_dir, 'generator.weight_sync="broadcast"', "controller.steps=3",
+                           "controller.checkpoint_every=0", *extra)
 
 
 class ReplicaKilledBetweenSyncs(Controller):
@@ -50,7 +35,7 @@ class ReplicaKilledBetweenSyncs(Controller):
 
     async def push_weights(self):
         if self.step == 1:
-            killed = await kill_replica(self.router)
+            killed = await kill_replica(self.router, 0)
             while (await self.router.stats.call_one())["deaths"] != 1:
                 assert time.monotonic() - killed < 30, "the router did not count the replica dead"
                 await asyncio.sleep(0.05)
@@ -89,7 +74,7 @@ class ReplicaKilledDuringBroadcast(Controller):
         class Broadcast:
             def call(self):
                 async def kill_then_broadcast():
-                    controller.killed_at = await kill_replica(controller.router)
+                    controller.killed_at = await kill_replica(controller.router, 0)
                     return await trainer.broadcast_weights.call()
                 return kill_then_broadcast()
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from faultkit import CliProcess, child_pids, run_cli, small_run_overrides, wait_until
+from faultkit import CliProcess, child_pids, kill_replica, run_cli, small_run_overrides, wait_until
 
 from rlactors.config import load_config
 from rlactors.controller import Controller, TrainingError
@@ -393,13 +393,6 @@ def test_a_broadcast_that_fails_its_checksum_stops_the_run_and_the_replicas_keep
                  f"with `{message[:120]}...`; checkpoint 1 (complete) resumes it")
 
 
-async def _kill_replica(router, index: int) -> float:
-    """SIGKILLs generator replica `index`'s proc; returns when, by time.monotonic()."""
-    stats = await router.stats.call_one()
-    os.kill(stats["replicas"][index]["engine"]["pid"], signal.SIGKILL)
-    return time.monotonic()
-
-
 class RecordingBroadcastSync(sync.BroadcastSync):
     """Records the members of every weight group formed."""
 
@@ -420,7 +413,7 @@ class ReplicaKilledBeforeSync(Controller):
 
     async def push_weights(self):
         if self.step == 1:
-            killed = await _kill_replica(self.router, 1)
+            killed = await kill_replica(self.router, 1)
             while (await self.router.stats.call_one())["deaths"] != 1:
                 assert time.monotonic() - killed < 30, "the router did not count replica 1 dead"
                 await asyncio.sleep(0.05)
@@ -464,7 +457,7 @@ class OnlyReplicaKilledBeforeSync(Controller):
 
     async def push_weights(self):
         if self.step == 1:
-            killed = await _kill_replica(self.router, 0)
+            killed = await kill_replica(self.router, 0)
             while await self.router.dead_replicas.call_one() != [0]:
                 assert time.monotonic() - killed < 30, "the router did not count replica 0 dead"
                 await asyncio.sleep(0.05)
@@ -494,7 +487,7 @@ class _StuckBroadcast:
 
     def call(self):
         async def kill_then_wait():
-            self.controller.killed_at = await _kill_replica(self.controller.router, 1)
+            self.controller.killed_at = await kill_replica(self.controller.router, 1)
             await self._never()
         return kill_then_wait()
 

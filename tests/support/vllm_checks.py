@@ -1,6 +1,7 @@
-"""What the vLLM engine tests share: their marks (a GPU and vLLM), random prompts, running
-requests to the end, the worst difference between vLLM's logprobs and our fp32 model's, a scenario
-completion as an episode, and the trainer's paged attention queried as a vLLM step queries it."""
+"""What the vLLM engine tests share: their marks (a GPU and vLLM), a short alphabet_sort run on
+vLLM, random prompts, running requests to the end, the worst difference between vLLM's logprobs
+and our fp32 model's, a scenario completion as an episode, and the trainer's paged attention
+queried as a vLLM step queries it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,20 @@ NEEDS_VLLM_GPU = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
 ]
+
+def vllm_run_config(ckpt, run_dir, *extra: str):
+    """A short alphabet_sort run of `ckpt` (bf16) with one vLLM replica and one trainer rank on CUDA;
+    `extra` overrides come last and win."""
+    from rlactors.config import load_config
+
+    return load_config(None, [
+        f'model.path="{ckpt}"', 'model.dtype="bfloat16"', f'controller.run_dir="{run_dir}"', 'controller.device="cuda"',
+        'generator.engine="vllm"', "generator.replicas=1", "generator.gpu_memory_utilization=0.3",
+        "generator.max_model_len=512", "trainer.ranks=1", "trainer.lr=1e-3", "rollout.prompts_per_step=4",
+        "rollout.group_size=4", "rollout.max_turns=2", "rollout.max_tokens_per_turn=48", "rollout.max_total_tokens=512",
+        "rollout.keep_zero_variance_groups=true", "batcher.row_tokens=2048",
+        "env.args={ max_turns = 2, max_names_per_turn = 2 }", *extra])
+
 
 # bf16 generator against an fp32 reference of the same weights: logprobs agree to bf16 rounding.
 LOGPROB_ATOL = 0.1

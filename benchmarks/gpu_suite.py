@@ -1,4 +1,4 @@
-"""The GPU test suite in groups, each in a pytest process of its own, on a device machine.
+"""The GPU test suite in groups, each in a pytest process of its own, on a GPU machine.
 
     python benchmarks/gpu_suite.py 1gpu   # every test that runs on one GPU (one H100 80 GB is enough)
     python benchmarks/gpu_suite.py 2gpu   # the tests that need two GPUs (NCCL, FSDP2, tensor parallel)
@@ -10,7 +10,7 @@ side by side when more GPUs are visible (one GPU each, by CUDA_VISIBLE_DEVICES);
 groups one after another on the first two GPUs, and fails a test that skips for want of GPUs.
 Prints a table of groups, counts and seconds, appends it to benchmarks/results/gpu_suite.md with
 the machine, date and commit, and exits non-zero when any group failed. Expects vLLM and Monarch
-importable (on the device machines, staged as ../shared/device/README.md says).
+importable (README, "GPU setup").
 """
 
 from __future__ import annotations

@@ -72,8 +72,9 @@ class Meshes:
         """The stats of `router`; notes the OS processes of the replicas that run on this
         machine, which a stuck shutdown kills."""
         stats = await router.stats.call_one()
-        self._replica_pids |= {r["engine"]["pid"] for r in stats["replicas"]
-                               if r["engine"] is not None and r["engine"]["host"] == host_name()}
+        # The replicas up now only: a dead replica's pid may since belong to another process.
+        self._replica_pids = {r["engine"]["pid"] for r in stats["replicas"]
+                              if r["engine"] is not None and r["engine"]["host"] == host_name()}
         return stats
 
     async def while_hosts_hold(self, work: Awaitable[T]) -> T:
@@ -126,8 +127,9 @@ class Meshes:
     async def shutdown(self, stop: Callable[[], Awaitable[None]]) -> None:
         """Runs `stop` (what stops the gateway, the router and the procs). A proc still inside a
         call that does not return (a collective whose peer died, say) is killed after
-        SHUTDOWN_WAIT_S, with every process under it (the replicas' procs), so that the run's
-        last line is never held back by its own shutdown."""
+        SHUTDOWN_WAIT_S, with the replicas' procs last seen in `router_stats` and every process
+        under them all (vLLM's engine processes), so that the run's last line is never held back
+        by its own shutdown."""
         local = [(p.label, p.pid) for p in self.watcher.procs if p.pid is not None and p.machine == this_machine()]
         self.watcher.close()  # the procs' exits are expected from here on
         try:

@@ -125,6 +125,16 @@ def test_trainer_and_vllm_logprobs_agree_on_the_same_completions(ckpt, tmp_path)
     assert all(m["weight_sync/bytes"] > 0 for m in history)
 
 
+@gpus(2)
+def test_true_on_policy_over_nccl_gives_bitwise_equal_logprobs_on_every_step(ckpt, tmp_path):
+    """The trainer on GPU 0, a true on-policy vLLM replica on GPU 1, weights synced by NCCL
+    broadcast: the trainer's logprobs equal vLLM's on every step, also after the syncs."""
+    config = _config(ckpt, tmp_path, "model.true_on_policy=true", "controller.steps=4", "controller.mode=async")
+    history = asyncio.run(Controller(config).run())
+    assert [m["policy/version"] for m in history] == [1.0, 2.0, 3.0, 4.0]
+    assert [m["loss/logprob_diff/max"] for m in history] == [0.0] * 4, history
+
+
 @gpus(4)
 def test_alphabet_sort_steps_on_two_trainer_gpus_and_two_vllm_replicas(ckpt, tmp_path):
     config = _config(ckpt, tmp_path, "trainer.ranks=2", "generator.replicas=2", "controller.mode=async")

@@ -36,6 +36,10 @@ class PolicyTrainer(Actor):
     @endpoint
     async def init(self) -> dict[str, int]:
         """Joins the process group and loads the policy from `model.path` (policy version 0)."""
+        if self.device_type == "cuda" and self.model_config.true_on_policy and self.generator_engine == "vllm":
+            from rlactors.engines.vllm_model import share_replica_nccl_settings
+
+            share_replica_nccl_settings()  # before init_distributed makes this process's first communicator
         device = init_distributed(self.device_type)
         self.core = PolicyTrainerCore(self.model_config, self.trainer_config, device, self.generator_engine)
         return {"rank": self.core.rank, "world_size": self.core.world_size, "host": host_name(),

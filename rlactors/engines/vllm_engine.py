@@ -53,6 +53,15 @@ def one_start_per_gpu(tp: int) -> Iterator[None]:
         yield
 
 
+def custom_all_reduce_works(tp: int, alloc_conf: str) -> bool:
+    """Whether vLLM's custom all-reduce can run for a replica of `tp` GPUs under PyTorch's
+    allocator settings `alloc_conf` (PYTORCH_CUDA_ALLOC_CONF). It shares its buffers between
+    GPUs by CUDA IPC handles, which memory from expandable segments cannot give: with those,
+    vLLM 0.26's TP workers exit at CUDA graph capture ('custom_all_reduce.cuh: invalid argument')."""
+    settings = dict(item.split(":", 1) for item in alloc_conf.replace(" ", "").split(",") if ":" in item)
+    return tp == 1 or settings.get("expandable_segments", "False") != "True"
+
+
 @dataclass
 class _Request:
     prompt_token_ids: list[int]
@@ -125,6 +134,7 @@ class VLLMEngine(Engine):
             enable_prefix_caching=True,
             logprobs_mode="raw_logprobs",
             disable_log_stats=True,
+            disable_custom_all_reduce=not custom_all_reduce_works(g.tp, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")),
             **true_on_policy_args,
         )
         with one_start_per_gpu(g.tp):

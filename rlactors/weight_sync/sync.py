@@ -40,7 +40,9 @@ died or a restarted replica is up:
    at a step boundary). A restarted member serves from the first broadcast it receives.
 4. While the broadcast runs, `router.dead_weight_group_members()` every 0.5 s: NCCL waits for a
    dead member for ever (gloo fails at once), so a broadcast that outlives a member's death by
-   `BROADCAST_DEATH_GRACE_S` is given up (`BroadcastStuck`).
+   `BROADCAST_DEATH_GRACE_S` is given up (`BroadcastStuck`). NCCL may also let the sender finish
+   a broadcast small enough to fit its buffers; if every member died meanwhile, the push raises
+   `NoReplicaUp` (the trainer is not stuck, so its step can still be saved).
 
 A replica that rejects the weights (checksum, names, shapes) keeps serving its previous version,
 and the push raises `WeightSyncError` naming it.
@@ -141,6 +143,9 @@ class BroadcastSync(WeightSync):
             sent, received = await self._broadcast(version, packed["checksum"])
         except ActorError as e:  # a replica rejected the weights (checksum), or a side failed
             raise WeightSyncError(f"weight sync of policy version {version} failed: {e.exception}") from None
+        if not received["replicas"]:  # NCCL lets a sender finish a broadcast it could buffer whole
+            raise NoReplicaUp(f"weight sync of policy version {version}: generator replica(s) {plan['members']} "
+                              "died during the broadcast, and no replica is up to receive the weights")
         self.version = version
         sender = first_value(sent)
         # Where the time went: the trainer's gather and checksum, its broadcast (which waits for

@@ -1,5 +1,6 @@
 """vLLM engines that share a GPU start one after another (`one_start_per_gpu`), on CPU: real
-processes take the per-GPU lock as replicas' procs would."""
+processes take the per-GPU lock as replicas' procs would. And when a TP replica may use vLLM's
+custom all-reduce."""
 
 import multiprocessing
 import os
@@ -68,3 +69,12 @@ def test_a_process_forked_while_starting_does_not_keep_the_lock(monkeypatch):
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+def test_a_tensor_parallel_replica_all_reduces_through_nccl_under_expandable_segments():
+    from rlactors.engines.vllm_engine import custom_all_reduce_works
+
+    assert custom_all_reduce_works(2, "") and custom_all_reduce_works(2, "expandable_segments:False")
+    assert not custom_all_reduce_works(2, "expandable_segments:True")
+    assert not custom_all_reduce_works(4, "max_split_size_mb:512, expandable_segments:True")
+    assert custom_all_reduce_works(1, "expandable_segments:True")  # one GPU: nothing to all-reduce

@@ -99,9 +99,13 @@ def test_a_replica_killed_during_an_nccl_broadcast_stops_the_run_naming_it(ckpt,
     with pytest.raises(TrainingError) as raised:
         asyncio.run(asyncio.wait_for(controller.run(), 240))  # a regression hangs: fail instead
     stopped_s = controller.given_up_at - controller.killed_at
-    assert str(raised.value) == ("weight sync of policy version 1: generator replica(s) [0] died during the "
-                                 "broadcast, which waits for every member; no checkpoint was completed; "
-                                 "continue with --resume")
+    # NCCL lets the trainer finish a broadcast this small (a few MB) when its buffers hold it all:
+    # then the trainer is free and step 1 is saved; otherwise it is stuck in the collective.
+    stuck = ("weight sync of policy version 1: generator replica(s) [0] died during the broadcast, which waits "
+             "for every member; no checkpoint was completed; continue with --resume")
+    buffered = ("weight sync of policy version 1: generator replica(s) [0] died during the broadcast, and no "
+                f"replica is up to receive the weights; the state after step 1 is saved in {tmp_path / 'checkpoints'}")
+    assert str(raised.value) in (stuck, buffered)
     assert stopped_s < 10, stopped_s
     fault_record("generator replica SIGKILLed during an NCCL broadcast",
                  "the only replica's proc, as step 1's NCCL broadcast starts", None,

@@ -40,17 +40,16 @@ class Generator(Actor):
     @concurrent_endpoint
     async def update_weights(self, version: int, named_tensors: Mapping[str, torch.Tensor],
                              checksum: str | None = None, mode: str | None = None) -> dict[str, Any]:
-        return await self.engine.update_weights(version, named_tensors, checksum, mode)
+        return await self.engine.updates.update_weights(version, named_tensors, checksum, mode)
 
     @concurrent_endpoint
     async def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
                                 layout: Any) -> list[int]:
-        """Joins the trainer's weight broadcast group (see rlactors.weight_sync.broadcast)."""
-        return await self.engine.join_weight_group(host, port, rank_offset, world_size, layout)
+        return await self.engine.updates.join_weight_group(host, port, rank_offset, world_size, layout)
 
     @concurrent_endpoint
     async def receive_weights(self, version: int, checksum: str, mode: str | None = None) -> dict[str, Any]:
-        return await self.engine.receive_weights(version, checksum, mode)
+        return await self.engine.updates.receive_weights(version, checksum, mode)
 
     @concurrent_endpoint
     async def stats(self) -> dict[str, Any]:

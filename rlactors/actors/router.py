@@ -19,12 +19,10 @@
   in flight failed over; one that stops answering is slow after a few seconds (new requests go to
   the others while any answers; its own calls wait), and dead only once unresponsive for
   `unresponsive_timeout_s`. A slow replica that answers again serves again, never restarted.
-- Weights: `update_weights` fans out to every serving replica in parallel. The router keeps the
-  latest (version, tensors, checksum) it fanned out so that a restarted replica is brought to the
-  current version before it takes requests. Weights that reach the replicas by the trainer's
-  broadcast are not kept here: the broadcast group's endpoints (`plan_weight_group`,
-  `join_weight_group`, `receive_weights`, `dead_weight_group_members`) serve the protocol of
-  `rlactors.weight_sync.sync`.
+- Weights: the endpoints `update_weights` (by messages) and `plan_weight_group`,
+  `join_weight_group`, `receive_weights`, `dead_weight_group_members` (by broadcast) call this
+  router's `ReplicaWeights` (rlactors.weight_sync.replicas), which holds what goes to which replica;
+  the protocol that drives them is rlactors.weight_sync.sync.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,6 +45,7 @@ from rlactors.engines.async_engine import EngineDeadError
 from rlactors.liveness import UNRESPONSIVE_TIMEOUT_S, ProcLost, ProcWatcher, WatchedProc
 from rlactors.placement import cuda_visible_devices, host_of, num_hosts
 from rlactors.types import Completion, SamplingParams
+from rlactors.weight_sync.replicas import ReplicaWeights
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +112,10 @@ class _Replica:
     version: int | None = None
     watched: WatchedProc | None = None  # once it is up
 
+    @property
+    def up(self) -> bool:
+        return self.state.up
+
 
 class GeneratorRouter(Actor):
     def __init__(self, generator_config: GeneratorConfig, model_config: ModelConfig,
@@ -131,15 +133,13 @@ class GeneratorRouter(Actor):
         self.gpu_ids = [list(ids) for ids in gpu_ids] if gpu_ids is not None else None
         self.picker = ReplicaPicker()
         self.watcher = ProcWatcher(unresponsive_timeout_s)
-        self.latest_weights: tuple[int, Mapping[str, torch.Tensor], str | None] | None = None
-        self.counters = {"retries": 0, "deaths": 0, "restarts": 0, "failed_restarts": 0, "weight_groups": 0}
+        self.weights = ReplicaWeights(g.tp, died=self._mark_dead, received=self._received_weights)
+        self.counters = {"retries": 0, "deaths": 0, "restarts": 0, "failed_restarts": 0}
         self._spawned = 0
         self._serving = asyncio.Event()  # set while a replica serves, or when none can come
         self._restarts: dict[int, asyncio.Task] = {}
         self.replicas = [self._spawn(i) for i in range(g.replicas)]
         self._ready: asyncio.Task | None = None
-        self._weight_group: list[_Replica] | None = None  # the broadcast group's members, once formed
-        self._planned_group: list[_Replica] = []
 
     # -- replicas ---------------------------------------------------------------------------
 
@@ -170,16 +170,12 @@ class GeneratorRouter(Actor):
 
     async def _bring_up(self, replica: _Replica) -> bool:
         """Waits for a new replica's first answer, watches its proc, and brings it to the latest
-        weights fanned out (even if a newer version arrives meanwhile); True once it serves, or,
-        with broadcast sync, once it is up and waits for the next weight group."""
+        weights sent by messages; True once it serves, or, with broadcast sync, once it is up and
+        waits for the next weight group."""
         try:
             replica.version = (await replica.actor.stats.call_one())["version"]
             await self._watch(replica)
-            by_broadcast = self._weight_group is not None
-            while not by_broadcast and self.latest_weights is not None and replica.version != self.latest_weights[0]:
-                version, tensors, checksum = self.latest_weights
-                await replica.actor.update_weights.call_one(version, tensors, checksum)
-                replica.version = version
+            by_broadcast = await self.weights.bring_up(replica)
         except Exception as e:  # noqa: BLE001 - any failure to start means it does not serve
             logger.error("generator replica %d (%s) failed to start: %s", replica.index, replica.name, e)
             return False
@@ -205,6 +201,10 @@ class GeneratorRouter(Actor):
     def _serve(self, replica: _Replica) -> None:
         replica.state = ReplicaState.SERVING
         self._serving.set()
+
+    def _received_weights(self, replica: _Replica) -> None:
+        if replica.state is ReplicaState.AWAITING_WEIGHTS:
+            self._serve(replica)  # its first broadcast
 
     def _mark_dead(self, replica: _Replica, error: BaseException) -> None:
         if replica.state is ReplicaState.DEAD or replica is not self.replicas[replica.index]:
@@ -305,49 +305,24 @@ class GeneratorRouter(Actor):
         (checksum mismatch, bad names or shapes) keeps its old version and the call raises naming
         it; a replica that dies meanwhile is restarted (if configured) with these weights."""
         await self._ensure_started()
-        start = time.perf_counter()
-        # Recorded first, so that a replica (re)starting meanwhile also comes up at this version.
-        previous, self.latest_weights = self.latest_weights, (version, named_tensors, checksum)
-        live, rejected, _ = await self._fan_out(
-            version, lambda r: r.actor.update_weights.call_one(version, named_tensors, checksum, mode),
-            self._serving_replicas())
-        if not any(r.version == version for r in live):
-            self.latest_weights = previous  # nobody took these weights: restarts keep the old ones
-        _raise_if_rejected(version, rejected)
-        return {"version": version, "replicas": [r.index for r in live if r.version == version],
-                "seconds": time.perf_counter() - start}
+        return await self.weights.update(version, named_tensors, checksum, mode, self._serving_replicas())
 
     @concurrent_endpoint
     async def plan_weight_group(self) -> dict[str, Any]:
         """Who would form a new weight broadcast group now: every replica that is up (serving, or
-        restarted and awaiting weights). A group's members are fixed, so a new one is due
-        (`stale`) when a member has died or a restarted replica waits. The plan is what the next
-        `join_weight_group` joins; its world size counts the trainer's rank 0."""
+        restarted and awaiting weights); `stale` when they differ from the current group's."""
         await self._ensure_started()
-        members = [r for r in self.replicas if r.state.up]
-        group = self._weight_group
-        stale = group != members  # replicas compare by identity: a restarted one is a new member
-        self._planned_group = members
-        return {"stale": stale, "members": [r.index for r in members],
-                "world_size": 1 + len(members) * self.generator_config.tp}
+        return self.weights.plan([r for r in self.replicas if r.up])
 
     @concurrent_endpoint
     async def join_weight_group(self, host: str, port: int, layout: Any) -> int:
-        """Every TP worker of the planned members joins the trainer's new weight broadcast group:
-        member m's TP worker t as rank 1 + m * tp + t (the trainer is rank 0), each keeping its
-        receive buffer. Called together with the trainer's side. Returns the world size."""
-        members, tp = self._planned_group, self.generator_config.tp
-        world_size = 1 + len(members) * tp
-        await asyncio.gather(*(r.actor.join_weight_group.call_one(host, port, 1 + m * tp, world_size, layout)
-                               for m, r in enumerate(members)))
-        self._weight_group = members
-        self.counters["weight_groups"] += 1
-        return world_size
+        """The planned members join the trainer's new weight broadcast group; returns its world size."""
+        return await self.weights.join(host, port, layout)
 
     @concurrent_endpoint
     async def dead_weight_group_members(self) -> list[int]:
         """Members of the current weight group that have died: a broadcast waits for them."""
-        return [r.index for r in self._weight_group or () if r.state is ReplicaState.DEAD]
+        return self.weights.dead_members()
 
     @concurrent_endpoint
     async def dead_replicas(self) -> list[int]:
@@ -361,32 +336,7 @@ class GeneratorRouter(Actor):
         together with the trainer's broadcast); a restarted member serves from then on. A replica
         whose checksum does not match keeps its old weights and the call raises naming it; a
         replica that fails otherwise is marked dead."""
-        start = time.perf_counter()
-        members = [r for r in self._weight_group or () if r.state.up]
-        _, rejected, timings = await self._fan_out(
-            version, lambda r: r.actor.receive_weights.call_one(version, checksum, mode), members)
-        _raise_if_rejected(version, rejected)
-        return {"version": version, "seconds": time.perf_counter() - start, "replicas": timings}
-
-    async def _fan_out(self, version: int, call: Any,
-                       live: list[_Replica]) -> tuple[list[_Replica], list[str], list[Any]]:
-        """`call(replica)` on each of `live` at once. A replica that accepts is at `version` (and
-        serves, if it was waiting for weights); one that rejects the weights (an ActorError from a
-        live engine) keeps its version; any other failure marks it dead. Returns `live`, the
-        rejections and the accepted results."""
-        results = await asyncio.gather(*(call(r) for r in live), return_exceptions=True)
-        rejected, accepted = [], []
-        for replica, result in zip(live, results):
-            if isinstance(result, ActorError) and not isinstance(result.exception, EngineDeadError):
-                rejected.append(f"replica {replica.index}: {result.exception!r}")
-            elif isinstance(result, BaseException):
-                self._mark_dead(replica, result)
-            else:
-                replica.version = version
-                if replica.state is ReplicaState.AWAITING_WEIGHTS:
-                    self._serve(replica)
-                accepted.append(result)
-        return live, rejected, accepted
+        return await self.weights.receive(version, checksum, mode)
 
     @concurrent_endpoint
     async def stats(self) -> dict[str, Any]:
@@ -415,7 +365,8 @@ class GeneratorRouter(Actor):
                         "engine": by_replica.get(r)}
                        for r, state in zip(replicas, states)]
         return {"replicas": per_replica, "states": {s.value: states.count(s) for s in ReplicaState},
-                "restarting": sorted(self._restarts), "sessions": len(self.picker.sessions), **self.counters}
+                "restarting": sorted(self._restarts), "sessions": len(self.picker.sessions), **self.counters,
+                "weight_groups": self.weights.groups_formed}
 
     @concurrent_endpoint
     async def close(self) -> None:
@@ -429,7 +380,3 @@ class GeneratorRouter(Actor):
             replica.state = ReplicaState.DEAD
         await asyncio.gather(*(r.procs.stop() for r in self.replicas), return_exceptions=True)
 
-
-def _raise_if_rejected(version: int, rejected: list[str]) -> None:
-    if rejected:
-        raise RuntimeError(f"weights version {version} rejected by " + "; ".join(rejected))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rlactors.types import Completion, SamplingParams
+from rlactors.weight_sync.broadcast import BroadcastReceiver
 
 
 class Engine(abc.ABC):
@@ -60,23 +61,13 @@ class Engine(abc.ABC):
     # come from one version.
     hot_swaps = True
 
-    # Weights broadcast by the trainer (rlactors.weight_sync.broadcast) arrive in two phases:
-    # staged into a receive buffer and verified, then loaded between steps.
-    stages_concurrently = False  # True: stage_weights may run in another thread while step() runs
+    # Weights broadcast by the trainer arrive in two phases (rlactors.weight_sync.updates): received
+    # into a buffer beside the model and verified, then loaded between steps.
+    stages_concurrently = False  # True: a receive may run in another thread while step() runs
 
     @abc.abstractmethod
-    def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, layout: Any) -> list[int]:
-        """Joins the trainer's broadcast group (blocks until every member joins); returns the
-        ranks this engine holds in it (one per TP worker, from `rank_offset` on)."""
-
-    @abc.abstractmethod
-    def stage_weights(self, version: int, checksum: str) -> dict[str, float]:
-        """Receives the trainer's next broadcast into the receive buffer and checks its checksum
-        (ChecksumMismatch on a difference); the served weights are untouched. Returns timings."""
-
-    @abc.abstractmethod
-    def load_staged(self, version: int) -> dict[str, float]:
-        """Loads the staged weights and sets the policy version of later tokens. Returns timings."""
+    def broadcast_receiver(self) -> BroadcastReceiver:
+        """This engine's receiving end of the trainer's weight broadcast (rlactors.weight_sync.broadcast)."""
 
     @abc.abstractmethod
     def reset_prefix_cache(self) -> None:

@@ -25,8 +25,7 @@ from rlactors.engines.scheduler import ScheduledChunk, Scheduler, SeqState
 from rlactors.models.decoder import DecoderForCausalLM
 from rlactors.models.moe import SparseMoeBlock
 from rlactors.types import Completion, SamplingParams
-from rlactors.weight_sync.broadcast import BufferReceiver
-from rlactors.weight_sync.packed import PackedLayout
+from rlactors.weight_sync.broadcast import LocalReceiver
 
 
 class NativeEngine(Engine):
@@ -55,7 +54,6 @@ class NativeEngine(Engine):
         self.aborted: list[Completion] = []
         self.counters = {"steps": 0, "finished": 0, "aborted": 0, "generated_tokens": 0,
                          "computed_tokens": 0}
-        self.receiver: BufferReceiver | None = None  # set by join_weight_group
         # Each sparse layer's expert ids [T, k] of the step's forward, in layer order.
         self._routing: list[torch.Tensor] = []
         self.records_routing = False
@@ -207,26 +205,11 @@ class NativeEngine(Engine):
         self.version = version
         self.reset_prefix_cache()
 
-    # Weights by broadcast (rlactors.weight_sync.broadcast): the receive buffer is not the model,
-    # so a receive may run while step() runs.
+    # Weights by broadcast: the receive buffer is not the model, so a receive may run while step() runs.
     stages_concurrently = True
 
-    def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
-                          layout: PackedLayout) -> list[int]:
-        if self.receiver is None:
-            self.receiver = BufferReceiver(layout, self.device)
-        self.receiver.join(host, port, rank_offset, world_size)
-        return [rank_offset]
-
-    def stage_weights(self, version: int, checksum: str) -> dict[str, float]:
-        if self.receiver is None:
-            raise RuntimeError("stage_weights: this engine has not joined a weight group")
-        return self.receiver.receive(version, checksum)
-
-    def load_staged(self, version: int) -> dict[str, float]:
-        start = time.perf_counter()
-        self.load_weights(self.receiver.weights(), version)
-        return {"load_s": time.perf_counter() - start}
+    def broadcast_receiver(self) -> LocalReceiver:
+        return LocalReceiver(self.device, self.load_weights)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()

@@ -28,6 +28,7 @@ import torch
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.base import Engine, check_request
 from rlactors.types import Completion, SamplingParams
+from rlactors.weight_sync.broadcast import VLLMReceiver
 
 
 @contextlib.contextmanager
@@ -192,27 +193,15 @@ class VLLMEngine(Engine):
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
         self.check_weights(named_tensors)
         self.engine.apply_model(functools.partial(_load_into_model, list(named_tensors.items())))
+        self._weights_loaded(version)
+
+    def broadcast_receiver(self) -> VLLMReceiver:
+        """The trainer's NCCL weight broadcast, received by every TP worker."""
+        return VLLMReceiver(self.engine, self._weights_loaded)
+
+    def _weights_loaded(self, version: int) -> None:
         self.version = version
         self.reset_prefix_cache()
-
-    def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, layout: Any) -> list[int]:
-        """Joins the trainer's NCCL weight group (rlactors.weight_sync.broadcast) on every TP worker."""
-        from rlactors.weight_sync.broadcast import worker_join
-
-        return self.engine.collective_rpc(worker_join, args=(host, port, rank_offset, world_size, layout))
-
-    def stage_weights(self, version: int, checksum: str) -> dict[str, float]:
-        from rlactors.weight_sync.broadcast import worker_stage
-
-        return self.engine.collective_rpc(worker_stage, args=(version, checksum))[0]
-
-    def load_staged(self, version: int) -> dict[str, float]:
-        from rlactors.weight_sync.broadcast import worker_load_staged
-
-        timings = self.engine.collective_rpc(worker_load_staged)[0]
-        self.version = version
-        self.reset_prefix_cache()
-        return timings
 
     def reset_prefix_cache(self) -> None:
         # Running requests (hot swap) are preempted and recomputed on the new weights; their

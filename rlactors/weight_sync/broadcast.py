@@ -12,13 +12,18 @@ A receiver stages each broadcast in its own buffer (on GPU, on a side stream) an
 checksum before loading anything: on a mismatch the replica keeps serving its current weights
 and the error names the version. The load follows between engine steps; in vLLM, loads after the
 first are plain copies from the buffer where a copy plan was proven equal to vLLM's loader.
+
+Each engine names its receiving end (`Engine.broadcast_receiver()`, a `BroadcastReceiver`): the
+native engine a `LocalReceiver` in its own process, the vLLM engine a `VLLMReceiver` over its TP
+workers. A replica's `WeightUpdates` (rlactors.weight_sync.updates) calls it.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import torch
 
@@ -104,6 +109,69 @@ class BufferReceiver:
     def weights(self) -> dict[str, torch.Tensor]:
         """The received tensors: views into the buffer, valid until the next receive."""
         return dict(self.layout.views(self.buffer))
+
+
+class BroadcastReceiver(Protocol):
+    """An engine's receiving end of the weight broadcast."""
+
+    def join(self, host: str, port: int, rank_offset: int, world_size: int, layout: PackedLayout) -> list[int]:
+        """Joins a (new) group, keeping the receive buffer; blocks until every member joins.
+        Returns the ranks taken (one per TP worker, from `rank_offset` on)."""
+
+    def receive(self, version: int, checksum: str) -> dict[str, float]:
+        """Receives the next broadcast into the buffer and checks its checksum (ChecksumMismatch
+        on a difference); the served weights are untouched. Returns timings."""
+
+    def load(self, version: int) -> dict[str, float]:
+        """Loads the received weights into the model; later tokens carry `version`. Returns timings."""
+
+
+class LocalReceiver:
+    """The receiving end in the engine's own process (the native engine): a BufferReceiver on
+    the engine's device, made at the first join; a load is the engine's own `load_weights` from
+    the buffer's views."""
+
+    def __init__(self, device: torch.device, load_weights: Callable[[Mapping[str, torch.Tensor], int], None]):
+        self.device = device
+        self.load_weights = load_weights
+        self.buffer_receiver: BufferReceiver | None = None
+
+    def join(self, host: str, port: int, rank_offset: int, world_size: int, layout: PackedLayout) -> list[int]:
+        if self.buffer_receiver is None:
+            self.buffer_receiver = BufferReceiver(layout, self.device)
+        self.buffer_receiver.join(host, port, rank_offset, world_size)
+        return [rank_offset]
+
+    def receive(self, version: int, checksum: str) -> dict[str, float]:
+        if self.buffer_receiver is None:
+            raise RuntimeError(f"weights version {version}: this replica has not joined a weight group")
+        return self.buffer_receiver.receive(version, checksum)
+
+    def load(self, version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        self.load_weights(self.buffer_receiver.weights(), version)
+        return {"load_s": time.perf_counter() - start}
+
+
+class VLLMReceiver:
+    """The receiving end in a vLLM engine: a BufferReceiver in each TP worker, reached through
+    `collective_rpc` (the worker functions below); `loaded(version)` tells the engine that its
+    model holds new weights."""
+
+    def __init__(self, llm_engine: Any, loaded: Callable[[int], None]):
+        self.llm_engine = llm_engine
+        self.loaded = loaded
+
+    def join(self, host: str, port: int, rank_offset: int, world_size: int, layout: PackedLayout) -> list[int]:
+        return self.llm_engine.collective_rpc(worker_join, args=(host, port, rank_offset, world_size, layout))
+
+    def receive(self, version: int, checksum: str) -> dict[str, float]:
+        return self.llm_engine.collective_rpc(worker_stage, args=(version, checksum))[0]
+
+    def load(self, version: int) -> dict[str, float]:
+        timings = self.llm_engine.collective_rpc(worker_load_staged)[0]
+        self.loaded(version)
+        return timings
 
 
 # -- vLLM worker side: run through LLM.collective_rpc, `worker` is vLLM's worker object ----------

@@ -1,5 +1,7 @@
 """Weight sync: after each optimizer step, the trainer's policy reaches every generator replica,
-verified by checksum. The whole protocol is here; the endpoints it calls are thin shells.
+verified by checksum. The protocol is driven from here; the router's side is in
+`rlactors.weight_sync.replicas`, each replica's in `rlactors.weight_sync.updates`, the broadcast
+itself in `rlactors.weight_sync.broadcast`. The actors' endpoints it calls are thin shells over them.
 
 The controller holds one `WeightSync`, made by `create_weight_sync(config, trainer, router)` for
 `generator.weight_sync` (a concrete value once the config is loaded: "auto" is resolved then),
@@ -7,16 +9,17 @@ calls `await sync.start()` once the meshes are up and `await sync.push()` whenev
 policy version differs from `sync.version`. `push()` returns once every replica has verified the
 weights; each replica loads them at its next engine step boundary (`generator.update_mode`: after
 its in-flight requests finish, or at once as a hot swap) and admits no new request before then
-(`rlactors.engines.async_engine`).
+(`rlactors.weight_sync.updates`).
 
 `MessagesSync` (`messages`): full tensors in Monarch messages.
 
 1. `trainer.state_dict_for_sync(dtype)` on every rank (a collective: each rank's shards gathered
    into rank 0's full tensors, on CPU); rank 0 returns `VersionedWeights` with their checksum.
 2. `router.update_weights(version, tensors, checksum, mode)` sends them to every serving replica
-   at once: `Generator.update_weights` -> `AsyncEngine.update_weights` checks the checksum, names
-   and shapes beside the running engine, queues the load and returns. The router keeps the last
-   version it sent, and brings a restarted replica to it before that replica serves.
+   at once: `Generator.update_weights` -> `WeightUpdates.update_weights` checks the checksum,
+   names and shapes beside the running engine, queues the load and returns. The router's
+   `ReplicaWeights` keeps the last version sent, and brings a restarted replica to it before that
+   replica serves.
 
 `BroadcastSync` (`broadcast`): one packed buffer from trainer rank 0 to every replica at once,
 over NCCL on GPUs or gloo on CPU (`rlactors.weight_sync.broadcast`). The group's members are
@@ -28,16 +31,18 @@ died or a restarted replica is up:
    rank 0 plus every TP worker of every member).
 2. `trainer.weight_sync_address()` (a free port on rank 0's host) and `trainer.weight_layout(dtype)`
    (the packed buffer's layout); then, together, `trainer.init_weight_sender(...)` (rank 0's
-   `WeightSender` joins as rank 0) and `router.join_weight_group(host, port, layout)` (each
-   member's `Generator.join_weight_group` -> `AsyncEngine.join_weight_group` -> its engine's
-   `join_weight_group`: a `BufferReceiver` per native engine or vLLM TP worker, whose receive
-   buffer, and a version in it waiting for its load, survive the change of group).
+   `WeightSender` joins as rank 0) and `router.join_weight_group(host, port, layout)` (the
+   router's `ReplicaWeights` (rlactors.weight_sync.replicas) has each member's
+   `Generator.join_weight_group` -> `WeightUpdates.join_weight_group`
+   (rlactors.weight_sync.updates) join through its engine's `broadcast_receiver()`: a
+   `BufferReceiver` per native engine or vLLM TP worker, whose receive buffer, and a version in
+   it waiting for its load, survive the change of group).
 3. A push: `trainer.pack_weights()` on every rank (all ranks gather into rank 0's send buffer,
    which is checksummed) beside the plan of step 1; then, together, `trainer.broadcast_weights()`
    and `router.receive_weights(version, checksum, mode)` (each member's
-   `AsyncEngine.receive_weights` -> its engine's `stage_weights`: the broadcast lands in the
-   receive buffer and its checksum is checked beside the running engine; `load_staged` follows
-   at a step boundary). A restarted member serves from the first broadcast it receives.
+   `WeightUpdates.receive_weights` -> its receiver's `receive`: the broadcast lands in the
+   receive buffer and its checksum is checked beside the running engine; the receiver's `load`
+   follows at a step boundary). A restarted member serves from the first broadcast it receives.
 4. While the broadcast runs, `router.dead_weight_group_members()` every 0.5 s: NCCL waits for a
    dead member for ever (gloo fails at once), so a broadcast that outlives a member's death by
    `BROADCAST_DEATH_GRACE_S` is given up (`BroadcastStuck`). NCCL may also let the sender finish

@@ -65,7 +65,7 @@ def test_drain_update_returns_once_verified_and_loads_after_in_flight_requests(t
         new = perturbed(engine.engine.model.state_dict(), seed=1)
         running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
         await until(lambda: engine.stats()["generated_tokens"] >= 2)
-        timings = await engine.update_weights(1, new, state_checksum(new))
+        timings = await engine.updates.update_weights(1, new, state_checksum(new))
         # Verified and returned while the old request still runs; a request sent now waits for the load.
         assert timings["version"] == 1 and timings["mode"] == "drain" and timings["verify_s"] > 0
         assert not running.done() and engine.stats()["updating"] and engine.stats()["version"] == 0
@@ -87,9 +87,9 @@ def test_a_newer_version_replaces_one_still_waiting_for_its_drain(tiny_ckpt):
         versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
         running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
         await until(lambda: engine.stats()["generated_tokens"] >= 2)
-        await engine.update_weights(1, versions[0], state_checksum(versions[0]))
+        await engine.updates.update_weights(1, versions[0], state_checksum(versions[0]))
         between = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "between"))
-        await engine.update_weights(2, versions[1], state_checksum(versions[1]))
+        await engine.updates.update_weights(2, versions[1], state_checksum(versions[1]))
         assert not running.done() and engine.stats()["superseded"] == 1
         assert (await running).versions == [0] * 200
         # Sent after version 1 was accepted: served by a version at least as new, here 2.
@@ -123,7 +123,7 @@ def test_hot_swap_continues_in_flight_requests_on_the_new_weights(tiny_ckpt):
         new = perturbed(engine.engine.model.state_dict(), seed=1)
         running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "r"))
         await until(lambda: engine.stats()["generated_tokens"] >= 3)
-        timings = await engine.update_weights(3, new)
+        timings = await engine.updates.update_weights(3, new)
         completion = await running
         switch = completion.versions.index(3)
         assert 3 <= switch < 200 and timings["mode"] == "hot_swap"
@@ -141,8 +141,8 @@ def test_an_engine_without_hot_swaps_refuses_one_and_keeps_serving(tiny_ckpt):
         engine.engine.hot_swaps = False
         new = perturbed(engine.engine.model.state_dict(), seed=1)
         with pytest.raises(ValueError, match="cannot hot swap"):
-            await engine.update_weights(3, new, mode="hot_swap")
-        await engine.update_weights(3, new)  # a drain update is fine
+            await engine.updates.update_weights(3, new, mode="hot_swap")
+        await engine.updates.update_weights(3, new)  # a drain update is fine
         completion = await engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "r")
         assert completion.versions == [3] * 4
         await engine.close()
@@ -159,11 +159,11 @@ def test_checksum_mismatch_or_bad_weights_keep_the_old_version_serving(tiny_ckpt
         corrupted["model.norm.weight"] = corrupted["model.norm.weight"].clone()
         corrupted["model.norm.weight"][0] += 1
         with pytest.raises(ChecksumMismatch, match="still serving version 0"):
-            await engine.update_weights(1, corrupted, checksum)
+            await engine.updates.update_weights(1, corrupted, checksum)
         with pytest.raises(ValueError, match="missing"):
-            await engine.update_weights(1, {"model.norm.weight": new["model.norm.weight"]})
+            await engine.updates.update_weights(1, {"model.norm.weight": new["model.norm.weight"]})
         with pytest.raises(ValueError, match="update mode"):
-            await engine.update_weights(1, new, mode="sometimes")
+            await engine.updates.update_weights(1, new, mode="sometimes")
         completion = await engine.generate([5, 6], SamplingParams(max_tokens=3), "r")
         assert completion.versions == [0, 0, 0] and engine.stats()["healthy"]
         await engine.close()
@@ -172,9 +172,9 @@ def test_checksum_mismatch_or_bad_weights_keep_the_old_version_serving(tiny_ckpt
 
 
 class StagingEngine(NativeEngine):
-    """The native engine with the two-phase receive of broadcast weights; `wire` stands in for
-    the NCCL broadcast (the vLLM engine's transport, run on the GPU machines). Its one receive
-    buffer, `staged`, is what a load reads; `load_gate`, when set, holds a load until released."""
+    """The native engine as its own broadcast receiver; `wire` stands in for the NCCL broadcast
+    (the vLLM engine's transport, run on the GPU machines). Its one receive buffer, `staged`, is
+    what a load reads; `load_gate`, when set, holds a load until released."""
 
     stages_concurrently = True
 
@@ -187,11 +187,14 @@ class StagingEngine(NativeEngine):
         self.load_gate: threading.Event | None = None
         self.joins: list[tuple[str, tuple]] = []
 
-    def join_weight_group(self, *group):
+    def broadcast_receiver(self):
+        return self
+
+    def join(self, *group):
         self.joins.append((threading.current_thread().name, group))
         return [group[2]]
 
-    def stage_weights(self, version, checksum):
+    def receive(self, version, checksum):
         self.side_threads.add(threading.current_thread().name)
         self.stages += 1
         self.staged = {k: v.clone() for k, v in self.wire.items()}
@@ -199,7 +202,7 @@ class StagingEngine(NativeEngine):
             raise ChecksumMismatch(f"weights version {version}: checksum differs")
         return {"receive_verify_s": 0.0}
 
-    def load_staged(self, version):
+    def load(self, version):
         if self.load_gate is not None:
             self.load_gate.wait()
         self.load_weights(self.staged, version)
@@ -222,18 +225,18 @@ def test_broadcast_weights_are_verified_at_once_and_the_newest_is_loaded_after_t
         engine.engine.wire = dict(versions[0])
         engine.engine.wire["model.norm.weight"] = versions[0]["model.norm.weight"] + 1  # corrupted in transit
         with pytest.raises(ChecksumMismatch, match="version 1"):
-            await engine.receive_weights(1, state_checksum(versions[0]))
+            await engine.updates.receive_weights(1, state_checksum(versions[0]))
         assert not engine.stats()["updating"]
 
         engine.engine.wire = versions[0]
-        staged = await engine.receive_weights(1, state_checksum(versions[0]))
+        staged = await engine.updates.receive_weights(1, state_checksum(versions[0]))
         # Verified while the old request still runs; it finishes on the old weights, and a request
         # sent now waits for the load.
         assert staged["version"] == 1 and not running.done() and engine.stats()["updating"]
         later = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "new"))
         # Version 2 overwrites the buffer before version 1 was loaded: no wait for the drain.
         engine.engine.wire = versions[1]
-        await engine.receive_weights(2, state_checksum(versions[1]))
+        await engine.updates.receive_weights(2, state_checksum(versions[1]))
         assert not running.done() and engine.stats()["superseded"] == 1
         assert (await running).versions == [0] * 200
         assert (await later).versions == [2] * 4
@@ -243,7 +246,7 @@ def test_broadcast_weights_are_verified_at_once_and_the_newest_is_loaded_after_t
 
         # Verified weights that then fail to load leave the engine dead, not half-loaded and serving.
         engine.engine.wire = {"model.norm.weight": versions[1]["model.norm.weight"]}  # not a whole set
-        await engine.receive_weights(3, state_checksum(engine.engine.wire))
+        await engine.updates.receive_weights(3, state_checksum(engine.engine.wire))
         await until(lambda: not engine.stats()["healthy"])
         with pytest.raises(EngineDeadError):
             await engine.generate([5, 6], SamplingParams(max_tokens=2), "after")
@@ -258,10 +261,10 @@ def test_a_receive_never_overwrites_the_buffer_while_it_loads(tiny_ckpt):
         versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
         engine.engine.load_gate = threading.Event()
         engine.engine.wire = versions[0]
-        await engine.receive_weights(1, state_checksum(versions[0]))  # nothing in flight: loads at once
+        await engine.updates.receive_weights(1, state_checksum(versions[0]))  # nothing in flight: loads at once
         await asyncio.sleep(0.05)
         engine.engine.wire = versions[1]
-        second = asyncio.create_task(engine.receive_weights(2, state_checksum(versions[1])))
+        second = asyncio.create_task(engine.updates.receive_weights(2, state_checksum(versions[1])))
         await asyncio.sleep(0.05)
         assert not second.done() and engine.engine.stages == 1  # waits for the load of version 1
         engine.engine.load_gate.set()
@@ -280,9 +283,9 @@ def test_a_new_weight_group_is_joined_beside_the_drain_and_keeps_the_waiting_ver
         running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
         await until(lambda: engine.stats()["generated_tokens"] >= 2)
         engine.engine.wire = version
-        await engine.receive_weights(1, state_checksum(version))
+        await engine.updates.receive_weights(1, state_checksum(version))
         # A member died: the controller forms a new group while version 1 waits for the drain.
-        assert await engine.join_weight_group("10.0.0.1", 29500, 1, 2, None) == [1]
+        assert await engine.updates.join_weight_group("10.0.0.1", 29500, 1, 2, None) == [1]
         assert not running.done() and engine.stats()["updating"]
         assert (await running).versions == [0] * 200
         await until(lambda: engine.stats()["updates"] == 1)
@@ -300,12 +303,12 @@ def test_a_bad_receive_over_an_accepted_version_kills_the_replica(tiny_ckpt):
         running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
         await until(lambda: engine.stats()["generated_tokens"] >= 2)
         engine.engine.wire = versions[0]
-        await engine.receive_weights(1, state_checksum(versions[0]))
+        await engine.updates.receive_weights(1, state_checksum(versions[0]))
         waiting = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "promised-v1"))
         engine.engine.wire = dict(versions[1])
         engine.engine.wire["model.norm.weight"] = versions[1]["model.norm.weight"] + 1
         with pytest.raises(ChecksumMismatch):
-            await engine.receive_weights(2, state_checksum(versions[1]))
+            await engine.updates.receive_weights(2, state_checksum(versions[1]))
         # Version 1 was accepted, then its buffer overwritten: the in-flight request finishes on
         # version 0, and the replica dies rather than serve version 0 to requests promised version 1.
         assert (await running).versions == [0] * 200
@@ -355,7 +358,7 @@ def test_engine_loop_death_fails_every_pending_request_and_reports_unhealthy(tin
         with pytest.raises(EngineDeadError):
             await engine.generate([5], SamplingParams(), "later")
         with pytest.raises(EngineDeadError):
-            await engine.update_weights(1, {})
+            await engine.updates.update_weights(1, {})
         await engine.close()  # collects the loop's error, which would otherwise be logged later, elsewhere
 
     asyncio.run(main())

@@ -60,13 +60,13 @@ def test_vllm_serves_each_family_and_loads_weights_by_the_copy_plan(family, tie,
         layout = PackedLayout.of(weights[0])
         buffer = layout.pack(weights[0], layout.empty("cuda").zero_())
         engine.engine.collective_rpc(_receive_into, args=(layout, buffer))
-        assert engine.load_staged(1)["copy_plan"] == 0.0  # vLLM's load_weights, which proves the plan
+        assert engine.broadcast_receiver().load(1)["copy_plan"] == 0.0  # vLLM's load_weights, which proves the plan
         after_first = generate(engine, batch)
         assert all(set(c.versions) == {1} for c in after_first)
         assert ckpt_logprob_error(ckpts[1], after_first) < LOGPROB_ATOL
 
         layout.pack(weights[1], buffer)  # the next version arrives in the same buffer
-        assert engine.load_staged(2)["copy_plan"] == 1.0  # copied by the plan
+        assert engine.broadcast_receiver().load(2)["copy_plan"] == 1.0  # copied by the plan
         after_second = generate(engine, batch)
         assert all(set(c.versions) == {2} for c in after_second)
         assert ckpt_logprob_error(ckpts[2], after_second) < LOGPROB_ATOL

@@ -1,7 +1,8 @@
 """The CPU weight broadcast (gloo) between real processes: the sender's packed buffer arrives bit
 for bit and verified, a wrong checksum is refused, a member that dies fails the sender's next
 broadcast at once instead of hanging it, and the survivors then form a new group that delivers
-the next version into the buffers they already hold."""
+the next version into the buffers they already hold. The engines' receiving ends: one refuses a
+receive before any join, and the vLLM one's calls over its TP workers."""
 
 from __future__ import annotations
 
@@ -10,10 +11,19 @@ import os
 import queue
 import re
 
+import pytest
 import torch
 
 from rlactors.placement import free_port
-from rlactors.weight_sync.broadcast import BufferReceiver, WeightSender
+from rlactors.weight_sync.broadcast import (
+    BufferReceiver,
+    LocalReceiver,
+    VLLMReceiver,
+    WeightSender,
+    worker_join,
+    worker_load_staged,
+    worker_stage,
+)
 from rlactors.weight_sync.checksum import ChecksumMismatch
 from rlactors.weight_sync.packed import PackedLayout
 
@@ -90,3 +100,30 @@ def test_gloo_broadcast_delivers_verified_bits_a_dead_member_fails_it_and_surviv
     assert sorted(r[:2] for r in reports) == [(0, "error"), (1, "received"), (1, "regrouped"), (2, "received")], reports
     assert all(ok for _, what, ok in reports if what in ("received", "regrouped"))
     assert re.search(r"Connection (closed by peer|reset)", next(text for _, what, text in reports if what == "error"))
+
+
+def test_a_receive_before_the_replica_joined_a_group_is_refused_and_loads_nothing():
+    loads = []
+    receiver = LocalReceiver(torch.device("cpu"), lambda weights, version: loads.append(version))
+    with pytest.raises(RuntimeError, match="weights version 3: this replica has not joined a weight group"):
+        receiver.receive(3, "0" * 32)
+    assert loads == [] and receiver.buffer_receiver is None
+
+
+def test_a_vllm_receiver_reaches_every_tp_worker_and_tells_the_engine_after_a_load():
+    """The calls a vLLM engine's receiver makes (its NCCL run is on the GPU machines): each one a
+    `collective_rpc` over the TP workers, the first worker's timings returned, and the engine
+    told of the new version only once the load is done."""
+    events = []
+
+    class Engine:
+        def collective_rpc(self, method, args=()):
+            events.append((method, args))
+            return [{"worker": 0}, {"worker": 1}] if method is not worker_join else [1, 2]
+
+    receiver = VLLMReceiver(Engine(), loaded=lambda version: events.append(("loaded", version)))
+    assert receiver.join("10.0.0.1", 29500, 1, 3, "layout") == [1, 2]
+    assert receiver.receive(4, "c" * 32) == {"worker": 0}
+    assert receiver.load(4) == {"worker": 0}
+    assert events == [(worker_join, ("10.0.0.1", 29500, 1, 3, "layout")), (worker_stage, (4, "c" * 32)),
+                      (worker_load_staged, ()), ("loaded", 4)]

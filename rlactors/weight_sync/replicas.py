@@ -1,0 +1,144 @@
+"""The router's side of weight sync: which replicas the weights go to, and what each one holds.
+
+The router (rlactors.actors.router) holds one `ReplicaWeights`; its weight endpoints call it. The
+replicas' states stay the router's: it names the replicas that are up or serving, and is told
+through two callbacks when a replica died on a push (`died`) and when one took a version
+(`received`: a restarted replica that awaited its first broadcast may serve from then on).
+
+- By messages, `update` sends a version's tensors to every serving replica at once and keeps them
+  (`latest`), so that `bring_up` brings a restarted replica to that version before it serves.
+- By broadcast, a group's members are fixed when it is formed. `plan(up)` names the replicas up
+  now and whether they differ from the group's members (`stale`: one died, or a restarted one
+  waits); `join` has every TP worker of every planned member join the new group, member m's
+  worker t as rank 1 + m * tp + t (the trainer is rank 0); `receive` has the members still up
+  receive a broadcast; `dead_members` names those that died, which a broadcast waits for.
+
+Each replica a push reaches either takes the version (its `version` is set), rejects the weights
+(an ActorError from a live engine: checksum, names or shapes; it keeps its version and the push
+raises naming it), or fails otherwise, which means it died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from monarch.actor import ActorError
+
+from rlactors.engines.async_engine import EngineDeadError
+
+
+class Replica(Protocol):
+    index: int
+    actor: Any  # its Generator actor (rlactors.actors.generator)
+    version: int | None  # the weights version it holds
+
+    @property
+    def up(self) -> bool:
+        """Serving, or restarted and awaiting weights: a member of the next broadcast group."""
+
+
+@dataclass(frozen=True)
+class SentWeights:
+    version: int
+    tensors: Mapping[str, torch.Tensor]
+    checksum: str | None
+
+
+class ReplicaWeights:
+    def __init__(self, tp: int, died: Callable[[Any, BaseException], None], received: Callable[[Any], None]):
+        self.tp = tp
+        self.died = died
+        self.received = received
+        self.latest: SentWeights | None = None  # by messages: the last weights a replica took
+        self.group: list[Replica] | None = None  # by broadcast: the members of the current group, once formed
+        self.planned: list[Replica] = []
+        self.groups_formed = 0
+
+    # -- by messages ------------------------------------------------------------------------
+
+    async def update(self, version: int, tensors: Mapping[str, torch.Tensor], checksum: str | None,
+                     mode: str | None, serving: Sequence[Replica]) -> dict[str, Any]:
+        """Sends `version` to every replica of `serving` at once; returns the replicas that took it."""
+        start = time.perf_counter()
+        # Kept first, so that a replica (re)starting meanwhile also comes up at this version.
+        previous, self.latest = self.latest, SentWeights(version, tensors, checksum)
+        rejected, _ = await self._fan_out(
+            version, lambda r: r.actor.update_weights.call_one(version, tensors, checksum, mode), serving)
+        if not any(r.version == version for r in serving):
+            self.latest = previous  # nobody took these weights: restarts keep the old ones
+        _raise_if_rejected(version, rejected)
+        return {"version": version, "replicas": [r.index for r in serving if r.version == version],
+                "seconds": time.perf_counter() - start}
+
+    async def bring_up(self, replica: Replica) -> bool:
+        """Brings a new replica to the latest weights sent by messages (a newer version that
+        arrives meanwhile too). True when weights go by broadcast instead: the replica waits for
+        the next group, and serves from the first broadcast it receives."""
+        if self.group is not None:
+            return True
+        while self.latest is not None and replica.version != self.latest.version:
+            latest = self.latest
+            await replica.actor.update_weights.call_one(latest.version, latest.tensors, latest.checksum)
+            replica.version = latest.version
+        return False
+
+    # -- by broadcast -----------------------------------------------------------------------
+
+    def plan(self, up: list[Replica]) -> dict[str, Any]:
+        """The group `up` would form, and whether the current one is stale; its world size counts
+        the trainer's rank 0. The plan is what the next `join` joins."""
+        stale = self.group != up  # replicas compare by identity: a restarted one is a new member
+        self.planned = up
+        return {"stale": stale, "members": [r.index for r in up], "world_size": 1 + len(up) * self.tp}
+
+    async def join(self, host: str, port: int, layout: Any) -> int:
+        """Every TP worker of the planned members joins the trainer's new group (each keeps its
+        receive buffer). Called together with the trainer's side. Returns the world size."""
+        members, tp = self.planned, self.tp
+        world_size = 1 + len(members) * tp
+        await asyncio.gather(*(r.actor.join_weight_group.call_one(host, port, 1 + m * tp, world_size, layout)
+                               for m, r in enumerate(members)))
+        self.group = members
+        self.groups_formed += 1
+        return world_size
+
+    def dead_members(self) -> list[int]:
+        """The members of the current group that died (a member is up until it dies)."""
+        return [r.index for r in self.group or () if not r.up]
+
+    async def receive(self, version: int, checksum: str, mode: str | None) -> dict[str, Any]:
+        """Every member still up receives the trainer's broadcast of `version` (called together
+        with it); returns each one's receive timings."""
+        start = time.perf_counter()
+        members = [r for r in self.group or () if r.up]
+        rejected, timings = await self._fan_out(
+            version, lambda r: r.actor.receive_weights.call_one(version, checksum, mode), members)
+        _raise_if_rejected(version, rejected)
+        return {"version": version, "seconds": time.perf_counter() - start, "replicas": timings}
+
+    async def _fan_out(self, version: int, call: Callable[[Any], Awaitable[Any]],
+                       replicas: Sequence[Replica]) -> tuple[list[str], list[Any]]:
+        """`call(replica)` on each of `replicas` at once; returns the rejections and the results
+        of the replicas that took `version`."""
+        results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
+        rejected, accepted = [], []
+        for replica, result in zip(replicas, results):
+            if isinstance(result, ActorError) and not isinstance(result.exception, EngineDeadError):
+                rejected.append(f"replica {replica.index}: {result.exception!r}")
+            elif isinstance(result, BaseException):
+                self.died(replica, result)
+            else:
+                replica.version = version
+                self.received(replica)
+                accepted.append(result)
+        return rejected, accepted
+
+
+def _raise_if_rejected(version: int, rejected: list[str]) -> None:
+    if rejected:
+        raise RuntimeError(f"weights version {version} rejected by " + "; ".join(rejected))

@@ -4,9 +4,10 @@ Each watched proc answers pings (the `Liveness` actor of rlactors.actors.livenes
 thread in the proc) with its machine and OS pid. `ProcWatcher` keeps two facts per proc:
 
 - Exited: on this machine a pidfd turns readable the moment the OS process ends; its wait
-  status (when it can still be read: the proc's parent reaps it at once) gives "exited (signal 9)"
-  or "exited with code 1". Within milliseconds, whatever Monarch is waiting for. A proc on another
-  machine is seen dead by a ping that fails (Monarch's proc status: about a second).
+  status gives "exited (signal 9)" or "exited with code 1". Within milliseconds, whatever Monarch
+  is waiting for. The status is read from the zombie, or, once the proc's parent (Monarch's host
+  agent) has reaped it, from the pidfd itself (Linux 6.15+ keeps it there: PIDFD_INFO_EXIT). A
+  proc on another machine is seen dead by a ping that fails (Monarch's proc status: about a second).
 - Unresponsive: a ping unanswered for `slow_after_s` makes the proc slow (the router routes new
   requests elsewhere), logged every `report_every_s` with how long it has been silent; one
   unanswered for `unresponsive_timeout_s` (controller.unresponsive_timeout_s) is lost (and, on this
@@ -20,11 +21,13 @@ wait much longer (rlactors.supervision), may not have noticed yet.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import re
 import signal
 import socket
+import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -35,7 +38,15 @@ logger = logging.getLogger(__name__)
 TIMEOUT_KEY = "controller.unresponsive_timeout_s"  # the setting, named in the verdicts
 UNRESPONSIVE_TIMEOUT_S = 60.0  # its default
 PING_EVERY_S = 1.0
-STATUS_WAIT_S = 1.5  # for Monarch's word on an exit whose status was reaped before it could be read
+# An exit whose status is not readable yet (its reap under way) is read again every
+# STATUS_RETRY_S; after STATUS_WAIT_S (a kernel without PIDFD_INFO_EXIT) Monarch's word is awaited.
+STATUS_RETRY_S = 0.02
+STATUS_WAIT_S = 1.5
+# linux/pidfd.h: ioctl PIDFD_GET_INFO = _IOWR(0xFF, 11, struct pidfd_info) for the 64-byte struct
+# of Linux 6.13, whose s32 exit_code (a wait status) sits at byte 60; PIDFD_INFO_EXIT (6.15+).
+PIDFD_GET_INFO = 0xC040FF0B
+PIDFD_INFO_EXIT = 1 << 3
+PIDFD_INFO_SIZE = 64
 SLOW_AFTER_S = 3.0
 REPORT_EVERY_S = 10.0
 
@@ -49,9 +60,9 @@ def this_machine() -> str:
 
 
 def describe_wait_status(status: int | None) -> str:
-    """'exited (signal 9)', 'exited with code 1', or 'exited' when the wait status was not seen."""
+    """'exited (signal 9)', 'exited with code 1', or why the wait status was not seen."""
     if status is None:
-        return "exited (exit status not seen: its parent reaped it first)"
+        return "exited (exit status not seen: its parent reaped it first, and this kernel keeps none)"
     if os.WIFSIGNALED(status):
         return f"exited (signal {os.WTERMSIG(status)})"
     return f"exited with code {os.waitstatus_to_exitcode(status)}"
@@ -81,16 +92,31 @@ def _peek_wait_status(pidfd: int, block: bool) -> int | None:
     return result.si_status & 0x7F  # killed or dumped: the signal
 
 
+def _reaped_wait_status(pidfd: int) -> int | None:
+    """The wait status of a reaped process, kept by its pidfd (Linux 6.15+), else None."""
+    info = bytearray(PIDFD_INFO_SIZE)
+    struct.pack_into("Q", info, 0, PIDFD_INFO_EXIT)
+    try:
+        fcntl.ioctl(pidfd, PIDFD_GET_INFO, info)
+    except OSError:  # a kernel before 6.13, or no process behind the pidfd any more
+        return None
+    if not struct.unpack_from("Q", info, 0)[0] & PIDFD_INFO_EXIT:
+        return None  # not reaped yet, or a kernel before 6.15
+    return struct.unpack_from("i", info, 60)[0]
+
+
 def _read_wait_status(pid: int, pidfd: int) -> int | None:
-    """The wait status of an ended process, while it is still a zombie: peeked (a child), else
-    read from /proc."""
+    """The wait status of an ended process: peeked (a zombie child), read from /proc (a zombie),
+    or kept by its pidfd (reaped); None while its reap is under way (or the kernel keeps none)."""
     if (status := _peek_wait_status(pidfd, block=False)) is not None:
         return status
     try:
         fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        return int(fields[-1]) if fields[0] == "Z" else None  # field 52: exit_code, a wait status
+        if fields[0] == "Z":
+            return int(fields[-1])  # field 52: exit_code, a wait status
     except (OSError, ValueError, IndexError):
-        return None
+        pass
+    return _reaped_wait_status(pidfd)
 
 
 def _parent_of(pid: int) -> int | None:
@@ -167,7 +193,8 @@ class ProcWatcher:
         loop = asyncio.get_running_loop()
         if _parent_of(proc.pid) == os.getpid():
             # A thread blocked in waitid is woken by the exit itself, usually before Monarch's
-            # host agent (in this process) reaps the child and its status with it.
+            # host agent (in this process) reaps the child: the status on a kernel that keeps
+            # none after the reap (before 6.15), at once on any.
             def peek() -> None:
                 status = _peek_wait_status(pidfd, block=True)
                 if status is not None and proc._pidfd is not None:  # else no longer watched
@@ -179,18 +206,22 @@ class ProcWatcher:
             pidfd = proc._pidfd
             threading.Thread(target=peek, name=f"exit of {proc.label}", daemon=True).start()
 
-        def exited() -> None:
-            loop.remove_reader(proc._pidfd)
-            if proc.verdict.done():
+        def read_status(deadline: float) -> None:
+            if proc.verdict.done() or proc._pidfd is None:
                 return
             status = _read_wait_status(proc.pid, proc._pidfd)
             if status is not None:
                 self._conclude(proc, describe_wait_status(status))
-                return
-            # Its parent (Monarch's host agent) reaped it first; Monarch then names the status
-            # to the ping within about a second (_ping_loop), unless its state query was stuck.
-            logger.warning("%s exited; waiting %g s for its exit status", proc.label, STATUS_WAIT_S)
-            loop.call_later(STATUS_WAIT_S, self._conclude, proc, describe_wait_status(None))
+            elif time.monotonic() < deadline:
+                loop.call_later(STATUS_RETRY_S, read_status, deadline)
+            else:
+                # A kernel that keeps no status after the reap: Monarch names it to the ping
+                # within about a second (_ping_loop), unless its state query to the proc is stuck.
+                self._conclude(proc, describe_wait_status(None))
+
+        def exited() -> None:
+            loop.remove_reader(proc._pidfd)
+            read_status(time.monotonic() + STATUS_WAIT_S)
 
         loop.add_reader(proc._pidfd, exited)
 

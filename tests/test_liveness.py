@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
+from support.linux import PIDFD_KEEPS_EXIT_STATUS
 
 from rlactors.liveness import ProcLost, ProcWatcher, describe_failure, describe_wait_status, this_machine
 
@@ -68,6 +70,41 @@ def test_an_exit_is_the_verdict_at_once_with_its_status_and_fails_pending_calls(
     finally:
         child.kill()
         child.wait()
+
+
+def test_an_exit_reaped_by_its_parent_before_the_watcher_reads_it_keeps_its_status():
+    """As when Monarch's host agent reaps a proc first: the status is read from the pidfd (Linux
+    6.15+); on an older kernel the verdict says it was not seen, never a wrong status."""
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\n"
+        "child.wait()\n"  # reaps it the moment it ends
+        "time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+
+    async def main():
+        watcher = ProcWatcher(60.0)
+        proc = await watcher.watch("worker", Pinged(pid))
+        os.kill(pid, signal.SIGKILL)
+        # The loop is held until its parent has reaped it: the watcher reads only after the reap.
+        started = time.monotonic()
+        while os.path.exists(f"/proc/{pid}"):
+            assert time.monotonic() - started < 10, "the parent did not reap its child"
+            time.sleep(0.01)
+        with pytest.raises(ProcLost) as lost:
+            await asyncio.wait_for(watcher.race(asyncio.Event().wait(), [proc]), 10)
+        watcher.close()
+        return str(lost.value)
+
+    try:
+        verdict = asyncio.run(main())
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+    expected = "exited (signal 9)" if PIDFD_KEEPS_EXIT_STATUS else describe_wait_status(None)
+    assert verdict == f"worker (pid {pid}) {expected}"
 
 
 def test_a_silent_proc_is_slow_then_lost_and_killed_after_the_timeout(caplog):

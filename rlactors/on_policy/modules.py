@@ -67,7 +67,8 @@ def project(x: torch.Tensor, linears: Sequence[InvariantLinear]) -> list[torch.T
     """
     first = linears[0]
     if x.is_cuda:
-        if getattr(first, "stacked_weight", None) is None or torch.is_grad_enabled():
+        stacked = isinstance(first, FrozenInvariantLinear) and first.stacked_weight is not None
+        if not stacked or torch.is_grad_enabled():
             return [m(x) for m in linears]
         return _project_stacked(x, linears)
     weights = [m.weight for m in linears]

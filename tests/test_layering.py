@@ -41,3 +41,11 @@ def test_the_model_and_the_trainer_import_no_engine():
     for low, high in [("models", "on_policy"), ("models", "engines"), ("attention", "models"),
                       ("trainer", "engines"), ("on_policy", "engines"), ("on_policy", "trainer")]:
         assert (low, high) not in arrows, arrows[low, high]
+
+
+def test_every_package_is_installed():
+    """pyproject.toml names the packages a (non-editable) install ships: every one of them."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert {f"rlactors.{name}" for name in PACKAGES} <= listed

@@ -36,6 +36,8 @@ class PolicyTrainer(Actor):
     @endpoint
     async def init(self) -> dict[str, int]:
         """Joins the process group and loads the policy from `model.path` (policy version 0)."""
+        if self.kernels.before_process_group is not None:
+            self.kernels.before_process_group()  # before init_distributed makes this process's first communicator
         device = init_distributed(self.device_type)
         self.core = PolicyTrainerCore(self.model_config, self.trainer_config, device, self.kernels)
         return {"rank": self.core.rank, "world_size": self.core.world_size, "host": host_name(),

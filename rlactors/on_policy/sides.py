@@ -34,6 +34,9 @@ class TrainerSide:
     convert: Callable[[nn.Module], None] | None  # applied to the plain model before it is sharded
     attention: Callable[[torch.Tensor], Attention]  # the attention of a packed batch, from its positions
     eager: bool  # the decoder layers must not be compiled (Inductor fuses and rounds differently)
+    # Run in each trainer process before its process group: the weight group's NCCL communicator
+    # is shared with vLLM replicas, whose NCCL settings every member must have.
+    before_process_group: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ class Sides:
 
 def sides(true_on_policy: bool, generator_engine: str, device: torch.device | str) -> Sides:
     """The trainer's and the generator's kernels for ``model.true_on_policy`` with
-    ``generator.engine`` on ``device`` (the generator's; a trainer's side is the same on any)."""
+    ``generator.engine`` on ``device`` (``controller.device``: the trainer's and the native
+    engine's)."""
     if generator_engine not in GENERATOR_ENGINES:
         raise ValueError(f"generator engine must be one of {GENERATOR_ENGINES}, got {generator_engine!r}")
     if not true_on_policy:
@@ -71,10 +75,12 @@ def sides(true_on_policy: bool, generator_engine: str, device: torch.device | st
         if generator_engine == "vllm":
             return Sides(trainer, VLLMSide(environment={}, register=None, engine_args=None))
         return Sides(trainer, NativeEngineSide(convert=None, attention=None, kv_cache_dtype=None))
+    on_cpu = torch.device(device).type == "cpu"
     if generator_engine == "vllm":
         trainer = TrainerSide(
             convert=functools.partial(to_batch_invariant, log_softmax=vllm_model.VLLMLogSoftmax),
-            attention=vllm_model.PagedFlashAttention.from_positions, eager=True)
+            attention=vllm_model.PagedFlashAttention.from_positions, eager=True,
+            before_process_group=None if on_cpu else vllm_model.share_replica_nccl_settings)
         return Sides(trainer, VLLMSide(environment=vllm_model.true_on_policy_environment(),
                                        register=vllm_model.register,
                                        engine_args=vllm_model.true_on_policy_engine_args))
@@ -82,5 +88,5 @@ def sides(true_on_policy: bool, generator_engine: str, device: torch.device | st
     # On CPU the attention kernel reads fp32, which holds any model dtype's K/V exactly.
     native = NativeEngineSide(convert=functools.partial(to_batch_invariant, weights_frozen=True),
                               attention=BatchInvariantPagedAttention,
-                              kv_cache_dtype=torch.float32 if torch.device(device).type == "cpu" else None)
+                              kv_cache_dtype=torch.float32 if on_cpu else None)
     return Sides(trainer, native)

@@ -81,6 +81,17 @@ def true_on_policy_environment() -> dict[str, str]:
     return {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
 
 
+def share_replica_nccl_settings() -> None:
+    """Sets, in this process, the environment vLLM's batch-invariant mode sets in a true on-policy
+    replica's process, NCCL's protocol, algorithm and channel count among it. The trainer shares
+    the weight group's communicator with the replicas, NCCL reads those settings once per process,
+    and members with different ones hang at the first broadcast. Call before this process's first
+    NCCL communicator."""
+    from vllm.model_executor.layers.batch_invariant import override_envs_for_invariance
+
+    override_envs_for_invariance()
+
+
 def true_on_policy_engine_args(args: ModelArgs) -> dict[str, Any]:
     """EngineArgs fields of a true on-policy vLLM replica of a model of ``args`` (beside model,
     sizes and dtype)."""

@@ -11,7 +11,7 @@ from rlactors.models.decoder import LogSoftmax, RMSNorm
 from rlactors.on_policy import modules
 from rlactors.on_policy.attention import BatchInvariantAttention, BatchInvariantPagedAttention
 from rlactors.on_policy.sides import NativeEngineSide, VLLMSide, sides
-from rlactors.on_policy.vllm_model import PagedFlashAttention, VLLMLogSoftmax
+from rlactors.on_policy.vllm_model import PagedFlashAttention, VLLMLogSoftmax, share_replica_nccl_settings
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
@@ -58,6 +58,9 @@ def test_each_side_runs_the_kernels_of_its_mode(tiny_ckpt):
     model = from_pretrained(tiny_ckpt)
     vllm_trainer.convert(model)  # the sampled token's logprob from vLLM's own kernel
     assert type(model.log_softmax) is VLLMLogSoftmax and type(model.lm_head) is modules.InvariantLinear
+    assert vllm_trainer.before_process_group is None  # gloo: no NCCL settings to share
+    assert sides(True, "vllm", "cuda").trainer.before_process_group is share_replica_nccl_settings
+    assert all(sides(mode, "native", "cuda").trainer.before_process_group is None for mode in (False, True))
     vllm = sides(True, "vllm", "cuda").generator
     assert vllm.environment == {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
     with pytest.raises(ValueError, match="generator engine must be one of"):

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from rlactors.attention.invariant import AttentionPlan
+from rlactors.on_policy.attention import AttentionPlan
 
 
 def main() -> None:

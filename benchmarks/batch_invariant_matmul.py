@@ -1,4 +1,4 @@
-"""The batch-invariant CUDA matmul (rlactors/models/batch_invariant_triton.py) against cuBLAS.
+"""The batch-invariant CUDA matmul (rlactors/on_policy/ops_triton.py) against cuBLAS.
 
 For the linear layers of the Qwen3-0.6B and 1.7B shapes, at decode sizes (M = 1 .. 256) and
 prefill/training sizes (M = 2048, 8192, 16384): time per call, replayed from a CUDA graph as vLLM
@@ -64,7 +64,7 @@ def rows_invariant(matmul, n: int, k: int) -> bool:
 
 
 def measure() -> dict:
-    from rlactors.models import batch_invariant_triton as bit
+    from rlactors.on_policy import ops_triton as bit
 
     out = {"invariant": all(rows_invariant(bit.matmul, n, k) for n, k in SHAPES.values()), "ratios": {}}
     for name, (n, k) in SHAPES.items():

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from results_table import cpu_model  # noqa: E402  (this script's directory is on sys.path)
 
-from rlactors.models import cpu_kernels  # noqa: E402
+from rlactors.on_policy import cpu_kernels  # noqa: E402
 
 
 def values(shape: tuple[int, ...], seed: int) -> torch.Tensor:

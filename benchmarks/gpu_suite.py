@@ -47,7 +47,7 @@ class Group:
 ONE = ["-m", "gpu and not two_gpus and not four_gpus"]
 # Each group stays well under GROUP_TIMEOUT_S on one H100.
 SINGLE = [
-    Group("kernels", [*ONE, "tests/models", "tests/attention", "tests/trainer"], 1),
+    Group("kernels", [*ONE, "tests/models", "tests/on_policy", "tests/trainer"], 1),
     Group("vllm engine", [*ONE, "tests/engines/test_vllm_engine.py", "tests/engines/test_vllm_families.py",
                           "tests/engines/test_vllm_start_lock.py"], 1),
     Group("true on-policy 0.6b", [*ONE, "tests/engines/test_vllm_true_on_policy.py", "-k", "not demo"], 1),

@@ -157,10 +157,12 @@ def episodes_of(completions: list[dict]):
 
 def make_core(args, ckpt: Path, true_on_policy: bool, generator_engine: str = "native"):
     from rlactors.config import ModelConfig, TrainerConfig
+    from rlactors.on_policy.sides import sides
     from rlactors.trainer.core import PolicyTrainerCore
 
     return PolicyTrainerCore(ModelConfig(path=str(ckpt), dtype=args.dtype, true_on_policy=true_on_policy),
-                             TrainerConfig(ranks=1, lr=1e-6), torch.device(args.device), generator_engine)
+                             TrainerConfig(ranks=1, lr=1e-6), torch.device(args.device),
+                             sides(true_on_policy, generator_engine, args.device).trainer)
 
 
 def logprob_diff(core, packed) -> tuple[float, float]:
@@ -244,7 +246,7 @@ def run(args) -> tuple[str, list[list]]:
             notes.append("vLLM is not installed here: its rows are missing.")
         else:
             # vLLM default: vLLM's own model, scored by the default trainer. vLLM true_on_policy: our
-            # model inside vLLM (rlactors.engines.vllm_model), scored by the trainer on vLLM's kernels.
+            # model inside vLLM (rlactors.on_policy.vllm_model), scored by the trainer on vLLM's kernels.
             for mode, tp in (("default", False), ("true_on_policy", True)):
                 result = vllm_generate(args, ckpt, mode, prompts)
                 if isinstance(result, str):

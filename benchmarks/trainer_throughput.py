@@ -41,6 +41,7 @@ from rlactors.losses import LossNorm  # noqa: E402
 from rlactors.models.args import FAMILIES, ModelArgs  # noqa: E402
 from rlactors.models.checkpoint import load_args  # noqa: E402
 from rlactors.models.tiny import make_tiny_checkpoint  # noqa: E402
+from rlactors.on_policy.sides import sides  # noqa: E402
 from rlactors.trainer.batch import MicroBatch  # noqa: E402
 from rlactors.trainer.core import PolicyTrainerCore  # noqa: E402
 from rlactors.trainer.parallel import init_distributed  # noqa: E402
@@ -111,7 +112,7 @@ def measure(size: str, ckpt_dir: Path, opts: argparse.Namespace, device: torch.d
     trainer = TrainerConfig(ranks=world, lr=1e-6, mixed_precision=device.type == "cuda",
                             activation_checkpointing=opts.activation_checkpointing,
                             logprob_chunk_tokens=opts.logprob_chunk_tokens, compile_layers=opts.compile)
-    core = PolicyTrainerCore(ModelConfig(path=str(ckpt_dir)), trainer, device)
+    core = PolicyTrainerCore(ModelConfig(path=str(ckpt_dir)), trainer, device, sides(False, "native", device).trainer)
     args = core.args
     loss = LossConfig(name="grpo")
     generator = torch.Generator().manual_seed(1000)  # the same on every rank: all see the same step

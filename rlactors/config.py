@@ -353,7 +353,7 @@ class Config:
                f"{c.generator.replicas} replicas do not split evenly over {hosts}")
         _check(c.generator.weight_sync != "broadcast" or not c.controller.colocate, "generator.weight_sync",
                "'broadcast' needs generators on GPUs of their own (controller.colocate is set)")
-        # vLLM runs our own model in true on-policy mode (rlactors.engines.vllm_model), unsharded.
+        # vLLM runs our own model in true on-policy mode (rlactors.on_policy.vllm_model), unsharded.
         _check(not (c.model.true_on_policy and c.generator.engine == "vllm" and c.generator.tp > 1), "generator.tp",
                "model.true_on_policy with vLLM runs tensor parallelism 1 only")
         if c.controller.device == "cpu":

@@ -50,6 +50,7 @@ class Meshes:
 
         from rlactors.actors.liveness import watch_procs
         from rlactors.actors.trainer import spawn_trainer
+        from rlactors.on_policy.sides import sides
 
         # Monarch's default for a fault nobody handled is to kill this process; log it instead, so
         # the loop can stop cleanly (the failing call raises too).
@@ -59,8 +60,9 @@ class Meshes:
             self.hosts = await allocate_hosts(c.job, gpus=c.controller.device == "cuda", log_dir=slurm_log_dir)
         except NoHosts as e:
             raise TrainingError(f"job.scheduler: {e}") from None
-        trainer_procs, trainer, ranks = await spawn_trainer(self.hosts.trainers, c.model, c.trainer,
-                                                            c.controller.device, generator_engine=c.generator.engine)
+        kernels = sides(c.model.true_on_policy, c.generator.engine, c.controller.device).trainer
+        trainer_procs, trainer, ranks = await spawn_trainer(self.hosts.trainers, c.model, c.trainer, kernels,
+                                                            c.controller.device)
         router_procs, router = spawn_router(c, self.hosts.generators)
         self._procs = [trainer_procs, router_procs]
         # Calls to a proc that exits (or stays unresponsive past the timeout) fail at once with ProcLost.

@@ -97,10 +97,12 @@ def test_two_gpu_trainer_gathers_the_policy_bitwise(ckpt, tmp_path):
     from rlactors.actors.trainer import spawn_trainer
     from rlactors.config import ModelConfig, TrainerConfig
     from rlactors.models.checkpoint import load_state_dict
+    from rlactors.on_policy.sides import sides
 
     async def main():
         procs, trainer, _ = await spawn_trainer(this_host(), ModelConfig(path=str(ckpt), dtype="bfloat16"),
-                                                TrainerConfig(ranks=2), device="cuda")
+                                                TrainerConfig(ranks=2), sides(False, "native", "cuda").trainer,
+                                                device="cuda")
         try:
             return (await trainer.state_dict_for_sync.call("bfloat16")).item(gpus=0)
         finally:

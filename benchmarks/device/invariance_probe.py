@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from support.vllm_checks import attention_of_last_queries  # noqa: E402
 
-from rlactors.engines import vllm_model  # noqa: E402
-from rlactors.engines.vllm_model import PagedFlashAttention, vllm_token_logprobs  # noqa: E402
-from rlactors.models import batch_invariant as bi  # noqa: E402
+from rlactors.on_policy import ops as bi  # noqa: E402
+from rlactors.on_policy import vllm_model  # noqa: E402
+from rlactors.on_policy.vllm_model import PagedFlashAttention, vllm_token_logprobs  # noqa: E402
 
 BATCHES = [(0, 1), (5, 1), (0, 3), (2, 7), (0, 16), (3, 37), (0, 100), (1, 199), (0, 256), (0, 512)]
 MODELS = {  # hidden, intermediate, heads, kv heads, head_dim, vocab

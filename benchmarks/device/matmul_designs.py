@@ -7,7 +7,7 @@ design's launch paths). Also which configurations give the same bits as each oth
     python benchmarks/device/matmul_designs.py
 
 Designs:
-- ``current``: rlactors.models.batch_invariant_triton.matmul.
+- ``current``: rlactors.on_policy.ops_triton.matmul.
 - ``nested``: K chunks in an outer loop, each summed from zero in an inner loop, added in
   order (the current kernel's sums, without a select over the tile every step); grouped tile
   order; small M splits chunks over programs as now.
@@ -32,7 +32,7 @@ from triton.runtime.errors import OutOfResources
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batch_invariant_matmul import graph_time, rows_invariant  # noqa: E402
 
-from rlactors.models import batch_invariant_triton as bit  # noqa: E402
+from rlactors.on_policy import ops_triton as bit  # noqa: E402
 
 SHAPES = {"0.6b q": (2048, 1024), "0.6b o": (1024, 2048), "0.6b gate+up": (6144, 1024), "0.6b down": (1024, 3072),
           "1.7b gate+up": (12288, 2048), "1.7b down": (2048, 6144), "0.6b lm_head": (151936, 1024)}

@@ -27,13 +27,14 @@ from support.true_on_policy import trainer_and_generator_logprobs  # noqa: E402
 from support.vllm_checks import scenario_episode  # noqa: E402
 
 from rlactors.config import BatcherConfig, ModelConfig, TrainerConfig  # noqa: E402
+from rlactors.on_policy.sides import sides  # noqa: E402
 from rlactors.rollout.batcher import Batcher  # noqa: E402
 from rlactors.rollout.types import Episode  # noqa: E402
 from rlactors.trainer.core import PolicyTrainerCore  # noqa: E402
 
 SCENARIOS = ROOT / "tests" / "support" / "vllm_scenarios.py"
 # Runs the scenario script with CUDA graphs off (enforce_eager added to the engine args).
-EAGER = ("import runpy, sys; from rlactors.engines import vllm_model as m; f = m.true_on_policy_engine_args; "
+EAGER = ("import runpy, sys; from rlactors.on_policy import vllm_model as m; f = m.true_on_policy_engine_args; "
          "m.true_on_policy_engine_args = lambda a: {**f(a), 'enforce_eager': True, 'compilation_config': {'mode': 0}}; "
          "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
@@ -69,7 +70,7 @@ def main(ckpt: str, settings: list[str]) -> None:
         scenarios = json.loads(out.read_text())
         with one_rank_process_group("cuda") as device:
             core = PolicyTrainerCore(ModelConfig(path=ckpt, dtype="bfloat16", true_on_policy=True),
-                                     TrainerConfig(ranks=1), device, generator_engine="vllm")
+                                     TrainerConfig(ranks=1), device, sides(True, "vllm", device).trainer)
             for name, completions in scenarios.items():
                 episodes = [scenario_episode(c) for c in completions.values()]
                 for row_tokens in (2048, 8192):

@@ -3,7 +3,8 @@
 Call every endpoint on the whole mesh (`trainer.optim_step.call()`): each rank runs the same
 collectives. Endpoints that take microbatches get all ranks' (`microbatches[r]` is rank r's).
 
-    procs, trainer, ranks = await spawn_trainer(this_host(), config.model, config.trainer, device="cpu")
+    kernels = sides(config.model.true_on_policy, config.generator.engine, "cpu").trainer
+    procs, trainer, ranks = await spawn_trainer(this_host(), config.model, config.trainer, kernels, device="cpu")
     await trainer.forward_backward.call(microbatches, norm, config.loss)   # x k microbatches
     metrics = first_value(await trainer.optim_step.call())   # rank 0's (rlactors.placement.first_value)
 """
@@ -20,6 +21,7 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm
+from rlactors.on_policy.sides import TrainerSide
 from rlactors.placement import cuda_visible_devices, first_value, free_port, host_name, local_address, num_hosts
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.core import PolicyTrainerCore, VersionedWeights
@@ -27,21 +29,17 @@ from rlactors.trainer.parallel import init_distributed
 
 
 class PolicyTrainer(Actor):
-    def __init__(self, model: ModelConfig, trainer: TrainerConfig, device: str = "cpu",
-                 generator_engine: str = "native"):
-        self.model_config, self.trainer_config, self.device_type = model, trainer, device
-        self.generator_engine = generator_engine
+    def __init__(self, model: ModelConfig, trainer: TrainerConfig, kernels: TrainerSide, device: str = "cpu"):
+        self.model_config, self.trainer_config, self.kernels, self.device_type = model, trainer, kernels, device
         self.core: PolicyTrainerCore | None = None
 
     @endpoint
     async def init(self) -> dict[str, int]:
         """Joins the process group and loads the policy from `model.path` (policy version 0)."""
-        if self.device_type == "cuda" and self.model_config.true_on_policy and self.generator_engine == "vllm":
-            from rlactors.engines.vllm_model import share_replica_nccl_settings
-
-            share_replica_nccl_settings()  # before init_distributed makes this process's first communicator
+        if self.kernels.before_process_group is not None:
+            self.kernels.before_process_group()  # before init_distributed makes this process's first communicator
         device = init_distributed(self.device_type)
-        self.core = PolicyTrainerCore(self.model_config, self.trainer_config, device, self.generator_engine)
+        self.core = PolicyTrainerCore(self.model_config, self.trainer_config, device, self.kernels)
         return {"rank": self.core.rank, "world_size": self.core.world_size, "host": host_name(),
                 "policy_version": self.core.version}
 
@@ -97,14 +95,14 @@ class PolicyTrainer(Actor):
         return self.core
 
 
-async def spawn_trainer(hosts: HostMesh, model: ModelConfig, trainer: TrainerConfig, device: str = "cpu",
-                        first_gpu: int = 0, generator_engine: str = "native",
+async def spawn_trainer(hosts: HostMesh, model: ModelConfig, trainer: TrainerConfig, kernels: TrainerSide,
+                        device: str = "cpu", first_gpu: int = 0,
                         ) -> tuple[ProcMesh, PolicyTrainer, list[dict[str, Any]]]:
     """Spawns `trainer.ranks` procs split evenly over the hosts of `hosts` (on CUDA one GPU each:
     first_gpu, first_gpu + 1, ... of its host), sets the torch elastic env (ranks host-major), and
     initialises a PolicyTrainer on each. Returns (procs, actor mesh, each rank's `init` answer:
-    rank, world size, host, policy version). `generator_engine`: whose kernels true on-policy
-    logprobs reproduce (`PolicyTrainerCore`)."""
+    rank, world size, host, policy version). `kernels`: what the trainer runs
+    (`rlactors.on_policy.sides`)."""
     if device == "cuda":
         def bootstrap_command(point):
             gpu = cuda_visible_devices([first_gpu + point["gpus"]])
@@ -115,7 +113,7 @@ async def spawn_trainer(hosts: HostMesh, model: ModelConfig, trainer: TrainerCon
     procs = hosts.spawn_procs(per_host={"gpus": trainer.ranks // num_hosts(hosts)},
                               bootstrap_command=bootstrap_command)
     await setup_torch_elastic_env_async(procs)
-    actors = procs.spawn("policy_trainer", PolicyTrainer, model, trainer, device, generator_engine)
+    actors = procs.spawn("policy_trainer", PolicyTrainer, model, trainer, kernels, device)
     ranks = sorted((value for _, value in (await actors.init.call()).items()), key=lambda r: r["rank"])
     return procs, actors, ranks
 

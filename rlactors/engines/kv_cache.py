@@ -1,5 +1,6 @@
 """Paged KV cache for the native engine: a block pool with prefix caching, and the cache's tensor
-(``rlactors.attention.paged`` reads and writes it).
+(``paged_attention`` reads and writes it, and in true on-policy mode
+``rlactors.on_policy.attention.BatchInvariantPagedAttention``).
 
 The cache is a fixed number of blocks of `block_size` token slots per layer. A sequence owns a
 list of blocks (its block table); token `p` of the sequence lives in slot

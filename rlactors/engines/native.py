@@ -3,7 +3,7 @@ plain PyTorch.
 
 One `step()` = schedule (scheduler.py) -> one packed forward over every scheduled chunk, decodes
 and prefills mixed, attending over the paged KV cache (kv_cache.py, read by
-rlactors.attention.paged) -> sample the sequences whose chunk reached their last token
+paged_attention.py) -> sample the sequences whose chunk reached their last token
 (sampling.py) -> report the ones that finished. A mixture-of-experts model's completions carry
 the experts that each sampled token's forward was routed to (``Completion.routed_experts``).
 """
@@ -16,39 +16,41 @@ from typing import Any
 
 import torch
 
-from rlactors.attention.paged import paged_attention
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.base import Engine, check_request
 from rlactors.engines.kv_cache import BlockPool, PagedKVCache, blocks_for
+from rlactors.engines.paged_attention import PagedAttention
 from rlactors.engines.sampling import request_generator, sample
 from rlactors.engines.scheduler import ScheduledChunk, Scheduler, SeqState
 from rlactors.models.decoder import DecoderForCausalLM
 from rlactors.models.moe import SparseMoeBlock
+from rlactors.on_policy.sides import sides
 from rlactors.types import Completion, SamplingParams
 from rlactors.weight_sync.broadcast import LocalReceiver
 
 
 class NativeEngine(Engine):
     """Serves `model`, sized by `config` (its max_num_seqs, max_num_tokens, kv_cache_tokens,
-    block_size and max_model_len)."""
+    block_size and max_model_len). With `true_on_policy` the model is converted in place to
+    batch-invariant kernels (`rlactors.on_policy.sides`), so a token's logprob is the trainer's
+    exactly."""
 
     def __init__(self, model: DecoderForCausalLM, config: GeneratorConfig, true_on_policy: bool = False):
         self.model = model.eval().requires_grad_(False)
-        # True on-policy: batch-invariant kernels, so a token's logprob is the trainer's exactly.
-        self.true_on_policy = true_on_policy
-        model.set_batch_invariant(true_on_policy, weights_frozen=True)
+        param = next(model.parameters())
+        self.device = param.device
+        kernels = sides(true_on_policy, "native", self.device).generator
+        if kernels.convert is not None:
+            kernels.convert(model)
+        self.attention = kernels.attention or PagedAttention
         args = model.args
         self.vocab_size = args.vocab_size
         self.max_model_len = config.max_model_len
         self.version = 0
-        param = next(model.parameters())
-        self.device = param.device
         num_blocks = blocks_for(config.kv_cache_tokens, config.block_size)
         self.pool = BlockPool(num_blocks, config.block_size)
-        # CPU true on-policy: the attention kernel reads fp32, which holds any model dtype's K/V exactly.
-        cache_dtype = torch.float32 if true_on_policy and self.device.type == "cpu" else param.dtype
         self.cache = PagedKVCache(args.num_hidden_layers, num_blocks, config.block_size, args.num_key_value_heads,
-                                  args.head_dim, cache_dtype, self.device)
+                                  args.head_dim, kernels.kv_cache_dtype or param.dtype, self.device)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_tokens)
         self.sequences: dict[str, SeqState] = {}
         self.aborted: list[Completion] = []
@@ -136,7 +138,7 @@ class NativeEngine(Engine):
         for c in scheduled:
             input_ids += c.seq.token_ids[c.start:c.start + c.num_tokens]
             positions += range(c.start, c.start + c.num_tokens)
-        attention = paged_attention(self.cache, [c.as_chunk() for c in scheduled], batch_invariant=self.true_on_policy)
+        attention = self.attention(self.cache, [c.as_chunk() for c in scheduled])
         self._routing.clear()
         return self.model(torch.tensor(input_ids, device=self.device),
                           torch.tensor(positions, device=self.device), attention)

@@ -1,6 +1,6 @@
 """The vLLM engine (GPU): vLLM 0.26's LLMEngine run in-process behind the Engine interface.
 
-In true on-policy mode vLLM runs our own model (`rlactors.engines.vllm_model`), so that every
+In true on-policy mode vLLM runs our own model (`rlactors.on_policy.vllm_model`), so that every
 logprob it returns is the trainer's bit for bit.
 
 vLLM is imported inside `from_config` only, so CPU installs never need it. The engine core runs in
@@ -111,16 +111,17 @@ class VLLMEngine(Engine):
     @classmethod
     def from_config(cls, generator_config: GeneratorConfig, model_config: ModelConfig) -> VLLMEngine:
         """A vLLM engine for `model_config.path`. In `model_config.true_on_policy` mode vLLM runs
-        our own model with the trainer's kernels (`rlactors.engines.vllm_model`)."""
-        from rlactors.engines import vllm_model
+        our own model with the trainer's kernels (`rlactors.on_policy.sides`)."""
         from rlactors.models.checkpoint import load_args
+        from rlactors.on_policy.sides import sides
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+        kernels = sides(model_config.true_on_policy, "vllm", "cuda").generator
+        os.environ.update(kernels.environment)  # read by vLLM's import
         true_on_policy_args = {}
-        if model_config.true_on_policy:
-            os.environ.update(vllm_model.true_on_policy_environment())  # read by vLLM's import
-            vllm_model.register()
-            true_on_policy_args = vllm_model.true_on_policy_engine_args(load_args(model_config.path))
+        if kernels.engine_args is not None:
+            kernels.register()
+            true_on_policy_args = kernels.engine_args(load_args(model_config.path))
         from vllm import EngineArgs, LLMEngine
 
         g = generator_config

@@ -11,10 +11,8 @@ Everything is packed 1-D: ``input_ids[T]`` holds several documents end to end an
 attend to each other: the caller passes an ``attention(layer_idx, q, k, v)`` callable
 (``VarlenAttention`` for training, a KV-cache attention in the native engine).
 
-``set_batch_invariant(True)`` (the true on-policy mode) routes every linear, RMSNorm, RoPE, the
-MLP activation, the experts' routing and the fp32 log-softmax through
-``rlactors.models.batch_invariant``, so that a token's logprob (and its experts) do not depend
-on what else is in the batch.
+The model holds no mode: true on-policy is a conversion of this plain model
+(``rlactors.on_policy.modules.to_batch_invariant`` swaps its modules for batch-invariant ones).
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlactors.attention.varlen import VarlenAttention
-from rlactors.models import batch_invariant as bi
 from rlactors.models.args import Llama3RopeScaling, ModelArgs
 from rlactors.models.moe import SparseMoeBlock
 
@@ -35,18 +32,29 @@ from rlactors.models.moe import SparseMoeBlock
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class RMSNorm(nn.Module):
-    batch_invariant = False
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim with the rounding of HF's RMSNorm in every supported family:
+    normalize in fp32, scale in the weight's dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x[T, H, D]`` by ``cos/sin[T, D]`` in HF's rotate-half layout, with HF's roundings."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
-            return bi.rms_norm(x, self.weight, self.eps)
-        return bi.torch_rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float,
@@ -70,8 +78,6 @@ def rope_inverse_frequencies(head_dim: int, theta: float,
 
 
 class SelfAttention(nn.Module):
-    batch_invariant = False
-
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -79,45 +85,36 @@ class SelfAttention(nn.Module):
         self.num_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
         bias = args.family.qkv_bias
-        self.q_proj = bi.Linear(args.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = bi.Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = bi.Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = bi.Linear(self.num_heads * self.head_dim, args.hidden_size)
+        self.q_proj = nn.Linear(args.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, args.hidden_size, bias=False)
         self.q_norm = self.k_norm = None
         if args.family.qk_norm:  # per head, before RoPE
             self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention,
-                residual: torch.Tensor) -> torch.Tensor:
-        """``residual`` plus the attention's output (the o_proj adds it: one kernel on the engine's path)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = bi.project(x, (self.q_proj, self.k_proj, self.v_proj))
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        rope = bi.rope if self.batch_invariant else bi.apply_rope
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim), residual)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    batch_invariant = False
-
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = bi.Linear(args.hidden_size, args.intermediate_size)
-        self.up_proj = bi.Linear(args.hidden_size, args.intermediate_size)
-        self.down_proj = bi.Linear(args.intermediate_size, args.hidden_size)
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual`` plus the MLP's output (the down_proj adds it)."""
-        if self.batch_invariant:
-            return self.down_proj(bi.silu_mul(*bi.project(x, (self.gate_proj, self.up_proj))), residual)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -130,8 +127,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: Attention) -> torch.Tensor:
-        x = self.self_attn(self.input_layernorm(x), cos, sin, attention, residual=x)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderModel(nn.Module):
@@ -167,6 +164,19 @@ class DecoderModel(nn.Module):
         return self.norm(h)
 
 
+class LogSoftmax(nn.Module):
+    """fp32 log-probabilities of ``logits [T, vocab]``: what the trainer and the engine use."""
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.float().log_softmax(-1)
+
+    def at_targets(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(log p(targets[t]) [T], the full log-probabilities [T, vocab] or None)``: the latter
+        when computing the former made them."""
+        logprobs = self(logits)
+        return logprobs.gather(-1, targets[:, None]).squeeze(-1), logprobs
+
+
 class DecoderForCausalLM(nn.Module):
     """A causal LM of ``args.model_type``'s family; module tree and parameter names match that
     family's HF model (``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` as transformers 5 holds it in
@@ -177,16 +187,12 @@ class DecoderForCausalLM(nn.Module):
     writes random ones). Construct under ``torch.device("meta")`` to allocate nothing.
     """
 
-    batch_invariant = False
-    # fp32 log p(targets[t]) from logits[t] when the generator computes it other than by
-    # log_softmax and gather: a vLLM replica in true on-policy mode (rlactors.engines.vllm_model).
-    token_logprob_kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model = DecoderModel(args)
-        self.lm_head = bi.Linear(args.hidden_size, args.vocab_size)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.log_softmax = LogSoftmax()
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -197,17 +203,6 @@ class DecoderForCausalLM(nn.Module):
         """
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def set_batch_invariant(self, enabled: bool = True, weights_frozen: bool = False) -> None:
-        """Switches every op whose result could depend on the batch to its batch-invariant
-        version (``rlactors.models.batch_invariant``); attention is the caller's to choose.
-        ``weights_frozen``: the weights change only by in-place loads (an inference engine), so
-        the linears may keep per-weight work between calls (``batch_invariant.Linear``)."""
-        for module in self.modules():
-            if hasattr(type(module), "batch_invariant"):
-                module.batch_invariant = enabled
-            if isinstance(module, bi.Linear):
-                module.weights_frozen = weights_frozen
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         """``hidden[T, hidden_size]`` after the final norm."""
@@ -221,10 +216,6 @@ class DecoderForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, vocab_size]`` in the model's dtype."""
         return self.lm_head(hidden)
-
-    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """fp32 log-probabilities of ``logits [T, vocab]``: what the trainer and the engine use."""
-        return bi.log_softmax(logits) if self.batch_invariant else logits.float().log_softmax(-1)
 
     def token_logprobs(self, hidden: torch.Tensor, target_ids: torch.Tensor,
                        chunk_size: int = 1024) -> torch.Tensor:
@@ -260,6 +251,7 @@ class _TokenLogprobs(torch.autograd.Function):
     """``model.log_softmax(model.logits(hidden))`` at the targets (and, if asked, the entropy),
     ``chunk_size`` tokens at a time; no ``[T, vocab]`` tensor outlives its chunk.
 
+    The log-probabilities are ``model.log_softmax``'s (a conversion may swap in other kernels).
     ``weight`` is ``model.lm_head.weight``, the matrix ``model.logits`` multiplies by: it is an
     input so that autograd hands its gradient to the parameter (the embedding too, when tied).
 
@@ -277,18 +269,15 @@ class _TokenLogprobs(torch.autograd.Function):
             rows = slice(start, start + chunk_size)
             logits = model.logits(hidden[rows])
             target = targets[rows, None]
-            if model.token_logprob_kernel is None:
-                chunk_logprobs = model.log_softmax(logits)
-                target_logprobs = chunk_logprobs.gather(-1, target).squeeze(-1)
-            else:
-                target_logprobs = model.token_logprob_kernel(logits, target[:, 0])
-                chunk_logprobs = model.log_softmax(logits) if with_entropy else None
+            target_logprobs, chunk_logprobs = model.log_softmax.at_targets(logits, target[:, 0])
             logprobs.append(target_logprobs)
             # log_softmax = logits - logsumexp, so the target's entries give the logsumexp at
             # O(T) cost, consistent with the log_softmax's own rounding (measured at Qwen3's
             # vocab: exp(logits - logsumexp) is within 4e-6 relative of exp(log_softmax)).
             logsumexp.append(logits.gather(-1, target).squeeze(-1) - target_logprobs)
             if with_entropy:
+                if chunk_logprobs is None:
+                    chunk_logprobs = model.log_softmax(logits)
                 entropy.append(-(chunk_logprobs.exp() * chunk_logprobs).sum(-1))
         ctx.save_for_backward(hidden, weight, targets, torch.cat(logsumexp))
         ctx.model, ctx.chunk_size = model, chunk_size

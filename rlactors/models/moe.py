@@ -11,50 +11,42 @@ hold one tensor per expert (``rlactors.models.checkpoint`` converts).
 Tokens are sorted by expert and every expert multiplies its rows in one matmul
 (``grouped_linear``: ``torch._grouped_mm`` for bf16 on CUDA, a matmul per expert otherwise).
 
-In batch-invariant mode (true on-policy) every op gives a token the bits it would have alone:
-the router is a ``batch_invariant.Linear``, the softmax ``exp(batch_invariant.log_softmax)``,
-top-k a stable sort (ties go to the lower expert index), each expert's matmul the
-batch-invariant linear over its rows (each row's result depends on that row alone, so not on
-how many tokens the expert got), the activation ``silu_mul``, and the weighted sum runs over a
-token's ``k`` experts in rank order, elementwise.
+Top-k is a stable sort (ties go to the lower expert index) and the weighted sum runs over a
+token's ``k`` experts in rank order, elementwise, so neither depends on the batch; true
+on-policy swaps in batch-invariant kernels for the rest (``rlactors.on_policy.modules``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlactors.models import batch_invariant as bi
 from rlactors.models.args import ModelArgs
 
 
 class SparseMoeBlock(nn.Module):
-    """``residual`` plus the mixture of experts' output, for a ``[T, hidden]`` input."""
-
-    batch_invariant = False
+    """The mixture of experts' output for a ``[T, hidden]`` input."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.top_k = args.moe.num_experts_per_tok
         self.norm_topk_prob = args.moe.norm_topk_prob
         self.experts = Experts(args)
-        self.gate = bi.Linear(args.hidden_size, args.moe.num_experts)  # the router
+        self.gate = nn.Linear(args.hidden_size, args.moe.num_experts, bias=False)  # the router
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = route(self.gate(x), self.top_k, self.norm_topk_prob, self.batch_invariant)
-        return residual + self.experts(x, expert_ids, weights.to(x.dtype))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = top_k_experts(self.gate(x).float().softmax(-1), self.top_k, self.norm_topk_prob)
+        return self.experts(x, expert_ids, weights.to(x.dtype))
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-          batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_experts(probs: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights, expert_ids)``, both ``[T, top_k]``: each token's ``top_k`` most probable
-    experts, most probable first, and their fp32 probabilities (renormalized to sum to 1 with
-    ``renormalize``). Equal probabilities go to the lower expert index, on any device."""
-    if batch_invariant:
-        probs = _InvariantSoftmax.apply(router_logits)
-    else:
-        probs = router_logits.float().softmax(-1)
+    experts under the router's fp32 ``probs [T, E]``, most probable first, and their
+    probabilities (renormalized to sum to 1 with ``renormalize``). Equal probabilities go to the
+    lower expert index, on any device."""
     probs, expert_ids = probs.sort(dim=-1, descending=True, stable=True)
     weights, expert_ids = probs[:, :top_k], expert_ids[:, :top_k]
     if renormalize:
@@ -71,28 +63,9 @@ def _sum_in_order(terms) -> torch.Tensor:
     return total
 
 
-class _InvariantSoftmax(torch.autograd.Function):
-    """fp32 softmax as ``exp(batch_invariant.log_softmax)`` forward, softmax's gradient backward
-    (the CUDA log_softmax's values have no autograd graph of their own)."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
-        probs = bi.log_softmax(logits).exp()
-        ctx.save_for_backward(probs)
-        ctx.dtype = logits.dtype
-        return probs
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        (probs,) = ctx.saved_tensors
-        return (probs * (grad - (grad * probs).sum(-1, keepdim=True))).to(ctx.dtype)
-
-
 class Experts(nn.Module):
     """``num_experts`` SwiGLU MLPs in two fused parameters: ``gate_up_proj [E, 2I, H]`` (each
     expert's gate rows, then its up rows) and ``down_proj [E, H, I]``."""
-
-    batch_invariant = False
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -108,25 +81,30 @@ class Experts(nn.Module):
         slots = expert_ids.reshape(-1)  # slot t * top_k + j: token t's j-th expert
         order = slots.argsort(stable=True)  # the slots grouped by expert, each group in token order
         counts = torch.bincount(slots, minlength=self.num_experts)
-        gate_up = grouped_linear(x[order // top_k], self.gate_up_proj, counts, self.batch_invariant)
+        gate_up = self.grouped_linear(x[order // top_k], self.gate_up_proj, counts)
         gate, up = gate_up.chunk(2, dim=-1)
-        if self.batch_invariant:
-            hidden = bi.silu_mul(gate.contiguous(), up.contiguous())
-        else:
-            hidden = F.silu(gate) * up
-        out = grouped_linear(hidden, self.down_proj, counts, self.batch_invariant)
+        out = self.grouped_linear(self.activation(gate, up), self.down_proj, counts)
         out = out[order.argsort()].view(tokens, top_k, -1)  # back to slot order
         return _sum_in_order([out[:, j] * weights[:, j, None] for j in range(top_k)])
 
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return grouped_linear(x, weight, counts)
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
-                   batch_invariant: bool = False) -> torch.Tensor:
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``x``'s rows in groups, ``counts[e]`` rows for expert ``e`` in expert order, each group
     times its expert's ``weight[e].T`` (``weight [E, out, in]``)."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and not batch_invariant:
+    if x.is_cuda and x.dtype == torch.bfloat16:
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
-    # Batch-invariant: each row alone, so its bits do not depend on how many rows its expert got.
-    matmul = bi.linear if batch_invariant else lambda rows, w: rows @ w.T
+    return linear_per_expert(x, weight, counts, lambda rows, w: rows @ w.T)
+
+
+def linear_per_expert(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                      matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``grouped_linear`` as one ``matmul(rows, weight[e])`` per expert that got rows."""
     groups = [(e, rows) for e, rows in enumerate(x.split(counts.tolist())) if rows.shape[0]]
     if not groups:
         return x.new_empty(0, weight.shape[1])

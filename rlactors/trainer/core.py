@@ -29,8 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from rlactors.attention.invariant import BatchInvariantAttention
-from rlactors.attention.varlen import VarlenAttention, cu_seqlens_from_positions
+from rlactors.attention.varlen import cu_seqlens_from_positions
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm, LossStats, compute_loss, loss_tokens
 from rlactors.models.args import DTYPES
@@ -42,6 +41,7 @@ from rlactors.models.checkpoint import (
     save_pretrained,
 )
 from rlactors.models.moe import SparseMoeBlock, load_balancing_loss
+from rlactors.on_policy.sides import TrainerSide
 from rlactors.trainer import checkpoint as ckpt
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, local_rows, make_mesh
@@ -105,36 +105,27 @@ class PolicyTrainerCore:
     """One rank: the sharded policy, its AdamW, the policy version and the step's loss stats.
 
     Needs the default process group (see `parallel.init_distributed`) of `trainer.ranks` ranks.
-    The fp32 master weights are loaded from `model.path` (an HF checkpoint dir). Decoder layers
-    are torch.compile'd with `trainer.compile_layers` on CUDA, except in `model.true_on_policy`
-    mode, which runs the generator's eager batch-invariant kernels (compiled code fuses and
-    rounds differently): those of `rlactors.models.batch_invariant` for the native engine, and
-    for vLLM replicas also vLLM's attention and sampled-token logprob kernels
-    (`rlactors.engines.vllm_model`).
+    The fp32 master weights are loaded from `model.path` (an HF checkpoint dir). `kernels` is
+    what the trainer runs (`rlactors.on_policy.sides`: the generator's kernels in
+    `model.true_on_policy` mode). Decoder layers are torch.compile'd with
+    `trainer.compile_layers` on CUDA unless those kernels must run eager.
     """
 
-    def __init__(self, model: ModelConfig, trainer: TrainerConfig, device: torch.device,
-                 generator_engine: str = "native"):
+    def __init__(self, model: ModelConfig, trainer: TrainerConfig, device: torch.device, kernels: TrainerSide):
         self.model_config, self.config, self.device = model, trainer, device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.world_size != trainer.ranks:
             raise ValueError(f"trainer.ranks is {trainer.ranks} but the process group has {self.world_size} ranks")
-        compile_layers = trainer.compile_layers and device.type == "cuda" and not model.true_on_policy
         self.args = load_args(model.path)
         self.mesh = make_mesh(device)
         self.model = build_sharded_model(
             self.args, self.mesh, device,
             mixed_precision=trainer.mixed_precision and device.type == "cuda",
             activation_checkpointing=trainer.activation_checkpointing,
-            compile_layers=compile_layers,
+            compile_layers=trainer.compile_layers and device.type == "cuda" and not kernels.eager,
+            convert=kernels.convert,
         )
-        self.model.set_batch_invariant(model.true_on_policy)
-        self._attention = BatchInvariantAttention if model.true_on_policy else VarlenAttention
-        if model.true_on_policy and generator_engine == "vllm":
-            from rlactors.engines.vllm_model import PagedFlashAttention, vllm_token_logprobs
-
-            self._attention = PagedFlashAttention
-            self.model.token_logprob_kernel = vllm_token_logprobs
+        self._attention = kernels.attention
         self._load_hf_weights(model.path)
         if trainer.router_aux_loss_coef > 0 and self.args.moe is None:
             raise ValueError(f"trainer.router_aux_loss_coef is {trainer.router_aux_loss_coef}, but "
@@ -222,7 +213,7 @@ class PolicyTrainerCore:
 
     def _token_logprobs(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         positions = mb.positions.reshape(-1)
-        hidden = self.model(mb.input_ids.reshape(-1), positions, self._attention.from_positions(positions))
+        hidden = self.model(mb.input_ids.reshape(-1), positions, self._attention(positions))
         targets, chunk = mb.target_ids.reshape(-1), self.config.logprob_chunk_tokens
         if with_entropy:
             return self.model.token_logprobs_and_entropy(hidden, targets, chunk)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -73,6 +74,7 @@ def build_sharded_model(
     mixed_precision: bool,
     activation_checkpointing: bool,
     compile_layers: bool,
+    convert: Callable[[nn.Module], None] | None = None,
 ) -> DecoderForCausalLM:
     """An FSDP2-sharded model with uninitialised fp32 shards on `device` (load weights next).
 
@@ -81,10 +83,13 @@ def build_sharded_model(
     over ranks, not averaged: the loss is already normalised by the step's global token count.
     With `mixed_precision`, parameters are all-gathered and computed in bf16 while the fp32
     shards stay the master weights and gradients are reduced in fp32. `compile_layers` compiles
-    each decoder layer (CUDA: the eager layer is bound by its elementwise kernels).
+    each decoder layer (CUDA: the eager layer is bound by its elementwise kernels). `convert`
+    (true on-policy's module swap) is applied to the plain model first.
     """
     with torch.device("meta"):
         model = DecoderForCausalLM(args)
+    if convert is not None:
+        convert(model)
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if mixed_precision else None,
         reduce_dtype=torch.float32 if mixed_precision else None,

@@ -14,6 +14,7 @@ from rlactors.actors.trainer import spawn_trainer
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm
 from rlactors.models.checkpoint import TOKENIZER_FILES, copy_tokenizer_files
+from rlactors.on_policy.sides import sides
 from rlactors.trainer.checkpoint import latest_checkpoint
 
 LOSS = LossConfig(name="dapo", clip_high=0.28)
@@ -21,7 +22,8 @@ LOSS = LossConfig(name="dapo", clip_high=0.28)
 
 async def spawn(ckpt, ranks):
     config = TrainerConfig(ranks=ranks, lr=1e-2, max_grad_norm=0.005, warmup_steps=0)
-    procs, trainer, _ = await spawn_trainer(this_host(), ModelConfig(path=str(ckpt)), config, device="cpu")
+    procs, trainer, _ = await spawn_trainer(this_host(), ModelConfig(path=str(ckpt)), config,
+                                            sides(False, "native", "cpu").trainer, device="cpu")
     return procs, trainer
 
 

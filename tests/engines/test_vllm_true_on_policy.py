@@ -1,6 +1,6 @@
 """True on-policy with vLLM: every logprob vLLM samples with equals the trainer's, bit for bit.
 
-vLLM runs our model (rlactors.engines.vllm_model) in true on-policy mode with prefix caching and
+vLLM runs our model (rlactors.on_policy.vllm_model) in true on-policy mode with prefix caching and
 CUDA graphs; the scenarios run in one engine in a process of its own (tests/support/vllm_scenarios.py). The
 trainer core (true_on_policy, vLLM's kernels) then scores every generated token, packed in rows of
 two sizes. Two models: the Qwen3-0.6B shape (random bf16 weights) with chunked prefill (a
@@ -24,9 +24,10 @@ from support.vllm_checks import NEEDS_VLLM_GPU, attention_of_last_queries, scena
 
 from rlactors.attention.varlen import VarlenAttention
 from rlactors.config import ModelConfig, TrainerConfig
-from rlactors.engines.vllm_model import PagedFlashAttention
 from rlactors.models.checkpoint import fuse_experts, load_args, load_state_dict, save_pretrained
 from rlactors.models.tiny import make_tiny_checkpoint
+from rlactors.on_policy.sides import sides
+from rlactors.on_policy.vllm_model import PagedFlashAttention
 from rlactors.trainer.core import PolicyTrainerCore
 
 pytestmark = NEEDS_VLLM_GPU
@@ -134,11 +135,11 @@ def test_trainer_logprobs_equal_vllm_logprobs_bit_for_bit(checkpoints, scenarios
     assert mine_alone["tokens"] == mine_among["tokens"] and mine_alone["logprobs"] == mine_among["logprobs"]
     with one_rank_process_group("cuda") as device:
         core = PolicyTrainerCore(ModelConfig(path=str(ckpt), dtype="bfloat16", true_on_policy=True),
-                                 TrainerConfig(ranks=1), device, generator_engine="vllm")
+                                 TrainerConfig(ranks=1), device, sides(True, "vllm", device).trainer)
         for name in ("t1", "t07", "alone", "among_256", "turn2", "stops"):
             assert_bitwise(core, list(scenarios[name].values()), name)
         del core
         assert all(c["versions"] == [1] * len(c["tokens"]) for c in scenarios["updated"].values())
         core = PolicyTrainerCore(ModelConfig(path=str(updated), dtype="bfloat16", true_on_policy=True),
-                                 TrainerConfig(ranks=1), device, generator_engine="vllm")
+                                 TrainerConfig(ranks=1), device, sides(True, "vllm", device).trainer)
         assert_bitwise(core, list(scenarios["updated"].values()), "updated")

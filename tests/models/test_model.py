@@ -5,13 +5,14 @@ import math
 import pytest
 import torch
 
-from rlactors.attention.invariant import BatchInvariantAttention
 from rlactors.attention.varlen import cu_seqlens_from_positions
 from rlactors.models import DecoderForCausalLM, ModelArgs, VarlenAttention, from_pretrained
 from rlactors.models.args import FAMILIES
-from rlactors.models.decoder import rope_inverse_frequencies
+from rlactors.models.decoder import LogSoftmax, rope_inverse_frequencies
 from rlactors.models.moe import SparseMoeBlock
 from rlactors.models.tiny import size_args
+from rlactors.on_policy.attention import BatchInvariantAttention
+from rlactors.on_policy.modules import to_batch_invariant
 
 
 def hf_model(ckpt_dir):
@@ -78,7 +79,7 @@ def test_true_on_policy_gradients_match_hf_transformers(family, device, family_c
     no autograd graph of their own) still gives every parameter HF's gradient."""
     ckpt = family_ckpt(family, False)
     ours = from_pretrained(ckpt, dtype=torch.float32, device=device)
-    ours.set_batch_invariant(True)
+    to_batch_invariant(ours)
     ref = hf_model(ckpt)
     lengths = [37, 5, 20]
     docs, input_ids, positions = random_docs(lengths, ours.args.vocab_size, seed=3)
@@ -263,7 +264,8 @@ def test_chunked_token_logprobs_and_entropy_are_the_full_ones(tiny_ckpt_untied, 
     In the default mode the BLAS may sum a row's logits in another order for another number of
     rows (it does on some CPUs), so chunking is only close there."""
     model = from_pretrained(tiny_ckpt_untied)
-    model.set_batch_invariant(batch_invariant)
+    if batch_invariant:
+        to_batch_invariant(model)
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(num_tokens, model.args.hidden_size, generator=gen)
     targets = torch.randint(0, model.args.vocab_size, (num_tokens,), generator=gen, dtype=torch.int32)
@@ -309,11 +311,16 @@ def test_token_logprobs_gradients_equal_autograd_through_the_full_log_softmax(fi
             assert ((got[name] - grad).norm() / grad.norm()).item() < tolerance, name
 
 
+class Float64LogSoftmax(LogSoftmax):
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.log_softmax(-1)  # the model's runs in fp32
+
+
 def test_token_logprobs_gradcheck_in_float64():
     args = ModelArgs(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=4, tie_word_embeddings=False)
     model = DecoderForCausalLM(args).double()
-    model.log_softmax = lambda logits: logits.log_softmax(-1)  # the model's runs in fp32
+    model.log_softmax = Float64LogSoftmax()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         model.lm_head.weight.copy_(torch.randn(16, 8, generator=gen))

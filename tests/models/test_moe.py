@@ -6,11 +6,13 @@ import dataclasses
 import pytest
 import torch
 
-from rlactors.attention.invariant import BatchInvariantAttention
 from rlactors.models import DecoderForCausalLM, from_pretrained, save_pretrained
 from rlactors.models.checkpoint import load_state_dict, model_shapes, open_tensors
-from rlactors.models.moe import SparseMoeBlock, grouped_linear, load_balancing_loss, route
+from rlactors.models.moe import SparseMoeBlock, grouped_linear, linear_per_expert, load_balancing_loss, top_k_experts
 from rlactors.models.tiny import random_state_dict, size_args
+from rlactors.on_policy import ops
+from rlactors.on_policy.attention import BatchInvariantAttention
+from rlactors.on_policy.modules import to_batch_invariant
 
 
 def hf_model(ckpt_dir):
@@ -40,7 +42,8 @@ def packed_docs(lengths, vocab_size, seed=0):
 def test_routing_configs_match_hf_transformers(moe_changes, batch_invariant, tmp_path):
     ckpt = moe_checkpoint(tmp_path, **moe_changes)
     ours = from_pretrained(ckpt, dtype=torch.float32)
-    ours.set_batch_invariant(batch_invariant)
+    if batch_invariant:
+        to_batch_invariant(ours)
     ref = hf_model(ckpt)
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers] == [False, True, False, True]
     assert [type(layer.mlp).__name__ for layer in ref.model.layers] == [
@@ -112,25 +115,27 @@ def test_a_checkpoint_missing_an_expert_fails_naming_it(family_ckpt, tmp_path):
                         model.args, tmp_path / "out")
 
 
-@pytest.mark.parametrize("batch_invariant", [False, True])
-def test_equal_probabilities_go_to_the_lower_expert(batch_invariant):
+@pytest.mark.parametrize("softmax", [lambda logits: logits.float().softmax(-1), ops.softmax],
+                         ids=["default", "true_on_policy"])
+def test_equal_probabilities_go_to_the_lower_expert(softmax):
     logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0, 0.0],
                            [2.0, 2.0, 2.0, 2.0, 2.0, 2.0]])
-    weights, experts = route(logits, top_k=3, renormalize=False, batch_invariant=batch_invariant)
+    weights, experts = top_k_experts(softmax(logits), top_k=3, renormalize=False)
     assert experts.tolist() == [[1, 2, 4], [0, 1, 2]]
     assert torch.allclose(weights[1], torch.full((3,), 1 / 6))
-    weights, _ = route(logits, top_k=3, renormalize=True, batch_invariant=batch_invariant)
+    weights, _ = top_k_experts(softmax(logits), top_k=3, renormalize=True)
     assert torch.allclose(weights.sum(-1), torch.ones(2))
 
 
-@pytest.mark.parametrize("batch_invariant", [False, True])
-def test_grouped_linear_multiplies_each_group_by_its_expert_even_when_some_get_none(batch_invariant):
+@pytest.mark.parametrize("linear", [grouped_linear, lambda x, w, counts: linear_per_expert(x, w, counts, ops.linear)],
+                         ids=["default", "true_on_policy"])
+def test_grouped_linear_multiplies_each_group_by_its_expert_even_when_some_get_none(linear):
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(4, 6, 5, generator=g), torch.randn(7, 5, generator=g)
     counts = torch.tensor([3, 0, 4, 0])  # experts 1 and 3 get no rows
     expected = torch.cat([x[:3] @ weight[0].T, x[3:] @ weight[2].T])
-    torch.testing.assert_close(grouped_linear(x, weight, counts, batch_invariant), expected)
-    assert grouped_linear(x[:0], weight, torch.zeros(4, dtype=torch.long), batch_invariant).shape == (0, 6)
+    torch.testing.assert_close(linear(x, weight, counts), expected)
+    assert linear(x[:0], weight, torch.zeros(4, dtype=torch.long)).shape == (0, 6)
 
 
 def chosen_experts(model):
@@ -146,7 +151,7 @@ def test_true_on_policy_routing_and_hidden_states_do_not_depend_on_the_batch(fam
     """A document's experts and hidden states, computed alone and packed among others, in both
     orders: bitwise equal in batch-invariant mode."""
     model = from_pretrained(family_ckpt("qwen3_moe", tie=False))
-    model.set_batch_invariant(True)
+    to_batch_invariant(model)
     record = chosen_experts(model)
     docs, _, _ = packed_docs([23, 40, 9, 31], model.args.vocab_size, seed=11)
     mine = docs[0]

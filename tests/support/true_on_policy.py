@@ -8,6 +8,7 @@ import torch
 
 from rlactors.config import BatcherConfig, GeneratorConfig, ModelConfig, TrainerConfig
 from rlactors.engines.native import NativeEngine
+from rlactors.on_policy.sides import sides
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.types import Episode, RolloutStatus
 from rlactors.trainer.core import PolicyTrainerCore
@@ -62,7 +63,8 @@ def trainer_and_generator_logprobs(core: PolicyTrainerCore, episodes: list[Episo
 
 def make_core(ckpt, device, true_on_policy: bool) -> PolicyTrainerCore:
     return PolicyTrainerCore(ModelConfig(path=str(ckpt), true_on_policy=true_on_policy),
-                             TrainerConfig(ranks=1, logprob_chunk_tokens=100), device)
+                             TrainerConfig(ranks=1, logprob_chunk_tokens=100), device,
+                             sides(true_on_policy, "native", device).trainer)
 
 
 def requests_with(mine: tuple[list[int], SamplingParams], others: int, seed: int) -> dict:

@@ -78,7 +78,7 @@ def attention_of_last_queries(length: int, queries: int):
     """The trainer's `PagedFlashAttention` over one document of `length` tokens, queried only at its
     last `queries` tokens, as a vLLM step queries a document (a decode step: 1; a prefill chunk:
     more); `forward_values(q[-queries:], k, v)`."""
-    from rlactors.engines.vllm_model import PagedFlashAttention
+    from rlactors.on_policy.vllm_model import PagedFlashAttention
 
     attention = PagedFlashAttention(torch.tensor([0, length], device="cuda"), length)
     attention.cu_seqlens_q = torch.tensor([0, queries], device="cuda", dtype=torch.int32)

@@ -13,6 +13,7 @@ from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm, compute_loss
 from rlactors.models.args import FAMILIES
 from rlactors.models.checkpoint import TIED_KEY, from_pretrained, fuse_experts, load_args, load_state_dict
+from rlactors.on_policy.sides import sides
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.checkpoint import COMPLETE_FILE, latest_checkpoint, partial_dir
 from rlactors.trainer.core import MICROBATCH_FIELDS, PolicyTrainerCore
@@ -30,7 +31,8 @@ def device():
 
 def make_core(ckpt, device, **trainer):
     config = dict(ranks=1, lr=1e-2, max_grad_norm=0.005, weight_decay=0.1, warmup_steps=1, logprob_chunk_tokens=50)
-    return PolicyTrainerCore(ModelConfig(path=str(ckpt)), TrainerConfig(**{**config, **trainer}), device)
+    return PolicyTrainerCore(ModelConfig(path=str(ckpt)), TrainerConfig(**{**config, **trainer}), device,
+                             sides(False, "native", device).trainer)
 
 
 def step(core, batches, loss=LossConfig(name="dapo", clip_high=0.28)):

@@ -1,9 +1,10 @@
 """True on-policy with vLLM: our model inside vLLM, and the trainer's copies of vLLM's two kernels.
 
-vLLM runs ``VLLMCausalLM``, our own decoder (``rlactors.models``) registered as an out-of-tree
-architecture: vLLM supplies the scheduler, the paged KV cache, CUDA graphs and sampling, while
-every op that shapes a logprob is ours and is the op the trainer runs forward (the batch-invariant
-Triton kernels of ``rlactors.models.batch_invariant``), except two that vLLM owns:
+vLLM runs ``VLLMCausalLM``, our own decoder (``rlactors.models``) converted to batch-invariant
+modules (``rlactors.on_policy.modules``) and registered as an out-of-tree architecture: vLLM
+supplies the scheduler, the paged KV cache, CUDA graphs and sampling, while every op that shapes a
+logprob is ours and is the op the trainer runs forward (the batch-invariant Triton kernels of
+``rlactors.on_policy.ops``), except two that vLLM owns:
 
 - attention, in vLLM's KV cache through its FlashAttention backend. In batch-invariant mode
   (``VLLM_BATCH_INVARIANT=1``) that calls FlashAttention with one split and no ahead-of-time
@@ -14,7 +15,8 @@ Triton kernels of ``rlactors.models.batch_invariant``), except two that vLLM own
   ``attention_head_dim`` on both sides (why: its docstring).
 - the log-probability of the sampled token: vLLM's V2 model runner computes it from our logits
   with a one-program-per-row Triton kernel (``compute_token_logprobs``); the trainer calls that
-  same function on the same logits (``vllm_token_logprobs``).
+  same function on the same logits (``vllm_token_logprobs``, the trainer model's
+  ``VLLMLogSoftmax``).
 
 A mixture of experts runs our ``SparseMoeBlock`` with the trainer's batch-invariant kernels too
 (router, softmax, stable top-k, one matmul per expert, the weighted sum in order), so both sides
@@ -34,11 +36,11 @@ import torch
 from torch import nn
 
 from rlactors.attention.varlen import cu_seqlens_from_positions
-from rlactors.models import batch_invariant as bi
 from rlactors.models.args import ModelArgs
 from rlactors.models.checkpoint import expert_tensor_names
 from rlactors.models.decoder import DecoderForCausalLM
 from rlactors.models.moe import SparseMoeBlock
+from rlactors.on_policy.modules import InvariantLogSoftmax, stack_weights, to_batch_invariant
 
 ARCHITECTURE = "RLActorsForCausalLM"
 PAGE_SIZE = 16  # vLLM's KV-cache block size in true on-policy mode; the trainer pages its keys alike
@@ -116,12 +118,12 @@ class VLLMCausalLM(DecoderForCausalLM):
 
         args = ModelArgs.from_hf_config(vllm_config.model_config.hf_config.to_dict())
         super().__init__(args)
-        self.set_batch_invariant(True, weights_frozen=True)
-        for layer in self.model.layers:  # q/k/v and gate/up as one matmul each (bi.project)
+        to_batch_invariant(self, weights_frozen=True)
+        for layer in self.model.layers:  # q/k/v and gate/up as one matmul each (modules.project)
             attention, mlp = layer.self_attn, layer.mlp
-            bi.stack_weights((attention.q_proj, attention.k_proj, attention.v_proj))
+            stack_weights((attention.q_proj, attention.k_proj, attention.v_proj))
             if not isinstance(mlp, SparseMoeBlock):
-                bi.stack_weights((mlp.gate_proj, mlp.up_proj))
+                stack_weights((mlp.gate_proj, mlp.up_proj))
         # On the GPU from the start: a CUDA graph cannot capture the copy rope() would make.
         self.model.inv_freq = self.model.inv_freq.to(self.model.embed_tokens.weight.device)
         self.attention_head_dim = attention_head_dim(args.head_dim)
@@ -181,6 +183,14 @@ def vllm_token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
 
     return compute_token_logprobs(logits, targets[:, None])[:, 0]
+
+
+class VLLMLogSoftmax(InvariantLogSoftmax):
+    """The trainer's log-probabilities when vLLM generates: a target's from vLLM's own kernel
+    (``vllm_token_logprobs``), the full ones (for the entropy) batch-invariant."""
+
+    def at_targets(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return vllm_token_logprobs(logits, targets), None
 
 
 class PagedFlashAttention:

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlactors.models import cpu_kernels
+from rlactors.on_policy import cpu_kernels
 
 BUILDS = {  # the flags of each build besides the default (-O3 -march=native)
     "x86-64 baseline (SSE2, fmaf from libm)": ("-O3", "-march=x86-64", "-ffp-contract=off", "-fPIC", "-shared"),

@@ -4,8 +4,9 @@ packed token in vLLM's page layout, and the model's hook for the generator's own
 
 import torch
 
-from rlactors.engines.vllm_model import PAGE_SIZE, PagedFlashAttention, true_on_policy_engine_args
 from rlactors.models.checkpoint import from_pretrained, load_args
+from rlactors.models.decoder import LogSoftmax
+from rlactors.on_policy.vllm_model import PAGE_SIZE, PagedFlashAttention, true_on_policy_engine_args
 
 
 def test_each_document_is_laid_out_in_its_own_pages_as_vllm_reads_them():
@@ -39,8 +40,8 @@ def test_the_engine_args_keep_vllm_from_reordering_sums(tiny_ckpt, family_ckpt):
 
 
 def test_a_token_logprob_kernel_replaces_log_softmax_and_gather_with_the_same_gradients(tiny_ckpt_untied):
-    """The trainer computes a token's logprob with the generator's kernel when the model has one;
-    the backward pass stays the default one."""
+    """The trainer computes a token's logprob with the generator's kernel when its model's
+    log-softmax has one (``VLLMLogSoftmax``'s shape); the backward pass stays the default one."""
     model = from_pretrained(tiny_ckpt_untied)
     hidden = torch.randn(23, model.args.hidden_size, requires_grad=True)
     targets = torch.randint(0, model.args.vocab_size, (23,))
@@ -51,12 +52,13 @@ def test_a_token_logprob_kernel_replaces_log_softmax_and_gather_with_the_same_gr
 
     calls = []
 
-    def kernel(logits, chunk_targets):
-        calls.append(len(chunk_targets))
-        logits = logits.float()
-        return (logits - logits.logsumexp(-1, keepdim=True)).gather(-1, chunk_targets[:, None])[:, 0]
+    class KernelLogSoftmax(LogSoftmax):
+        def at_targets(self, logits, chunk_targets):
+            calls.append(len(chunk_targets))
+            logits = logits.float()
+            return (logits - logits.logsumexp(-1, keepdim=True)).gather(-1, chunk_targets[:, None])[:, 0], None
 
-    model.token_logprob_kernel = kernel
+    model.log_softmax = KernelLogSoftmax()
     got, entropy = model.token_logprobs_and_entropy(hidden, targets, chunk_size=5)
     assert calls == [5, 5, 5, 5, 3]
     torch.testing.assert_close(got, expected)
@@ -64,3 +66,4 @@ def test_a_token_logprob_kernel_replaces_log_softmax_and_gather_with_the_same_gr
     (got * torch.arange(23.0)).sum().backward()
     torch.testing.assert_close(hidden.grad, expected_grads[0])
     torch.testing.assert_close(model.lm_head.weight.grad, expected_grads[1])
+

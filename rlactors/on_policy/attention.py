@@ -1,11 +1,12 @@
-"""Batch-invariant attention: one function, ``attend`` (an ``AttentionPlan``), for the trainer and
-the native engine in true on-policy mode.
+"""Batch-invariant attention: one function, ``attend`` (an ``AttentionPlan``), for the trainer
+(``BatchInvariantAttention``) and the native engine (``BatchInvariantPagedAttention``) in true
+on-policy mode.
 
 Each side splits keys and batches queries its own way (SDPA over a whole document in training, one
 query against a KV cache in decode), which rounds differently. ``attend`` computes a query's
 output from its own row and its sequence's keys alone, in one fixed order. On CPU a C kernel does
-so for each query (``rlactors.models.cpu_kernels.attend``). On CUDA a Triton kernel
-(``invariant_triton``) reads keys in blocks of ``KEY_BLOCK`` from position 0 and folds them in
+so for each query (``rlactors.on_policy.cpu_kernels.attend``). On CUDA a Triton kernel
+(``attention_triton``) reads keys in blocks of ``KEY_BLOCK`` from position 0 and folds them in
 order by an online softmax, with a fixed tile shape; a block past a query's position is an exact
 no-op.
 """
@@ -13,11 +14,12 @@ no-op.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
-from rlactors.models import batch_invariant as bi
-from rlactors.models import cpu_kernels
+from rlactors.attention.varlen import VarlenAttention, cu_seqlens_from_positions
+from rlactors.on_policy import cpu_kernels, ops
 
 QUERY_TILE = 16  # query positions per attention tile (CUDA)
 KEY_BLOCK = 64  # keys per attention block, counted from position 0 of a sequence (CUDA)
@@ -156,8 +158,6 @@ class BatchInvariantAttention:
     """
 
     def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, backend: str = "auto"):
-        from rlactors.attention.varlen import VarlenAttention
-
         self.reference = VarlenAttention(cu_seqlens, max_seqlen, backend)
         device = cu_seqlens.device
         lengths = cu_seqlens.diff().long()
@@ -172,8 +172,6 @@ class BatchInvariantAttention:
 
     @classmethod
     def from_positions(cls, positions: torch.Tensor, backend: str = "auto") -> BatchInvariantAttention:
-        from rlactors.attention.varlen import cu_seqlens_from_positions
-
         cu_seqlens = cu_seqlens_from_positions(positions)
         return cls(cu_seqlens, int(cu_seqlens.diff().max().item()), backend)
 
@@ -205,12 +203,44 @@ class OnPolicyAttentionFunction(torch.autograd.Function):
         def default(q, k, v):
             return ctx.attention.reference(0, q, k, v)
 
-        return bi.default_gradients(default, ctx.saved_tensors, ctx.needs_input_grad, grad) + (None,)
+        return ops.default_gradients(default, ctx.saved_tensors, ctx.needs_input_grad, grad) + (None,)
+
+
+class BatchInvariantPagedAttention:
+    """The native engine's ``attention(layer_idx, q, k, v)`` in true on-policy mode, over its paged
+    KV cache (``rlactors.engines.kv_cache.PagedKVCache``) for one packed step of ``chunks``
+    (``kv_cache.Chunk``s, in packed order).
+
+    Writes the step's k/v into the cache like the engine's default ``PagedAttention``, then every
+    query attends to its sequence's context, read in place from the cache's slots, through
+    ``AttentionPlan``, as the trainer's ``BatchInvariantAttention`` does, so a query's output does
+    not depend on the other sequences of the step or on chunking.
+    """
+
+    def __init__(self, cache, chunks: Sequence):
+        self.cache = cache
+        device = cache.kv.device
+        bs = cache.block_size
+        width = max(-(-(c.start + c.num_tokens) // bs) for c in chunks)  # blocks of the longest context
+        # [sequences, width * bs]: the slot of each position; padding blocks hold other data,
+        # which no query reads.
+        blocks = torch.tensor([list(c.block_ids[:width]) + [0] * (width - min(width, len(c.block_ids)))
+                               for c in chunks])
+        self.key_slots = (blocks[:, :, None] * bs + torch.arange(bs)).flatten(1).to(device)
+        positions = [p for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+        segments = [i for i, c in enumerate(chunks) for _ in range(c.num_tokens)]
+        slots = [c.block_ids[p // bs] * bs + p % bs for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+        self.plan = AttentionPlan(torch.tensor(positions, device=device), torch.tensor(segments, device=device))
+        self.slot_mapping = torch.tensor(slots, device=device)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer_idx, self.slot_mapping, k, v)
+        return self.plan.paged(q, self.cache.kv[layer_idx], self.key_slots)
 
 
 @functools.cache
 def _triton():
     """The Triton attention kernel (imported on first CUDA use: Triton is not needed on CPU)."""
-    from rlactors.attention import invariant_triton
+    from rlactors.on_policy import attention_triton
 
-    return invariant_triton
+    return attention_triton

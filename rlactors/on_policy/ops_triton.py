@@ -1,4 +1,4 @@
-"""Triton kernels behind ``rlactors.models.batch_invariant`` on CUDA.
+"""Triton kernels behind ``rlactors.on_policy.ops`` on CUDA.
 
 Each kernel sums every reduction in one fixed order, so a row's value is computed by the same
 additions in the same order however many rows the launch has (cuBLAS and torch's CUDA reductions

@@ -1,6 +1,6 @@
-"""Attention over the native engine's paged KV cache (``rlactors.engines.kv_cache``): the default
-``PagedAttention`` (SDPA over decode groups and prefill chunks) and, in true on-policy mode,
-``BatchInvariantPagedAttention`` (``rlactors.attention.invariant.AttentionPlan`` reading keys in place).
+"""The native engine's default attention over its paged KV cache (``rlactors.engines.kv_cache``):
+``PagedAttention``, SDPA over decode groups and prefill chunks. In true on-policy mode the engine
+runs ``rlactors.on_policy.attention.BatchInvariantPagedAttention`` instead.
 """
 
 from __future__ import annotations
@@ -10,23 +10,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from rlactors.attention.invariant import AttentionPlan
 from rlactors.engines.kv_cache import Chunk, PagedKVCache, blocks_for
 
 # Decode groups: fewer SDPA calls cost less overhead, more calls pad less. Measured on CPU with 64
 # sequences of mixed lengths: 8 groups ran 1.8x faster than 1 group and 1.2x faster than 4.
 MAX_DECODE_GROUPS = 8
 MIN_DECODE_GROUP = 8
-
-
-
-def paged_attention(cache: PagedKVCache, chunks: Sequence[Chunk],
-                    batch_invariant: bool = False) -> PagedAttention | BatchInvariantPagedAttention:
-    """The attention callable for one packed step; `chunks` must list every single-token chunk
-    (sorted by position, for tight decode groups) before the longer ones: the packed order."""
-    if batch_invariant:
-        return BatchInvariantPagedAttention(cache, chunks)
-    return PagedAttention(cache, chunks)
 
 
 class PagedAttention:
@@ -106,33 +95,3 @@ class PagedAttention:
             out[start:end] = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)[0].transpose(0, 1)
         return out
-
-
-class BatchInvariantPagedAttention:
-    """`attention(layer_idx, q, k, v)` of the true on-policy mode over a `PagedKVCache`.
-
-    Writes the step's k/v into the cache like `PagedAttention`, then every query attends to its
-    sequence's context, read in place from the cache's slots, through
-    `rlactors.attention.invariant.AttentionPlan`, as the trainer's `BatchInvariantAttention` does,
-    so a query's output does not depend on the other sequences of the step or on chunking.
-    """
-
-    def __init__(self, cache: PagedKVCache, chunks: Sequence[Chunk]):
-        self.cache = cache
-        device = cache.kv.device
-        bs = cache.block_size
-        width = max(blocks_for(c.start + c.num_tokens, bs) for c in chunks)
-        # [sequences, width * bs]: the slot of each position; padding blocks hold other data,
-        # which no query reads.
-        blocks = torch.tensor([list(c.block_ids[:width]) + [0] * (width - min(width, len(c.block_ids)))
-                               for c in chunks])
-        self.key_slots = (blocks[:, :, None] * bs + torch.arange(bs)).flatten(1).to(device)
-        positions = [p for c in chunks for p in range(c.start, c.start + c.num_tokens)]
-        segments = [i for i, c in enumerate(chunks) for _ in range(c.num_tokens)]
-        slots = [c.block_ids[p // bs] * bs + p % bs for c in chunks for p in range(c.start, c.start + c.num_tokens)]
-        self.plan = AttentionPlan(torch.tensor(positions, device=device), torch.tensor(segments, device=device))
-        self.slot_mapping = torch.tensor(slots, device=device)
-
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.write(layer_idx, self.slot_mapping, k, v)
-        return self.plan.paged(q, self.cache.kv[layer_idx], self.key_slots)

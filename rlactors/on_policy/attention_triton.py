@@ -1,4 +1,4 @@
-"""The Triton kernel behind ``rlactors.attention.invariant.attend`` on CUDA: one program per (query
+"""The Triton kernel behind ``rlactors.on_policy.attention.attend`` on CUDA: one program per (query
 tile, kv head), keys in blocks of ``KEY_BLOCK`` from position 0, folded in order."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlactors.attention.invariant import KEY_BLOCK, QUERY_TILE, AttentionPlan
+from rlactors.on_policy.attention import KEY_BLOCK, QUERY_TILE, AttentionPlan
 
 
 @triton.jit

@@ -7,7 +7,7 @@ number in the generator (a decode step among whatever the engine was running, or
 chunk) and in the trainer (a packed microbatch), and the on-policy update is really on-policy.
 
 What breaks it with the default ops, and the fix (measured on CPU with torch 2.13 + MKL and on
-an H200; pinned by tests/models/test_batch_invariant.py):
+an H200; pinned by tests/on_policy/test_batch_invariant.py):
 
 - matmul: the BLAS picks its kernel, its blocking of K and its thread split from the whole
   shape, and on CPU also from the CPU's vendor and instruction set, so a row's dot products are
@@ -23,7 +23,7 @@ an H200; pinned by tests/models/test_batch_invariant.py):
   function, which rounds differently, so an element's value depends on its index in the tensor.
   Fix: ``silu_mul`` spells silu with exp and a division, which round the same on both paths.
 - attention: each side splits keys and batches queries its own way. Fix: one function for both,
-  in ``rlactors.attention.invariant`` (on CPU ``cpu_kernels.attend``, fixed per query).
+  in ``rlactors.on_policy.attention`` (on CPU ``cpu_kernels.attend``, fixed per query).
 - row reductions on CUDA (RMSNorm's mean, log_softmax): torch sizes its blocks by the number of
   rows. Fix: one-program-per-row Triton kernels. On CPU torch's own kernels (not the BLAS)
   reduce a contiguous row in an order set by its length and the vector width alone, whatever the
@@ -43,10 +43,9 @@ import functools
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from rlactors.models import cpu_kernels
+from rlactors.models import decoder
+from rlactors.on_policy import cpu_kernels
 
 # ------------------------------------------------------------------------------------------------
 # Linear
@@ -58,7 +57,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        return _linear_values(x, weight)
+        return linear_values(x, weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -68,10 +67,11 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_weight
 
 
-def _linear_values(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None = None) -> torch.Tensor:
+def linear_values(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear``'s values for ``x [M, K]``, without autograd."""
     if x.is_cuda:
         return _triton().matmul(x, weight)
-    return cpu_kernels.matmul(x, _transposed(weight) if weight_t is None else weight_t).to(x.dtype)
+    return cpu_kernels.matmul(x, transposed(weight) if weight_t is None else weight_t).to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -96,137 +96,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         out = _Linear.apply(rows, weight)
     else:
-        out = _linear_values(rows, weight, weight_t)
+        out = linear_values(rows, weight, weight_t)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` (no bias unless asked) that runs ``linear`` while ``batch_invariant`` is set
-    (the model's ``set_batch_invariant`` sets it); parameter names and init are nn.Linear's.
-
-    With ``weights_frozen`` (an inference engine, whose weights change only by in-place loads) the
-    CPU path keeps the weight's fp32 transpose, which its kernel reads, until the weight's version
-    counter moves, and the CUDA path adds a residual in the matmul's launch.
-    A trainer's linears (not frozen) always run the separate ops, so the GPU bitwise tests of
-    trainer against engine cover the engine's fusions.
-    """
-
-    batch_invariant = False
-    weights_frozen = False
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, out_features, bias=bias)
-        self._transposed: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (weight, version, fp32 w.T)
-        self._stacked: tuple[tuple, torch.Tensor] | None = None  # project()'s: ((weight, version)s, fp32 w.T)
-        self.stacked_weight: torch.Tensor | None = None  # stack_weights()'s, on the first of the linears
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The projection of ``x``, plus ``residual`` (shaped as the output) when given."""
-        if not self.batch_invariant:
-            out = F.linear(x, self.weight, self.bias)
-        elif self.weights_frozen and x.is_cuda and residual is not None and self.bias is None \
-                and not torch.is_grad_enabled():
-            # An engine's decode steps pay for every launch: the residual is added in the
-            # matmul's own, with the roundings of the addition below (a GPU test checks).
-            rows = x.reshape(-1, x.shape[-1])
-            out = _triton().matmul(rows, self.weight, residual.reshape(rows.shape[0], -1))
-            return out.view(*x.shape[:-1], -1)
-        elif not self.weights_frozen or x.is_cuda:
-            out = linear(x, self.weight, self.bias)
-        else:
-            weight = self.weight
-            if self._transposed is None or self._transposed[0] is not weight or self._transposed[1] != weight._version:
-                self._transposed = (weight, weight._version, _transposed(weight))
-            out = linear(x, weight, self.bias, weight_t=self._transposed[2])
-        return out if residual is None else residual + out
-
-
-def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
-    """``[m(x) for m in linears]``, bit for bit: several projections of one input (q/k/v,
-    gate/up).
-
-    For CPU linears in batch-invariant mode, ``x`` is multiplied once by their weights stacked:
-    the kernel computes each output element alone (``cpu_kernels.matmul``), so it has the bits of
-    the separate products. An inference engine's frozen linears keep the stacked transpose until
-    a weight's version moves; otherwise (a trainer) it is made at each call, and backward uses
-    the default matmuls, as ``linear``'s does. On CUDA, linears whose weights
-    ``stack_weights`` made one tensor (an inference engine's) run as one matmul without autograd,
-    others one by one.
-    """
-    first = linears[0]
-    if not all(m.batch_invariant for m in linears):
-        return [m(x) for m in linears]
-    if x.is_cuda:
-        if first.stacked_weight is None or torch.is_grad_enabled():
-            return [m(x) for m in linears]
-        return _project_stacked(x, linears)
-    weights = [m.weight for m in linears]
-    if any(w.shape[1] != x.shape[-1] or w.dtype != x.dtype for w in weights):
-        raise ValueError(f"project: x {tuple(x.shape)} {x.dtype} does not match the weights "
-                         f"{[tuple(w.shape) for w in weights]} {weights[0].dtype}")
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + linear(x, weight)`` on CUDA without autograd, the addition in the matmul's
+    own launch with the rounding of a separate addition (a GPU test checks): an engine's decode
+    steps pay for every launch."""
     rows = x.reshape(-1, x.shape[-1])
-    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-        parts = _Project.apply(rows, *weights)
-    else:
-        stacked = None
-        if all(m.weights_frozen for m in linears):
-            key = tuple((w, w._version) for w in weights)
-            if first._stacked is None or any(a is not b or u != v for (a, u), (b, v) in zip(first._stacked[0], key)):
-                first._stacked = (key, _transposed(torch.cat(weights)))
-            stacked = first._stacked[1]
-        parts = _project_values(rows, weights, stacked)
-    outputs = []
-    for m, part in zip(linears, parts):
-        part = part.view(*x.shape[:-1], -1)
-        outputs.append(part if m.bias is None else part + m.bias)
-    return outputs
+    out = _triton().matmul(rows, weight, residual.reshape(rows.shape[0], -1))
+    return out.view(*x.shape[:-1], -1)
 
 
-def stack_weights(linears: Sequence[Linear]) -> None:
-    """Makes the weights of ``linears`` (one input size) consecutive row blocks of one tensor,
-    ``linears[0].stacked_weight``, which ``project`` multiplies by in one matmul on CUDA: one
-    launch instead of one per linear, for an inference engine's small decode steps. Each weight
-    stays a parameter of its own name, a view into that tensor, so an in-place load into a weight
-    is a load into it (also under a captured CUDA graph, which reads the tensor itself).
-
-    A matmul's output element depends only on its row of ``x`` and its row of the weight (the
-    Triton kernel's sums are fixed per element), so the stacked product has the bits of the
-    separate ones the trainer runs.
-    """
-    stacked = torch.cat([m.weight.detach() for m in linears])
-    start = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight = nn.Parameter(stacked[start:start + rows], requires_grad=m.weight.requires_grad)
-        start += rows
-    linears[0].stacked_weight = stacked
-
-
-def _project_stacked(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
-    """``project`` by the stacked weight of ``linears`` (``stack_weights``): one matmul, the
-    outputs column blocks (views) of its result."""
-    stacked = linears[0].stacked_weight
-    if linears[0].weight.data_ptr() != stacked.data_ptr() or sum(m.weight.shape[0] for m in linears) != len(stacked):
-        raise RuntimeError("project: these linears' weights are no longer views of their stacked weight "
-                           "(replaced after stack_weights?)")
-    out = _linear_values(x.reshape(-1, x.shape[-1]), stacked)
-    parts = out.split([m.weight.shape[0] for m in linears], dim=-1)
-    return [(part if m.bias is None else part + m.bias).view(*x.shape[:-1], -1) for m, part in zip(linears, parts)]
+def project(rows: torch.Tensor, weights: Sequence[torch.Tensor],
+            stacked_t: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``[linear(rows, w) for w in weights]`` bit for bit on CPU, as one ``cpu_kernels.matmul``
+    by the weights stacked (the kernel computes each output element alone, so the stacked
+    product has the bits of the separate ones); backward uses the default matmuls.
+    ``stacked_t``: ``transposed(torch.cat(weights))`` when the caller keeps it."""
+    if torch.is_grad_enabled() and (rows.requires_grad or any(w.requires_grad for w in weights)):
+        return list(_Project.apply(rows, *weights))
+    return _project_values(rows, weights, stacked_t)
 
 
 def _project_values(rows: torch.Tensor, weights: Sequence[torch.Tensor],
                     stacked_t: torch.Tensor | None = None) -> list[torch.Tensor]:
     """``rows @ w.T`` for each of ``weights``, in one ``cpu_kernels.matmul``, each contiguous;
-    ``stacked_t`` is ``_transposed(torch.cat(weights))`` when the caller keeps it."""
+    ``stacked_t`` is ``transposed(torch.cat(weights))`` when the caller keeps it."""
     if stacked_t is None:
-        stacked_t = _transposed(torch.cat(weights))
+        stacked_t = transposed(torch.cat(weights))
     out = cpu_kernels.matmul(rows, stacked_t).to(rows.dtype)
     return [part.contiguous() for part in out.split([w.shape[0] for w in weights], dim=-1)]
 
 
-def _transposed(weight: torch.Tensor) -> torch.Tensor:
+def transposed(weight: torch.Tensor) -> torch.Tensor:
     """``weight [N, K]`` as the CPU matmul kernel reads it: fp32 ``[K, N]``, contiguous."""
     return weight.detach().t().to(torch.float32).contiguous()
 
@@ -255,20 +161,12 @@ class _Project(torch.autograd.Function):
 # Row-wise ops
 
 
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim with the rounding of HF's RMSNorm in every supported family:
-    normalize in fp32, scale in the weight's dtype. The model's default; on CPU also batch-invariant
-    (torch reduces each contiguous row on its own, in one order)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``torch_rms_norm`` with each row reduced on its own, in one fixed order: as it is on CPU,
-    a one-program-per-row Triton kernel on CUDA (whose gradient is ``torch_rms_norm``'s)."""
+    """The decoder's ``rms_norm`` with each row reduced on its own, in one fixed order: as it is
+    on CPU (torch reduces each contiguous row on its own, in one order), a one-program-per-row
+    Triton kernel on CUDA (whose gradient is the decoder's ``rms_norm``'s)."""
     if not x.is_cuda:
-        return torch_rms_norm(x, weight, eps)
+        return decoder.rms_norm(x, weight, eps)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNorm.apply(x, weight, eps)
     return _triton().rms_norm(x, weight, eps)
@@ -292,7 +190,7 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of ``torch_rms_norm(x, weight, eps)`` (x's, weight's) for ``grad``:
+    """The gradients of the decoder's ``rms_norm(x, weight, eps)`` (x's, weight's) for ``grad``:
     with ``n = x * r``, ``r = rsqrt(mean(x**2) + eps)``, ``d x = r * (d n - n * mean(d n * n))``."""
     x32 = x.float()
     rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -367,16 +265,9 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) 
     return grad_gate.to(gate.dtype), (grad32 * silu).to(up.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates ``x[T, H, D]`` by ``cos/sin[T, D]`` in HF's rotate-half layout: the model's default
-    RoPE, with HF's roundings; elementwise, so batch-invariant on CPU too."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` in true on-policy mode: on CUDA one Triton kernel with its roundings (decode
+    """The decoder's ``apply_rope`` (elementwise, so batch-invariant on CPU as it is) in true
+    on-policy mode: on CUDA one Triton kernel with its roundings (decode
     steps pay for every launch); backward ``rope_backward``, written out instead of replaying the
     eager ops one by one."""
     if torch.is_grad_enabled() and x.requires_grad:
@@ -385,7 +276,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def _rope_values(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return _triton().rope(x, cos, sin) if x.is_cuda else apply_rope(x, cos, sin)
+    return _triton().rope(x, cos, sin) if x.is_cuda else decoder.apply_rope(x, cos, sin)
 
 
 class _RoPE(torch.autograd.Function):
@@ -400,7 +291,7 @@ class _RoPE(torch.autograd.Function):
 
 
 def rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The gradient of ``apply_rope``'s ``x`` for ``grad``: ``x * cos + rotate_half(x) * sin`` is
+    """The gradient of the decoder's ``apply_rope``'s ``x`` for ``grad``: ``x * cos + rotate_half(x) * sin`` is
     linear in ``x``, so it is ``grad * cos + rotate_half^T(grad * sin)``, where
     ``rotate_half^T([a, b]) = [b, -a]``."""
     grad32 = grad.float()
@@ -416,6 +307,28 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.log_softmax(-1)
 
 
+def softmax(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax over the last dim as ``exp(log_softmax)``; softmax's gradient backward."""
+    return _Softmax.apply(logits)
+
+
+class _Softmax(torch.autograd.Function):
+    """``exp(log_softmax)`` forward, softmax's gradient backward (the CUDA log_softmax's values
+    have no autograd graph of their own)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        probs = log_softmax(logits).exp()
+        ctx.save_for_backward(probs)
+        ctx.dtype = logits.dtype
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (probs,) = ctx.saved_tensors
+        return (probs * (grad - (grad * probs).sum(-1, keepdim=True))).to(ctx.dtype)
+
+
 # ------------------------------------------------------------------------------------------------
 # CUDA
 
@@ -423,6 +336,6 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _triton():
     """The Triton kernels (imported on first CUDA use: Triton is not needed on CPU)."""
-    from rlactors.models import batch_invariant_triton
+    from rlactors.on_policy import ops_triton
 
-    return batch_invariant_triton
+    return ops_triton

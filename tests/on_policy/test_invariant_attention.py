@@ -1,4 +1,4 @@
-"""Batch-invariant attention (rlactors.attention.invariant): a query's output is bitwise the same
+"""Batch-invariant attention (rlactors.on_policy.attention): a query's output is bitwise the same
 for the whole sequence, one decode step at a time, in prefill chunks, among other sequences, and
 however documents are packed; keys read in place from paged slots give the same bits. Where torch's
 default attention is not invariant, a test measures that too.
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlactors.attention import invariant as attn
 from rlactors.attention.varlen import VarlenAttention
+from rlactors.on_policy import attention as attn
 
 
 @pytest.fixture(autouse=True)

@@ -3,15 +3,16 @@
 Each invariance test computes the same rows inside batches of different sizes and at different
 offsets and asserts torch.equal. Where torch's default op is not invariant on this CPU, a test
 measures that too, so the reason for each replacement stays visible. (Attention's batch
-invariance: tests/attention/test_invariant_attention.py.)
+invariance: tests/on_policy/test_invariant_attention.py.)
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from rlactors.models import batch_invariant as bi
-from rlactors.models.decoder import RMSNorm, rope_inverse_frequencies
+from rlactors.models.decoder import RMSNorm, apply_rope, rms_norm, rope_inverse_frequencies
+from rlactors.on_policy import ops as bi
+from rlactors.on_policy.modules import FrozenInvariantLinear, InvariantLinear, project, stack_weights
 
 BATCHES = [(0, 1), (5, 1), (0, 3), (2, 7), (0, 16), (3, 37), (0, 100), (1, 199)]  # (offset, rows)
 
@@ -47,28 +48,24 @@ def test_linear_rows_are_batch_invariant(dtype, k, n):
 def test_project_stacks_frozen_linears_with_the_bits_of_each_alone():
     """An engine's q/k/v (and gate/up) projections in one product of stacked weights: the same
     bits as each linear alone, with or without biases, and after a weight load."""
-    layers = [bi.Linear(64, n, bias=bias) for n, bias in ((48, True), (16, True), (32, False))]
-    for layer in layers:
-        layer.batch_invariant = layer.weights_frozen = True
+    layers = [FrozenInvariantLinear(64, n, bias=bias) for n, bias in ((48, True), (16, True), (32, False))]
     x = torch.randn(7, 3, 64)
     with torch.inference_mode():
         alone = [bi.linear(x, m.weight, m.bias) for m in layers]
-        fused = bi.project(x, layers)
+        fused = project(x, layers)
         assert all(torch.equal(a, f) and f.is_contiguous() for a, f in zip(alone, fused))
     with torch.no_grad():
         layers[1].weight.copy_(torch.randn(16, 64))  # a weight load
     with torch.inference_mode():
-        assert torch.equal(bi.project(x, layers)[1], bi.linear(x, layers[1].weight, layers[1].bias))
+        assert torch.equal(project(x, layers)[1], bi.linear(x, layers[1].weight, layers[1].bias))
 
 
 def test_project_in_training_has_the_bits_of_each_linear_and_the_default_gradients():
     """A trainer's q/k/v in one product: forward the bits of each linear alone, backward the
     gradients of separate default linears (x's summed over the three)."""
-    layers = [bi.Linear(64, n, bias=bias) for n, bias in ((48, True), (16, True), (32, False))]
-    for layer in layers:
-        layer.batch_invariant = True
+    layers = [InvariantLinear(64, n, bias=bias) for n, bias in ((48, True), (16, True), (32, False))]
     x = torch.randn(7, 3, 64, requires_grad=True)
-    fused = bi.project(x, layers)
+    fused = project(x, layers)
     with torch.no_grad():
         assert all(torch.equal(bi.linear(x, m.weight, m.bias), f) for m, f in zip(layers, fused))
     upstream = [torch.randn_like(f) for f in fused]
@@ -84,17 +81,14 @@ def test_project_in_training_has_the_bits_of_each_linear_and_the_default_gradien
 
 
 def test_project_rejects_an_input_that_does_not_match_the_weights():
-    layers = [bi.Linear(64, 16), bi.Linear(64, 8)]
-    for layer in layers:
-        layer.batch_invariant = True
+    layers = [InvariantLinear(64, 16, bias=False), InvariantLinear(64, 8, bias=False)]
     with pytest.raises(ValueError, match="project: x"):
-        bi.project(torch.randn(3, 32), layers)
+        project(torch.randn(3, 32), layers)
 
 
 def test_frozen_weights_are_transposed_once_per_version():
     """An engine's linears keep the weight's transpose until an in-place load changes the weight."""
-    layer = bi.Linear(64, 32)
-    layer.batch_invariant = layer.weights_frozen = True
+    layer = FrozenInvariantLinear(64, 32, bias=False)
     x = torch.randn(5, 64)
     with torch.no_grad():
         first = layer(x)
@@ -149,14 +143,13 @@ def test_linear_bias_is_added_after_the_batch_invariant_matmul(dtype, device):
     for got, expected in zip(ours, (x.grad, w.grad, b.grad)):
         torch.testing.assert_close(got, expected)
 
-    layer = bi.Linear(256, 96, bias=True).to(device)
+    layer = InvariantLinear(256, 96, bias=True).to(device)
     x = torch.randn(5, 256, generator=gen).to(device)
     with torch.no_grad():
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-        layer.batch_invariant = True
         assert torch.equal(layer(x), bi.linear(x, layer.weight, layer.bias))
-        layer.weights_frozen = True
-        assert torch.equal(layer(x), bi.linear(x, layer.weight, layer.bias))
+        frozen = FrozenInvariantLinear(256, 96, bias=True).to(device)
+        frozen.load_state_dict(layer.state_dict())
+        assert torch.equal(frozen(x), bi.linear(x, layer.weight, layer.bias))
     with pytest.raises(ValueError, match="bias"):
         bi.linear(x, layer.weight, layer.bias[:-1])
 
@@ -222,7 +215,7 @@ def test_rms_norm_gradients_are_the_default_ones(device):
     bi.rms_norm(x, weight, 1e-6).backward(grad)
     ours = x.grad.clone(), weight.grad.clone()
     x.grad = weight.grad = None
-    bi.torch_rms_norm(x, weight, 1e-6).backward(grad)
+    rms_norm(x, weight, 1e-6).backward(grad)
     assert weight.grad.abs().max() > 0
     torch.testing.assert_close(ours[0], x.grad)
     torch.testing.assert_close(ours[1], weight.grad)
@@ -234,7 +227,7 @@ def test_closed_form_backwards_are_the_autograd_gradients_of_the_default_ops():
     gen = torch.Generator().manual_seed(0)
     x, grad = torch.randn(3, 50, 128, generator=gen), torch.randn(3, 50, 128, generator=gen)
     weight = torch.randn(128, generator=gen)
-    expected = torch.autograd.grad(bi.torch_rms_norm(x.requires_grad_(), weight.requires_grad_(), 1e-6),
+    expected = torch.autograd.grad(rms_norm(x.requires_grad_(), weight.requires_grad_(), 1e-6),
                                    (x, weight), grad)
     for mine, theirs in zip(bi.rms_norm_backward(x.detach(), weight.detach(), grad, 1e-6), expected):
         torch.testing.assert_close(mine, theirs)
@@ -246,7 +239,7 @@ def test_closed_form_backwards_are_the_autograd_gradients_of_the_default_ops():
     q, grad = torch.randn(50, 4, 64, generator=gen, requires_grad=True), torch.randn(50, 4, 64, generator=gen)
     angles = torch.randn(50, 32, generator=gen).repeat(1, 2)
     cos, sin = angles.cos(), angles.sin()
-    (expected,) = torch.autograd.grad(bi.apply_rope(q, cos, sin), q, grad)
+    (expected,) = torch.autograd.grad(apply_rope(q, cos, sin), q, grad)
     torch.testing.assert_close(bi.rope_backward(grad, cos, sin), expected)
 
 
@@ -270,7 +263,7 @@ def test_embedding_and_rope_are_row_invariant():
     def rope(rows):
         freqs = positions[rows].float()[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        return bi.apply_rope(x[rows], angles.cos(), angles.sin())
+        return apply_rope(x[rows], angles.cos(), angles.sin())
 
     assert rows_equal_in_every_batch(rope, torch.arange(200))
 
@@ -312,18 +305,16 @@ def test_cuda_engine_fusions_have_the_bits_of_the_separate_ops():
     per-head RMSNorm and silu*up read those blocks in place with the bits of contiguous copies;
     a residual added in the matmul's launch has the bits of the separate addition."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    layers = [bi.Linear(1024, n).cuda().bfloat16() for n in (2048, 1024, 1024)]
-    for layer in layers:
-        layer.batch_invariant = layer.weights_frozen = True
-    bi.stack_weights(layers)
+    layers = [FrozenInvariantLinear(1024, n, bias=False).cuda().bfloat16() for n in (2048, 1024, 1024)]
+    stack_weights(layers)
     x = torch.randn(4096, 1024, device="cuda", generator=g).bfloat16()
     with torch.inference_mode():
         for rows in (1, 64, 300, 4096):
-            q, k, v = bi.project(x[:rows], layers)
+            q, k, v = project(x[:rows], layers)
             for part, layer in zip((q, k, v), layers):
                 assert torch.equal(part, bi.linear(x[:rows], layer.weight)), rows
         layers[1].weight.copy_(torch.randn(1024, 1024, device="cuda", generator=g).bfloat16())  # a weight load
-        q, k, v = bi.project(x[:64], layers)
+        q, k, v = project(x[:64], layers)
         assert torch.equal(k, bi.linear(x[:64], layers[1].weight))
         norm_w = torch.randn(128, device="cuda", generator=g).bfloat16()
         heads = q.view(64, 16, 128)
@@ -358,7 +349,7 @@ def test_cuda_ops_are_batch_invariant_and_close_to_default(dtype):
     angles = torch.randn(1, 64, device="cuda").repeat(300, 2)  # every token at one position: any slice fits
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     assert rows_equal_in_every_batch(lambda t: bi.rope(t, cos[:len(t)], sin[:len(t)]), heads)
-    torch.testing.assert_close(bi.rope(heads, cos, sin), bi.apply_rope(heads, cos, sin), **tol)
+    torch.testing.assert_close(bi.rope(heads, cos, sin), apply_rope(heads, cos, sin), **tol)
     logits = torch.randn(300, 151936, device="cuda")
     assert rows_equal_in_every_batch(bi.log_softmax, logits)
     torch.testing.assert_close(bi.log_softmax(logits), logits.log_softmax(-1))

@@ -1,8 +1,8 @@
 """The bitwise promises hold whatever code path the CPU's math libraries take.
 
 CPU true on-policy runs no BLAS in any op that shapes a logprob: its matmuls and attention are
-fixed-order C kernels (``rlactors/models/cpu_kernels.c``), so no setting of the BLAS may change a
-bit (tests/models/test_cpu_kernels.py builds those kernels for other instruction sets). Each
+fixed-order C kernels (``rlactors/on_policy/cpu_kernels.c``), so no setting of the BLAS may change a
+bit (tests/on_policy/test_cpu_kernels.py builds those kernels for other instruction sets). Each
 setting below runs the bitwise tests in a fresh process (MKL
 reads its settings once, at its first call): MKL's AVX2 and AVX-512 code paths (what differs
 between CPUs), its conditional-reproducibility modes, 2 threads instead of 1, and torch's own
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
-BITWISE_TESTS = ["models/test_batch_invariant.py", "attention/test_invariant_attention.py",
+BITWISE_TESTS = ["on_policy/test_batch_invariant.py", "on_policy/test_invariant_attention.py",
                  "engines/test_true_on_policy.py",
                  "models/test_model.py::test_chunked_token_logprobs_and_entropy_are_the_full_ones"]
 SETTINGS = {

@@ -270,7 +270,7 @@ class Controller:
             checkpoint_s = time.perf_counter() - checkpoint_start
 
         sync_start = time.perf_counter()
-        sync = await self.push_weights() if self.weight_sync.version != self.policy_version else {}
+        sync = await self.push_weights() if await self.weight_sync.due(self.policy_version) else {}
         sync_s = time.perf_counter() - sync_start
         await self.producer.reached(step)
         step_s = time.perf_counter() - step_start

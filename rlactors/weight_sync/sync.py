@@ -5,8 +5,9 @@ itself in `rlactors.weight_sync.broadcast`. The actors' endpoints it calls are t
 
 The controller holds one `WeightSync`, made by `create_weight_sync(config, trainer, router)` for
 `generator.weight_sync` (a concrete value once the config is loaded: "auto" is resolved then),
-calls `await sync.start()` once the meshes are up and `await sync.push()` whenever the trainer's
-policy version differs from `sync.version`. `push()` returns once every replica has verified the
+calls `await sync.start()` once the meshes are up and `await sync.push()` whenever
+`await sync.due(policy_version)`: the trainer's policy version differs from `sync.version`, or (by
+broadcast) a restarted replica waits for weights. `push()` returns once every replica has verified the
 weights; each replica loads them at its next engine step boundary (`generator.update_mode`: after
 its in-flight requests finish, or at once as a hot swap) and admits no new request before then
 (`rlactors.weight_sync.updates`).
@@ -98,6 +99,14 @@ class WeightSync:
     async def start(self) -> None:
         """Prepares the first push; called once the trainer and the router are up."""
 
+    async def due(self, policy_version: int) -> bool:
+        """Whether the trainer's policy must be pushed: a new version, or a replica up that cannot
+        serve until a push reaches it."""
+        return policy_version != self.version or await self._replicas_wait()
+
+    async def _replicas_wait(self) -> bool:
+        return False  # by messages the router brings a restarted replica to the last version itself
+
     async def push(self) -> dict[str, float]:
         """Sends the trainer's current policy; returns once every replica has verified it.
 
@@ -125,6 +134,13 @@ class MessagesSync(WeightSync):
 class BroadcastSync(WeightSync):
     async def start(self) -> None:
         await self._form_group(await self.router.plan_weight_group.call_one())
+
+    async def _replicas_wait(self) -> bool:
+        # A restarted replica serves from the first broadcast it receives, and no other way: a
+        # step whose rollouts it could not serve (the only replica) trains nothing, so no new
+        # version would ever be pushed to it. A member that died makes the group stale too: the
+        # push re-forms it, or stops the run when no replica is up.
+        return (await self.router.plan_weight_group.call_one())["stale"]
 
     async def _form_group(self, plan: dict[str, Any]) -> None:
         """Forms a new group with the replicas `plan` names (the router's `plan_weight_group`),

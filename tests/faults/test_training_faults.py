@@ -520,3 +520,25 @@ def test_a_replica_dying_during_a_stuck_broadcast_stops_the_run_instead_of_hangi
                  "call that never returns)", None,
                  f"step 1's update: the sync gave up {stopped_s:.1f} s after the kill and the run stopped, naming "
                  "the dead replica and the last checkpoint, instead of waiting for ever")
+
+
+class OnlyReplicaKilledDuringRollouts(Controller):
+    """SIGKILLs the only replica as step 2 begins (its rollouts in flight or done); it is
+    restarted, and waits for weights that only a broadcast can give it."""
+
+    async def _train_step(self, metrics_log):
+        if self.step == 1:
+            self.killed_at = await kill_replica(self.router, 0)
+        return await super()._train_step(metrics_log)
+
+
+def test_the_only_replica_of_a_broadcast_run_restarted_mid_step_gets_the_weights_and_the_run_goes_on(
+        tiny_ckpt, tmp_path):
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, 'generator.weight_sync="broadcast"',
+                                                   "controller.steps=4", "controller.checkpoint_every=0"))
+    metrics = asyncio.run(OnlyReplicaKilledDuringRollouts(config).run())
+    # The step whose rollouts met no serving replica trains nothing (at most that one); its push
+    # then brings the restarted replica up, and the steps after it train again.
+    versions = [m["policy/version"] for m in metrics]
+    assert versions[-1] >= 3 and versions == sorted(versions) and versions[-1] > versions[-2], versions
+    assert metrics[-1]["generator/restarts"] == 1 and metrics[-1]["generator/serving_replicas"] == 1

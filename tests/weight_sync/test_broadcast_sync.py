@@ -70,3 +70,12 @@ def test_a_broadcast_that_outlives_a_dead_member_is_given_up_as_stuck(monkeypatc
 def test_a_push_that_a_member_received_completes():
     timings = push(Trainer(broadcast_s=0.0), Router(received=[{"receive_verify_s": 0.2}], dead=[]))
     assert timings["bytes"] == 8.0 and timings["replica_receive_verify_s"] == 0.2
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_push_is_due_for_a_new_version_or_for_a_replica_that_waits_for_weights(stale):
+    router = Router(received=[], dead=[])
+    router.plan_weight_group = Call({"members": [0], "stale": stale, "world_size": 2})
+    weights = BroadcastSync(Trainer(broadcast_s=0.0), router, "bfloat16", "hot_swap")
+    assert asyncio.run(weights.due(1))  # version 0 was pushed last
+    assert asyncio.run(weights.due(0)) == stale  # a restarted member, or a dead one, makes the group stale

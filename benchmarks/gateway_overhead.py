@@ -3,8 +3,7 @@
 One GeneratorRouter with native replicas (CPU) on the tiny alphabet_sort policy (it ends its
 turns). The workload: `--sessions` concurrent chat rollouts of `--turns` turns (a question, then
 "Continue." after every reply; a turn cut by `--max-tokens` ends its rollout), seeded sampling.
-It runs three ways, interleaved, `--repeats` times each, on the same router, with the same
-sampled tokens (checked):
+It runs three ways on the same router, with the same sampled tokens (checked):
 
 - direct: a MessageEnv plays the conversation; the Rollouter sends token ids to the router.
 - gateway (HTTP): an AgentEnv plays it by posting the JSON itself (aiohttp): the gateway's own
@@ -12,8 +11,13 @@ sampled tokens (checked):
 - gateway (openai): the same with the `openai` client, whose request building and response
   parsing are a harness's cost on top (the client runs in the same process, as AgentEnv's does).
 
-Reported: generated tokens/s of the whole batch (best run) and the per-turn latency (p50/p99 over
-every turn of every run) seen by the caller of a turn (the Rollouter, or the harness). A dated,
+On a busy machine one run's speed says little, so every mode runs once unmeasured (imports, first
+steps), then `--repeats` rounds of the three modes, each round in a rotated order; a mode is
+compared with the direct run of the same round, and the ratio reported is the median of those
+per-round ratios. Reported: generated tokens/s of the batch (median over rounds), per-turn
+latency (p50/p99 over every turn of every round) as the turn's caller sees it (the Rollouter, or
+the harness), and the controller process's CPU time per turn (the gateway, its harnesses and
+the Rollouter share it, and the replicas share the machine's cores with it). A dated,
 commit-stamped row is appended to benchmarks/results/gateway_overhead.md.
 
     python benchmarks/gateway_overhead.py                 # 64 sessions x 3 turns x 64 tokens, 2 replicas
@@ -23,32 +27,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import os
-import platform
-import subprocess
-import sys
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+from results_table import RESULTS as RESULTS_DIR
+from results_table import append_row
 
 WARM_CHECKPOINT = Path(__file__).resolve().parents[1] / "examples" / "alphabet_sort" / "warm_checkpoint"
-RESULTS = Path(__file__).resolve().parent / "results" / "gateway_overhead.md"
+RESULTS = RESULTS_DIR / "gateway_overhead.md"
 MODES = ("direct", "gateway (HTTP)", "gateway (openai)")
-HEADER = """# Gateway overhead: agents through the gateway vs direct router calls
-
-Each row: one `python benchmarks/gateway_overhead.py` run (its docstring says what is measured).
-Throughput is generated tokens/s of the whole batch of sessions (best of the repeats); latency is
-per turn, as the turn's caller sees it, over all repeats. Goal: gateway >= 0.9x direct on CPU.
-"HTTP" posts the JSON with aiohttp (the gateway's own cost); "openai" uses the `openai` client.
-
-| date (UTC) | commit | machine | command | sessions x turns x max tokens | direct tok/s \
-| gateway (HTTP) tok/s | gateway (openai) tok/s | HTTP / direct | openai / direct \
-| direct turn p50 / p99 s | HTTP turn p50 / p99 s | openai turn p50 / p99 s |
-|---|---|---|---|---|---|---|---|---|---|---|---|---|
-"""
+COLUMNS = ("sessions x turns x max tokens", "rounds", *(f"{m} tok/s" for m in MODES), "HTTP / direct (median)",
+           "openai / direct (median)", *(f"{m} turn p50 / p99 s" for m in MODES),
+           "controller CPU ms per turn (direct / HTTP / openai)")
 
 
 @dataclass
@@ -149,40 +143,46 @@ async def benchmark(args, ckpt: Path) -> dict[str, object]:
     envs, http = make_envs(tokenizer, latencies)
     for env in envs.values():
         env.gateway = gateway
-    best = {mode: float("inf") for mode in MODES}
-    tokens: dict[str, list[list[int]]] = {mode: [] for mode in MODES}
+
+    async def run(mode: str) -> tuple[list[int], float, float]:
+        """The tokens sampled, the wall and the controller CPU seconds of one batch."""
+        start, cpu = time.perf_counter(), time.process_time()
+        batch = await Rollouter(envs[mode], timed_generate if mode == "direct" else generate,
+                                rollout).collect([{"id": 0}])
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        rollouts = batch.groups[0].rollouts
+        assert all(r.status.value in ("completed", "truncated_length") for r in rollouts), [r.error for r in rollouts]
+        turns[mode] += sum(len(r.turns) for r in rollouts)
+        return [t for r in rollouts for turn in r.turns for t in turn.token_ids], seconds, cpu
+
+    rates: dict[str, list[float]] = {mode: [] for mode in MODES}
+    cpu_seconds = dict.fromkeys(MODES, 0.0)
+    turns = dict.fromkeys(MODES, 0)
+    same = True
     try:
-        await Rollouter(envs["direct"], generate, rollout).collect([{"id": -1}])  # warm-up: imports, first steps
-        for _ in range(args.repeats):
-            for mode in MODES:
-                start = time.perf_counter()
-                batch = await Rollouter(envs[mode], timed_generate if mode == "direct" else generate,
-                                        rollout).collect([{"id": 0}])
-                seconds = time.perf_counter() - start
-                rollouts = batch.groups[0].rollouts
-                assert all(r.status.value in ("completed", "truncated_length") for r in rollouts), \
-                    [r.error for r in rollouts]
-                tokens[mode].append([t for r in rollouts for turn in r.turns for t in turn.token_ids])
-                generated = len(tokens[mode][-1])
-                best[mode] = min(best[mode], seconds / generated)
-                print(f"  {mode}: {generated} tokens in {seconds:.2f} s ({generated / seconds:,.0f} tokens/s)",
-                      flush=True)
-        same = all(run == tokens["direct"][0] for mode in MODES for run in tokens[mode])
+        reference, _, _ = await run("direct")  # unmeasured: imports, the first steps of each path
+        for mode in MODES[1:]:
+            same &= (await run(mode))[0] == reference
+        for latency in latencies.values():
+            latency.clear()
+        turns = dict.fromkeys(MODES, 0)
+        for round_ in range(args.repeats):
+            for mode in MODES[round_ % 3:] + MODES[:round_ % 3]:
+                tokens, seconds, cpu = await run(mode)
+                same &= tokens == reference
+                rates[mode].append(len(tokens) / seconds)
+                cpu_seconds[mode] += cpu
+                print(f"  {mode}: {len(tokens)} tokens in {seconds:.2f} s ({len(tokens) / seconds:,.0f} tokens/s, "
+                      f"controller CPU {cpu:.2f} s)", flush=True)
         print(f"every run sampled the same tokens: {same}")
+        assert same, "the modes sampled different tokens: not the same workload"
     finally:
         await http.close()
         await gateway.stop()
         await router.close.call_one()
         await procs.stop()
-    return {"tokens_per_s": {m: 1 / best[m] for m in best}, "latencies": latencies}
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return {"rates": rates, "latencies": latencies,
+            "cpu_ms_per_turn": {m: 1000 * cpu_seconds[m] / turns[m] for m in MODES}}
 
 
 def main() -> None:
@@ -191,7 +191,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=6, help="rounds of the three modes")
     parser.add_argument("--no-write", action="store_true", help="print the row without appending it")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # replica procs inherit it: one thread each on a small box
@@ -199,22 +199,17 @@ def main() -> None:
 
     use_fast_supervision()
     result = asyncio.run(benchmark(args, WARM_CHECKPOINT))
-    rate, lat = result["tokens_per_s"], result["latencies"]
+    rates, lat, cpu = result["rates"], result["latencies"], result["cpu_ms_per_turn"]
+    ratio = {m: statistics.median(r / d for r, d in zip(rates[m], rates["direct"])) for m in MODES[1:]}
     p = {m: f"{_percentile(lat[m], 0.5):.3f} / {_percentile(lat[m], 0.99):.3f}" for m in MODES}
-    machine = f"{platform.machine()} {os.cpu_count()} cores (shared), CPU"
-    command = " ".join(["python benchmarks/gateway_overhead.py", *sys.argv[1:]])
-    row = (f"| {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} | {commit()} | {machine} | `{command}` "
-           f"| {args.sessions} x {args.turns} x {args.max_tokens} "
-           + "".join(f"| {rate[m]:,.0f} " for m in MODES)
-           + "".join(f"| **{rate[m] / rate['direct']:.2f}x** " for m in MODES[1:])
-           + "".join(f"| {p[m]} " for m in MODES) + "|")
-    print(row)
+    figures = [f"{args.sessions} x {args.turns} x {args.max_tokens}", args.repeats,
+               *(f"{statistics.median(rates[m]):,.0f}" for m in MODES), *(f"**{ratio[m]:.2f}x**" for m in MODES[1:]),
+               *(p[m] for m in MODES), " / ".join(f"{cpu[m]:.1f}" for m in MODES)]
+    print(dict(zip(COLUMNS, figures)))
     if not args.no_write:
-        if not RESULTS.exists():
-            RESULTS.write_text(HEADER)
-        with RESULTS.open("a") as f:
-            f.write(row + "\n")
-        print(f"appended to {RESULTS}")
+        append_row(RESULTS, "Gateway overhead: agents through the gateway vs direct router calls", COLUMNS, figures,
+                   device="cpu")
+        print(f"added a row to {RESULTS}")
 
 
 if __name__ == "__main__":

@@ -135,16 +135,22 @@ def _tools(body: dict[str, Any], renders_tools: bool) -> list[dict[str, Any]] | 
     tools = body.get("tools")
     if tools is None or tools == []:
         return None
+    rendered = []
     for j, tool in enumerate(_list(tools, "tools")):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not (tool.get("type") == "function" and isinstance(function, dict)
                 and isinstance(function.get("name"), str) and function["name"]):
             raise _bad(f"tools[{j}] must be {{type: 'function', function: {{name, description, parameters}}}}",
                        f"tools[{j}]")
+        if function.get("strict") not in (None, False):
+            raise _bad(f"tools[{j}].function.strict: only false is supported (arguments are what the policy "
+                       "sampled, never constrained to the schema)", f"tools[{j}].function.strict")
+        # `strict` asks the server for constrained decoding; the model never sees it, so neither does the template
+        rendered.append({**tool, "function": {k: v for k, v in function.items() if k != "strict"}})
     if not renders_tools:
         raise _bad("tools: this checkpoint's chat template does not render tools, so the model would never "
                    "see them", "tools")
-    return tools
+    return rendered
 
 
 def _stop_token_ids(body: dict[str, Any], tokenizer: Any) -> tuple[int, ...]:

@@ -1,5 +1,5 @@
-"""Agents through the gateway, end to end on CPU: the real `openai` client (and LangChain), real Monarch procs
-(GeneratorRouter + a native replica) and a tiny policy that calls a calculator tool."""
+"""Agents through the gateway, end to end on CPU: the real `openai` client (and LangChain, and the OpenAI Agents
+SDK), real Monarch procs (GeneratorRouter + a native replica) and a tiny policy that calls a calculator tool."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import os
 
 from monarch.actor import this_host
-from support.agent_envs import LangChainToolAgent, ToolAgent, ToolAgentConfig, ToolMessageEnv
+from support.agent_envs import AgentsSdkToolAgent, LangChainToolAgent, ToolAgent, ToolAgentConfig, ToolMessageEnv
 from support.tool_policy import ANSWER, CALL
 
 from rlactors.actors.router import GeneratorRouter
@@ -64,6 +64,7 @@ def test_openai_tool_calling_is_exact_streams_the_same_and_branches_on_edits(too
             streamed = await rollouter(ToolAgent(ToolAgentConfig(stream=True), tokenizer)).collect(sample)
             edited = await rollouter(ToolAgent(ToolAgentConfig(edit_history=True), tokenizer)).collect(sample)
             langchain = await rollouter(LangChainToolAgent(None, tokenizer)).collect(sample)
+            agents_sdk = await rollouter(AgentsSdkToolAgent(None, tokenizer)).collect(sample)
         finally:
             await close()
 
@@ -88,6 +89,9 @@ def test_openai_tool_calling_is_exact_streams_the_same_and_branches_on_edits(too
         # LangChain's ChatOpenAI, with its own client and message conversion: the same tokens, no branch.
         assert turns_of(langchain) == turns_of(agent) and langchain.metrics["rollout/reward_mean"] == 1.0
         assert langchain.metrics["rollout/branch_episodes"] == 0
+        # The OpenAI Agents SDK's Runner and Chat Completions model: the tool round trip, the same tokens.
+        assert turns_of(agents_sdk) == turns_of(agent) and agents_sdk.metrics["rollout/reward_mean"] == 1.0
+        assert agents_sdk.metrics["rollout/branch_episodes"] == 0
         # A harness that edits its history (drops the system message) starts a new branch.
         assert edited.metrics["rollout/branch_episodes"] == 2 and len(edited.episodes) == 4
         for rollout in edited.groups[0].rollouts:

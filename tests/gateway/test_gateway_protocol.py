@@ -81,6 +81,8 @@ BAD_REQUESTS = [  # (body changes, param named in the error)
     ({"stop": "two words"}, "stop"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]},
+     "tools[0].function.strict"),
     ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"stream": "yes"}, "stream"),

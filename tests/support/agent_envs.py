@@ -101,3 +101,24 @@ class LangChainToolAgent(AgentEnv):
             messages += [ToolMessage(calculate(call["args"]["expression"]), tool_call_id=call["id"])
                          for call in reply.tool_calls]
         return {"correct": float(messages[-1].content == ANSWER)}
+
+
+class AgentsSdkToolAgent(AgentEnv):
+    """ToolAgent's task as an OpenAI Agents SDK agent: `Runner.run` with the SDK's Chat Completions
+    model on the session's `openai` client; the SDK runs the calculator tool itself, and sends the
+    tool with `strict: false`."""
+
+    async def run(self, sample, client):
+        from agents import Agent, FunctionTool, OpenAIChatCompletionsModel, RunConfig, Runner
+
+        async def calculator(context, arguments: str) -> str:
+            return calculate(json.loads(arguments)["expression"])
+
+        spec = TOOLS[0]["function"]
+        tool = FunctionTool(name=spec["name"], description=spec["description"], params_json_schema=spec["parameters"],
+                            on_invoke_tool=calculator, strict_json_schema=False)
+        system, user = conversation()
+        agent = Agent(name="calculator agent", instructions=system["content"], tools=[tool],
+                      model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
+        result = await Runner.run(agent, user["content"], max_turns=3, run_config=RunConfig(tracing_disabled=True))
+        return {"correct": float(result.final_output == ANSWER)}

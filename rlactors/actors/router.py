@@ -310,9 +310,10 @@ class GeneratorRouter(Actor):
     @concurrent_endpoint
     async def plan_weight_group(self) -> dict[str, Any]:
         """Who would form a new weight broadcast group now: every replica that is up (serving, or
-        restarted and awaiting weights); `stale` when they differ from the current group's."""
+        restarted and awaiting weights); `stale` when they differ from the current group's;
+        `restarting`: the slots whose restart is under way."""
         await self._ensure_started()
-        return self.weights.plan([r for r in self.replicas if r.up])
+        return {**self.weights.plan([r for r in self.replicas if r.up]), "restarting": sorted(self._restarts)}
 
     @concurrent_endpoint
     async def join_weight_group(self, host: str, port: int, layout: Any) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from monarch.actor import Actor, HostMesh, ProcMesh, default_bootstrap_cmd, endpoint
+from monarch.actor import Actor, HostMesh, ProcMesh, concurrent_endpoint, default_bootstrap_cmd, endpoint
 from monarch.spmd import setup_torch_elastic_env_async
 
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
@@ -77,9 +77,14 @@ class PolicyTrainer(Actor):
     async def pack_weights(self):
         return self._core().pack_weights()
 
-    @endpoint
+    # Concurrent, so that an abort is served while a broadcast waits for a dead member (NCCL).
+    @concurrent_endpoint
     async def broadcast_weights(self):
-        return self._core().broadcast_weights()
+        return await self._core().broadcast_weights()
+
+    @concurrent_endpoint
+    async def abort_weight_broadcast(self) -> None:
+        self._core().abort_weight_broadcast()
 
     @endpoint
     async def save_checkpoint(self, root: str, step: int, extra_files: dict[str, str] | None = None) -> str:

@@ -382,9 +382,14 @@ class PolicyTrainerCore:
         return {"version": self.version, "checksum": checksum, "pack_s": gathered - start,
                 "checksum_s": time.perf_counter() - gathered}
 
-    def broadcast_weights(self) -> dict[str, float] | None:
+    async def broadcast_weights(self) -> dict[str, float] | None:
         """Rank 0 broadcasts the packed buffer (called together with the replicas' receive)."""
-        return self.sender.broadcast() if self.rank == 0 else None
+        return await self.sender.broadcast() if self.rank == 0 else None
+
+    def abort_weight_broadcast(self) -> None:
+        """Rank 0 gives up a broadcast that waits for a dead member (`WeightSender.abort`)."""
+        if self.sender is not None:
+            self.sender.abort()
 
     def save_checkpoint(self, root: str | Path, step: int, extra_files: dict[str, str] | None = None) -> str:
         """Sharded DCP of model + optimizer, the policy as an HF dir, and the trainer state.

@@ -20,6 +20,7 @@ workers. A replica's `WeightUpdates` (rlactors.weight_sync.updates) calls it.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import time
 from collections.abc import Callable, Mapping
@@ -32,6 +33,12 @@ from rlactors.weight_sync.copy_plan import CopyPlan
 from rlactors.weight_sync.packed import PackedLayout
 
 GLOO_TIMEOUT = datetime.timedelta(minutes=5)  # a rendezvous or broadcast that waits longer fails
+CUDA_POLL_S = 0.0005  # how often the sender looks whether its NCCL broadcast has completed
+
+
+class BroadcastBroken(RuntimeError):
+    """A broadcast that did not complete because its group broke (a member left it); the side
+    that raises it has left the group, so the members waiting on it fail too."""
 
 
 class GlooGroup:
@@ -44,7 +51,10 @@ class GlooGroup:
         self.group = dist.ProcessGroupGloo(store, rank, world_size, GLOO_TIMEOUT)
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
-        self.group.broadcast(tensor, src).wait()  # a member that died fails it at once (connection closed or reset)
+        try:
+            self.group.broadcast(tensor, src).wait()
+        except RuntimeError as e:  # a member that died fails it at once (connection closed or reset)
+            raise BroadcastBroken(f"the weight broadcast group broke: {e}") from None
 
 
 def join_group(host: str, port: int, rank: int, world_size: int, device: torch.device) -> Any:
@@ -65,20 +75,49 @@ class WeightSender:
         self.layout = layout
         self.buffer = layout.empty(device).zero_()  # zeroed once: padding bytes count in the checksum
         self.group: Any = None
+        self.aborted = False
 
     def join(self, host: str, port: int, world_size: int) -> None:
         """Forms a group (as its rank 0) in place of the previous one."""
         self.group = None
+        self.aborted = False
         self.group = join_group(host, port, 0, world_size, self.buffer.device)
 
-    def broadcast(self) -> dict[str, float]:
-        """Sends the buffer as it is (the caller has packed it) to every receiver."""
+    async def broadcast(self) -> dict[str, float]:
+        """Sends the buffer as it is (the caller has packed it) to every receiver. BroadcastBroken
+        if a member left the group, or `abort` gave it up: the group is left, and a new one must
+        be joined. On CPU the call blocks until gloo is done (it fails at once when a member
+        died); on GPU it awaits the broadcast's CUDA event, so that `abort` can run meanwhile."""
         start = time.perf_counter()
-        stream = torch.cuda.current_stream() if self.buffer.is_cuda else None
-        self.group.broadcast(self.buffer, src=0, stream=stream)
-        if stream is not None:
-            stream.synchronize()
+        try:
+            if self.buffer.is_cuda:
+                await self._broadcast_cuda()
+            else:
+                self.group.broadcast(self.buffer, src=0)
+        except BroadcastBroken:
+            self.group = None  # closes its connections: the members still waiting on it fail
+            raise
         return {"bytes": float(self.layout.total_bytes), "broadcast_s": time.perf_counter() - start}
+
+    async def _broadcast_cuda(self) -> None:
+        # NCCL waits for a dead member for ever, and a host thread blocked in that wait could not
+        # serve `abort`: the broadcast is enqueued and its completion polled instead.
+        stream = torch.cuda.current_stream()
+        self.group.broadcast(self.buffer, src=0, stream=stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+        while not done.query():
+            if self.aborted:
+                raise BroadcastBroken("the weight broadcast was aborted: a member died during it")
+            await asyncio.sleep(CUDA_POLL_S)
+
+    def abort(self) -> None:
+        """Gives up a broadcast that waits for a dead member: NCCL's communicator is aborted
+        (ncclCommAbort), and the broadcast raises BroadcastBroken. The group is left either way."""
+        self.aborted = True
+        if self.group is not None and self.buffer.is_cuda:
+            self.group.nccl.ncclCommAbort(self.group.comm)
+        self.group = None
 
 
 class BufferReceiver:
@@ -97,9 +136,14 @@ class BufferReceiver:
 
     def receive(self, version: int, checksum: str, stream: Any = None) -> dict[str, float]:
         """Receives the next broadcast into the buffer and checks it against `checksum`
-        (ChecksumMismatch on a difference). Returns the seconds it took."""
+        (ChecksumMismatch on a difference; BroadcastBroken when the group broke, which is then
+        left). Returns the seconds it took."""
         start = time.perf_counter()
-        self.group.broadcast(self.buffer, src=0, stream=stream)
+        try:
+            self.group.broadcast(self.buffer, src=0, stream=stream)
+        except BroadcastBroken:
+            self.group = None  # as the sender does: the members waiting on this one fail too
+            raise
         received = self.layout.checksum(self.buffer)  # on GPU, on the same stream, after the broadcast
         if received != checksum:
             raise ChecksumMismatch(f"weights version {version}: received checksum {received}, trainer sent "

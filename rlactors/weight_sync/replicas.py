@@ -11,11 +11,13 @@ through two callbacks when a replica died on a push (`died`) and when one took a
   now and whether they differ from the group's members (`stale`: one died, or a restarted one
   waits); `join` has every TP worker of every planned member join the new group, member m's
   worker t as rank 1 + m * tp + t (the trainer is rank 0); `receive` has the members still up
-  receive a broadcast; `dead_members` names those that died, which a broadcast waits for.
+  receive a broadcast (and names those whose group broke: a member died, so the push broadcasts
+  again to a new group); `dead_members` names those that died, which a broadcast waits for.
 
 Each replica a push reaches either takes the version (its `version` is set), rejects the weights
 (an ActorError from a live engine: checksum, names or shapes; it keeps its version and the push
-raises naming it), or fails otherwise, which means it died.
+raises naming it), by broadcast finds its group broken (`BroadcastBroken`: it lives, without the
+version), or fails otherwise, which means it died.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from monarch.actor import ActorError
 
 from rlactors.engines.async_engine import EngineDeadError
+from rlactors.weight_sync.broadcast import BroadcastBroken
 
 
 class Replica(Protocol):
@@ -67,7 +70,7 @@ class ReplicaWeights:
         start = time.perf_counter()
         # Kept first, so that a replica (re)starting meanwhile also comes up at this version.
         previous, self.latest = self.latest, SentWeights(version, tensors, checksum)
-        rejected, _ = await self._fan_out(
+        rejected, _, _ = await self._fan_out(
             version, lambda r: r.actor.update_weights.call_one(version, tensors, checksum, mode), serving)
         if not any(r.version == version for r in serving):
             self.latest = previous  # nobody took these weights: restarts keep the old ones
@@ -116,19 +119,22 @@ class ReplicaWeights:
         with it); returns each one's receive timings."""
         start = time.perf_counter()
         members = [r for r in self.group or () if r.up]
-        rejected, timings = await self._fan_out(
+        rejected, broken, timings = await self._fan_out(
             version, lambda r: r.actor.receive_weights.call_one(version, checksum, mode), members)
         _raise_if_rejected(version, rejected)
-        return {"version": version, "seconds": time.perf_counter() - start, "replicas": timings}
+        return {"version": version, "seconds": time.perf_counter() - start, "replicas": timings, "broken": broken}
 
     async def _fan_out(self, version: int, call: Callable[[Any], Awaitable[Any]],
-                       replicas: Sequence[Replica]) -> tuple[list[str], list[Any]]:
-        """`call(replica)` on each of `replicas` at once; returns the rejections and the results
-        of the replicas that took `version`."""
+                       replicas: Sequence[Replica]) -> tuple[list[str], list[int], list[Any]]:
+        """`call(replica)` on each of `replicas` at once; returns the rejections, the replicas
+        whose broadcast group broke (alive, without `version`), and the results of the replicas
+        that took `version`."""
         results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
-        rejected, accepted = [], []
+        rejected, broken, accepted = [], [], []
         for replica, result in zip(replicas, results):
-            if isinstance(result, ActorError) and not isinstance(result.exception, EngineDeadError):
+            if isinstance(result, ActorError) and isinstance(result.exception, BroadcastBroken):
+                broken.append(replica.index)
+            elif isinstance(result, ActorError) and not isinstance(result.exception, EngineDeadError):
                 rejected.append(f"replica {replica.index}: {result.exception!r}")
             elif isinstance(result, BaseException):
                 self.died(replica, result)
@@ -136,7 +142,7 @@ class ReplicaWeights:
                 replica.version = version
                 self.received(replica)
                 accepted.append(result)
-        return rejected, accepted
+        return rejected, broken, accepted
 
 
 def _raise_if_rejected(version: int, rejected: list[str]) -> None:

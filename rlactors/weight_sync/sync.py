@@ -64,12 +64,19 @@ from monarch.actor import ActorError
 
 from rlactors.config import Config
 from rlactors.placement import first_value
+from rlactors.weight_sync.broadcast import BroadcastBroken
 
 # A weight broadcast still running this long after one of its members died is stuck: NCCL waits
 # for every member for ever (gloo fails by itself at once).
 BROADCAST_DEATH_GRACE_S = 2.0
 # How often a running broadcast asks the router which members have died.
 BROADCAST_WATCH_S = 0.5
+# How long an aborted broadcast may take to return before the trainer counts as stuck.
+ABORT_WAIT_S = 10.0
+# With generator.restart_dead: how many broadcasts a push tries while members die during them,
+# and how long it waits for a restarted replica when none is up (a vLLM replica takes minutes).
+BROADCAST_TRIES = 3
+RESTART_WAIT_S = 300.0
 
 
 class WeightSyncError(RuntimeError):
@@ -78,6 +85,15 @@ class WeightSyncError(RuntimeError):
 
 class NoReplicaUp(WeightSyncError):
     """No generator replica is up to receive the weights."""
+
+
+class MembersDied(WeightSyncError):
+    """Members of the group died during a broadcast that did not reach every member still up;
+    with `generator.restart_dead` the push broadcasts again, to a new group."""
+
+
+class EveryMemberDied(NoReplicaUp, MembersDied):
+    """Every member died during a broadcast that the trainer finished (NCCL may buffer it whole)."""
 
 
 class BroadcastStuck(WeightSyncError):
@@ -132,8 +148,12 @@ class MessagesSync(WeightSync):
 
 
 class BroadcastSync(WeightSync):
+    def __init__(self, trainer: Any, router: Any, dtype: str, update_mode: str, restart_dead: bool):
+        super().__init__(trainer, router, dtype, update_mode)
+        self.restart_dead = restart_dead
+
     async def start(self) -> None:
-        await self._form_group(await self.router.plan_weight_group.call_one())
+        await self._form_group(await self._plan())
 
     async def _replicas_wait(self) -> bool:
         # A restarted replica serves from the first broadcast it receives, and no other way: a
@@ -141,6 +161,16 @@ class BroadcastSync(WeightSync):
         # version would ever be pushed to it. A member that died makes the group stale too: the
         # push re-forms it, or stops the run when no replica is up.
         return (await self.router.plan_weight_group.call_one())["stale"]
+
+    async def _plan(self) -> dict[str, Any]:
+        """The router's plan of the next group; when no replica is up but one is restarting,
+        the plan once it is up (waited for at most RESTART_WAIT_S)."""
+        plan = await self.router.plan_weight_group.call_one()
+        waited = time.monotonic()
+        while not plan["members"] and plan["restarting"] and time.monotonic() - waited < RESTART_WAIT_S:
+            await asyncio.sleep(BROADCAST_WATCH_S)
+            plan = await self.router.plan_weight_group.call_one()
+        return plan
 
     async def _form_group(self, plan: dict[str, Any]) -> None:
         """Forms a new group with the replicas `plan` names (the router's `plan_weight_group`),
@@ -154,19 +184,19 @@ class BroadcastSync(WeightSync):
 
     async def push(self) -> dict[str, float]:
         start = time.perf_counter()
-        packed, plan = await asyncio.gather(self.trainer.pack_weights.call(),
-                                            self.router.plan_weight_group.call_one())
-        if plan["stale"]:  # a member died, or a restarted replica waits for weights
-            await self._form_group(plan)
+        packed, plan = await asyncio.gather(self.trainer.pack_weights.call(), self._plan())
         packed = first_value(packed)
         version, gathered = packed["version"], time.perf_counter()
-        try:
-            sent, received = await self._broadcast(version, packed["checksum"])
-        except ActorError as e:  # a replica rejected the weights (checksum), or a side failed
-            raise WeightSyncError(f"weight sync of policy version {version} failed: {e.exception}") from None
-        if not received["replicas"]:  # NCCL lets a sender finish a broadcast it could buffer whole
-            raise NoReplicaUp(f"weight sync of policy version {version}: generator replica(s) {plan['members']} "
-                              "died during the broadcast, and no replica is up to receive the weights")
+        for tries in range(1, BROADCAST_TRIES + 1):
+            if plan["stale"]:  # a member died, or a restarted replica waits for weights
+                await self._form_group(plan)
+            try:
+                sent, received = await self._broadcast(version, packed["checksum"])
+                break
+            except MembersDied:
+                if not self.restart_dead or tries == BROADCAST_TRIES:
+                    raise
+                plan = await self._plan()  # the group is stale: the same version again, to a new one
         self.version = version
         sender = first_value(sent)
         # Where the time went: the trainer's gather and checksum, its broadcast (which waits for
@@ -175,14 +205,16 @@ class BroadcastSync(WeightSync):
         return {"gather_s": gathered - start, "transfer_s": time.perf_counter() - gathered,
                 "bytes": sender["bytes"], "pack_s": packed["pack_s"], "checksum_s": packed["checksum_s"],
                 "broadcast_s": sender["broadcast_s"],
-                "replica_receive_verify_s": max((r["receive_verify_s"] for r in received["replicas"]), default=0.0)}
+                "replica_receive_verify_s": max((r["receive_verify_s"] for r in received["replicas"]), default=0.0),
+                "broadcast_tries": float(tries)}
 
     async def _broadcast(self, version: int, checksum: str) -> tuple[Any, dict[str, Any]]:
         """The trainer's broadcast together with every member's receive, watched for members
-        that die meanwhile (step 4 of the protocol)."""
+        that die meanwhile (step 4 of the protocol). MembersDied when a member died and the
+        broadcast did not reach every member still up."""
         transfer = asyncio.ensure_future(asyncio.gather(
             self.trainer.broadcast_weights.call(),
-            self.router.receive_weights.call_one(version, checksum, self.update_mode)))
+            self.router.receive_weights.call_one(version, checksum, self.update_mode), return_exceptions=True))
         dead_since = None
         while not (await asyncio.wait([transfer], timeout=BROADCAST_WATCH_S))[0]:
             dead = await self.router.dead_weight_group_members.call_one()
@@ -190,14 +222,46 @@ class BroadcastSync(WeightSync):
                 continue
             dead_since = dead_since or time.monotonic()
             if time.monotonic() - dead_since >= BROADCAST_DEATH_GRACE_S:
-                transfer.cancel()
-                transfer.add_done_callback(lambda f: f.cancelled() or f.exception())  # abandoned, not an error
-                raise BroadcastStuck(f"weight sync of policy version {version}: generator replica(s) {dead} died "
-                                     "during the broadcast, which waits for every member")
-        return transfer.result()
+                await self._abandon(transfer, version, dead)
+        sent, received = transfer.result()
+        for outcome in (received, sent):  # a replica that rejected the weights (checksum) first
+            if isinstance(outcome, ActorError) and not isinstance(outcome.exception, BroadcastBroken):
+                raise WeightSyncError(f"weight sync of policy version {version} failed: {outcome.exception}")
+            if isinstance(outcome, BaseException) and not isinstance(outcome, ActorError):
+                raise outcome  # the trainer or the router is lost
+        if not isinstance(sent, BaseException) and received["replicas"] and not received["broken"]:
+            return sent, received  # a member that died meanwhile, if any, missed this version only
+        # The group broke, or nobody took the weights: every member the router did not find dead
+        # by now (the receive fails over once its proc is lost) lives.
+        dead = await self.router.dead_weight_group_members.call_one()
+        if not dead:
+            error = sent.exception if isinstance(sent, BaseException) else f"replica(s) {received['broken']}"
+            raise WeightSyncError(f"weight sync of policy version {version} failed: the broadcast group broke "
+                                  f"with no member dead ({error})")
+        if not received["replicas"] and not received["broken"]:  # NCCL may let the sender finish it
+            raise EveryMemberDied(f"weight sync of policy version {version}: generator replica(s) {dead} died "
+                                  "during the broadcast, and no replica is up to receive the weights")
+        raise MembersDied(f"weight sync of policy version {version}: generator replica(s) {dead} died during "
+                          "the broadcast, which did not reach the members still up")
+
+    async def _abandon(self, transfer: asyncio.Future, version: int, dead: list[int]) -> None:
+        """Gives up a broadcast stuck on dead members (NCCL waits for them). With `restart_dead`
+        the trainer's side is aborted, and once it returns the push may form a new group
+        (MembersDied); a trainer still stuck after ABORT_WAIT_S stops the run (BroadcastStuck)."""
+        transfer.add_done_callback(lambda f: f.cancelled() or f.exception())  # its outcome is not needed
+        if self.restart_dead:
+            await self.trainer.abort_weight_broadcast.call()
+            if (await asyncio.wait([transfer], timeout=ABORT_WAIT_S))[0]:
+                raise MembersDied(f"weight sync of policy version {version}: generator replica(s) {dead} died "
+                                  "during the broadcast, which was aborted")
+        transfer.cancel()
+        raise BroadcastStuck(f"weight sync of policy version {version}: generator replica(s) {dead} died "
+                             "during the broadcast, which waits for every member")
 
 
 def create_weight_sync(config: Config, trainer: Any, router: Any) -> WeightSync:
     """The variant `config.generator.weight_sync` names, between `trainer` and `router`."""
-    variant = {"messages": MessagesSync, "broadcast": BroadcastSync}[config.generator.weight_sync]
-    return variant(trainer, router, config.model.dtype, config.generator.update_mode)
+    if config.generator.weight_sync == "broadcast":
+        return BroadcastSync(trainer, router, config.model.dtype, config.generator.update_mode,
+                             config.generator.restart_dead)
+    return MessagesSync(trainer, router, config.model.dtype, config.generator.update_mode)

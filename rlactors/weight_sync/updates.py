@@ -16,7 +16,9 @@ already outdated.
   checked; the load copies them from there. The buffer holds one version: a version still waiting
   for its load is overwritten by the next receive, a load in progress is waited for, and a receive
   that fails its check after overwriting an accepted version makes that version's load fail, which
-  ends the engine loop (the replica can no longer serve what it accepted).
+  ends the engine loop (the replica can no longer serve what it accepted). A receive whose group
+  broke (a member died) leaves an overwritten version held, unloadable, until the push's next
+  broadcast (to a new group) replaces it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 from rlactors.config import UpdateMode
 from rlactors.engines.base import Engine
+from rlactors.weight_sync.broadcast import BroadcastBroken
 from rlactors.weight_sync.checksum import ChecksumMismatch, state_checksum
 
 UPDATE_MODES = typing.get_args(UpdateMode)
@@ -102,6 +105,8 @@ class WeightUpdates:
             try:
                 staged = await asyncio.get_running_loop().run_in_executor(
                     self._staging_executor, self.receiver.receive, version, checksum)
+            except BroadcastBroken:
+                raise  # a version it overwrote stays held: the push broadcasts again, to a new group
             except BaseException as e:
                 if overwritten is not None:
                     overwritten.load = functools.partial(_raise, e)  # its load ends the engine loop

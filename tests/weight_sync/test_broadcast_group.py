@@ -6,6 +6,7 @@ receive before any join, and the vLLM one's calls over its TP workers."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import queue
@@ -16,6 +17,7 @@ import torch
 
 from rlactors.placement import free_port
 from rlactors.weight_sync.broadcast import (
+    BroadcastBroken,
     BufferReceiver,
     LocalReceiver,
     VLLMReceiver,
@@ -43,15 +45,15 @@ def _member(rank: int, port: int, new_port: int, results) -> None:
             sender = WeightSender(layout, cpu)
             sender.join("127.0.0.1", port, 3)
             layout.pack(weights, sender.buffer)
-            sender.broadcast()  # version 1
-            sender.broadcast()  # version 2, received with a wrong checksum
+            asyncio.run(sender.broadcast())  # version 1
+            asyncio.run(sender.broadcast())  # version 2, received with a wrong checksum
             try:
-                sender.broadcast()  # rank 2 has died
-            except RuntimeError as e:
-                results.put((rank, "error", str(e)))
+                asyncio.run(sender.broadcast())  # rank 2 has died
+            except BroadcastBroken as e:
+                results.put((rank, "error", f"{e} (group left: {sender.group is None})"))
             sender.join("127.0.0.1", new_port, 2)  # the survivors' group
             layout.pack(doubled, sender.buffer)
-            sender.broadcast()
+            asyncio.run(sender.broadcast())
             return
         receiver = BufferReceiver(layout, cpu)
         receiver.join("127.0.0.1", port, rank, 3)
@@ -99,7 +101,8 @@ def test_gloo_broadcast_delivers_verified_bits_a_dead_member_fails_it_and_surviv
                 member.kill()
     assert sorted(r[:2] for r in reports) == [(0, "error"), (1, "received"), (1, "regrouped"), (2, "received")], reports
     assert all(ok for _, what, ok in reports if what in ("received", "regrouped"))
-    assert re.search(r"Connection (closed by peer|reset)", next(text for _, what, text in reports if what == "error"))
+    error = next(text for _, what, text in reports if what == "error")
+    assert re.search(r"Connection (closed by peer|reset)", error) and error.endswith("(group left: True)"), error
 
 
 def test_a_receive_before_the_replica_joined_a_group_is_refused_and_loads_nothing():

@@ -1,14 +1,25 @@
 """BroadcastSync's decisions against stand-ins for the trainer and the router: what a push does
-when the members of its group die while the broadcast runs. (The protocol with real procs and
-real groups: tests/faults/test_training_faults.py on CPU, tests/faults/test_nccl_faults.py on GPUs.)"""
+when the members of its group die while the broadcast runs, with and without
+`generator.restart_dead`. (The protocol with real procs and real groups:
+tests/faults/test_training_faults.py on CPU, tests/faults/test_nccl_faults.py on GPUs.)"""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from monarch.actor import ActorError
 
-from rlactors.weight_sync.sync import BroadcastStuck, BroadcastSync, NoReplicaUp
+from rlactors.weight_sync.broadcast import BroadcastBroken
+from rlactors.weight_sync.checksum import ChecksumMismatch
+from rlactors.weight_sync.sync import (
+    BROADCAST_TRIES,
+    BroadcastStuck,
+    BroadcastSync,
+    MembersDied,
+    NoReplicaUp,
+    WeightSyncError,
+)
 
 
 class Rank0:
@@ -24,12 +35,19 @@ class Rank0:
 
 
 class Call:
-    def __init__(self, result, seconds=0.0):
-        self.result, self.seconds = result, seconds
+    """An endpoint that answers each call with the next of `results` (the last one once they run
+    out) after `seconds`; an exception is raised. Records its calls."""
 
-    async def _run(self, *_):
+    def __init__(self, *results, seconds=0.0):
+        self.results, self.seconds, self.calls = list(results), seconds, []
+
+    async def _run(self, *args):
+        self.calls.append(args)
+        result = self.results.pop(0) if len(self.results) > 1 else self.results[0]
         await asyncio.sleep(self.seconds)
-        return self.result
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def call(self, *args):
         return self._run(*args)
@@ -37,45 +55,159 @@ class Call:
     call_one = call
 
 
+SENT = Rank0({"bytes": 8.0, "broadcast_s": 0.1})
+BROKEN = ActorError(BroadcastBroken("the weight broadcast group broke: Connection closed by peer"))
+
+
 class Trainer:
-    def __init__(self, broadcast_s):
+    def __init__(self, *broadcasts, broadcast_s=0.0):
         self.pack_weights = Call(Rank0({"version": 1, "checksum": "c", "pack_s": 0.1, "checksum_s": 0.1}))
-        self.broadcast_weights = Call(Rank0({"bytes": 8.0, "broadcast_s": 0.1}), broadcast_s)
+        self.broadcast_weights = Call(*(broadcasts or (SENT,)), seconds=broadcast_s)
+        self.weight_sync_address = Call(Rank0(("10.0.0.1", 29500)))
+        self.weight_layout = Call(Rank0("layout"))
+        self.init_weight_sender = Call(None)
+        self.abort_weight_broadcast = Call(None)
+
+
+def plan(members, stale=False, restarting=()):
+    return {"members": members, "stale": stale, "world_size": 1 + len(members), "restarting": list(restarting)}
+
+
+def received(*replicas, broken=()):
+    return {"version": 1, "replicas": [{"receive_verify_s": 0.2}] * len(replicas), "broken": list(broken)}
 
 
 class Router:
-    def __init__(self, received, dead):
-        self.plan_weight_group = Call({"members": [0], "stale": False, "world_size": 2})
-        self.receive_weights = Call({"version": 1, "replicas": received})
-        self.dead_weight_group_members = Call(dead)
+    def __init__(self, receives=(), dead=((),), plans=None):
+        self.plan_weight_group = Call(*(plans or [plan([0])]))
+        self.receive_weights = Call(*(receives or [received(0)]))
+        self.dead_weight_group_members = Call(*(list(d) for d in dead))
+        self.join_weight_group = Call(2)
 
 
-def push(trainer, router):
-    return asyncio.run(BroadcastSync(trainer, router, "bfloat16", "hot_swap").push())
+def push(trainer, router, restart_dead=False):
+    sync = BroadcastSync(trainer, router, "bfloat16", "hot_swap", restart_dead)
+    return asyncio.run(sync.push())
+
+
+@pytest.fixture
+def fast_watch(monkeypatch):
+    monkeypatch.setattr("rlactors.weight_sync.sync.BROADCAST_WATCH_S", 0.01)
+    monkeypatch.setattr("rlactors.weight_sync.sync.BROADCAST_DEATH_GRACE_S", 0.05)
+
+
+def test_a_push_that_a_member_received_completes():
+    timings = push(Trainer(), Router())
+    assert timings["bytes"] == 8.0 and timings["replica_receive_verify_s"] == 0.2 and timings["broadcast_tries"] == 1
 
 
 def test_a_push_that_every_member_died_during_raises_no_replica_up():
     """NCCL may let the sender finish a broadcast its buffers hold whole, with no one receiving."""
     with pytest.raises(NoReplicaUp, match=r"replica\(s\) \[0\] died during the broadcast, and no replica is up"):
-        push(Trainer(broadcast_s=0.0), Router(received=[], dead=[0]))
+        push(Trainer(), Router(receives=[received()], dead=[[0]]))
 
 
-def test_a_broadcast_that_outlives_a_dead_member_is_given_up_as_stuck(monkeypatch):
-    monkeypatch.setattr("rlactors.weight_sync.sync.BROADCAST_WATCH_S", 0.01)
-    monkeypatch.setattr("rlactors.weight_sync.sync.BROADCAST_DEATH_GRACE_S", 0.05)
+def test_a_broadcast_that_outlives_a_dead_member_is_given_up_as_stuck(fast_watch):
+    trainer = Trainer(broadcast_s=5.0)
     with pytest.raises(BroadcastStuck, match=r"replica\(s\) \[0\] died during the broadcast, which waits"):
-        push(Trainer(broadcast_s=5.0), Router(received=[], dead=[0]))
+        push(trainer, Router(receives=[received()], dead=[[0]]))
+    assert trainer.abort_weight_broadcast.calls == []  # without restart_dead nothing is aborted
 
 
-def test_a_push_that_a_member_received_completes():
-    timings = push(Trainer(broadcast_s=0.0), Router(received=[{"receive_verify_s": 0.2}], dead=[]))
-    assert timings["bytes"] == 8.0 and timings["replica_receive_verify_s"] == 0.2
+def test_a_broken_broadcast_without_restart_dead_stops_naming_the_dead_member():
+    router = Router(receives=[received(0, broken=[0])], dead=[[1]], plans=[plan([0, 1])])
+    with pytest.raises(MembersDied, match=r"replica\(s\) \[1\] died during the broadcast, which did not reach"):
+        push(Trainer(BROKEN), router)
+    assert router.join_weight_group.calls == []
+
+
+def test_with_restart_dead_a_broken_broadcast_goes_again_to_a_new_group_of_the_members_up():
+    trainer = Trainer(BROKEN, SENT)
+    router = Router(receives=[received(broken=[0]), received(0)], dead=[[1], []],
+                    plans=[plan([0, 1]), plan([0], stale=True, restarting=[1])])
+    timings = push(trainer, router, restart_dead=True)
+    assert timings["broadcast_tries"] == 2 and timings["replica_receive_verify_s"] == 0.2
+    # The survivor formed a new group with the trainer (world size 2), and took version 1 from it.
+    assert trainer.init_weight_sender.calls == [("10.0.0.1", 29500, 2, "bfloat16")]
+    assert len(router.join_weight_group.calls) == 1 and len(router.receive_weights.calls) == 2
+
+
+def test_with_restart_dead_a_push_whose_only_member_died_waits_for_its_restart(monkeypatch):
+    monkeypatch.setattr("rlactors.weight_sync.sync.BROADCAST_WATCH_S", 0.01)
+    trainer = Trainer(BROKEN, SENT)
+    router = Router(receives=[received(), received(0)], dead=[[0], []],
+                    plans=[plan([0]), plan([], stale=True, restarting=[0]), plan([], stale=True, restarting=[0]),
+                           plan([0], stale=True)])
+    assert push(trainer, router, restart_dead=True)["broadcast_tries"] == 2
+    assert len(router.plan_weight_group.calls) == 4 and trainer.init_weight_sender.calls[0][2] == 2
+
+
+class AbortableBroadcast:
+    """The trainer's broadcast as over NCCL with a dead member: the first one waits until it is
+    aborted, then raises BroadcastBroken; the next one completes."""
+
+    def __init__(self):
+        self.aborted, self.calls = asyncio.Event(), 0
+
+    async def call(self):
+        self.calls += 1
+        if self.calls == 1:
+            await self.aborted.wait()
+            raise BROKEN
+        return SENT
+
+
+def test_with_restart_dead_a_stuck_broadcast_is_aborted_and_goes_again(fast_watch):
+    trainer = Trainer()
+    trainer.broadcast_weights = broadcast = AbortableBroadcast()
+
+    async def abort():
+        broadcast.aborted.set()
+
+    async def dead_members():  # replica 0 is dead until its restart is up, after the abort
+        return [] if broadcast.aborted.is_set() else [0]
+
+    trainer.abort_weight_broadcast.call = abort
+    router = Router(receives=[received(), received(0)], plans=[plan([0]), plan([0], stale=True)])
+    router.dead_weight_group_members.call_one = dead_members
+    assert push(trainer, router, restart_dead=True)["broadcast_tries"] == 2
+    assert broadcast.calls == 2 and len(router.join_weight_group.calls) == 1
+
+
+def test_with_restart_dead_a_trainer_still_stuck_after_the_abort_stops_the_run(fast_watch, monkeypatch):
+    monkeypatch.setattr("rlactors.weight_sync.sync.ABORT_WAIT_S", 0.05)
+    trainer = Trainer(broadcast_s=5.0)
+    with pytest.raises(BroadcastStuck, match="which waits for every member"):
+        push(trainer, Router(receives=[received()], dead=[[0]]), restart_dead=True)
+    assert trainer.abort_weight_broadcast.calls == [()]
+
+
+def test_with_restart_dead_members_dying_in_every_try_stop_the_push_after_its_tries():
+    router = Router(receives=[received(broken=[0])], dead=[[1]], plans=[plan([0, 1]), plan([0], stale=True)])
+    trainer = Trainer(BROKEN)
+    with pytest.raises(MembersDied, match=r"replica\(s\) \[1\] died during the broadcast"):
+        push(trainer, router, restart_dead=True)
+    assert len(trainer.broadcast_weights.calls) == BROADCAST_TRIES
+
+
+def test_a_rejection_stops_the_push_even_with_restart_dead():
+    rejected = ActorError(RuntimeError("weights version 1 rejected by replica 0: "
+                                       f"{ChecksumMismatch('received checksum 1, trainer sent 2')!r}"))
+    router = Router(receives=[rejected])
+    with pytest.raises(WeightSyncError, match="failed: weights version 1 rejected by replica 0: ChecksumMismatch") as e:
+        push(Trainer(), router, restart_dead=True)
+    assert not isinstance(e.value, MembersDied) and len(router.receive_weights.calls) == 1
+
+
+def test_a_broken_broadcast_with_no_member_dead_stops_the_push_even_with_restart_dead():
+    with pytest.raises(WeightSyncError, match="the broadcast group broke with no member dead") as e:
+        push(Trainer(BROKEN), Router(receives=[received(0)]), restart_dead=True)
+    assert not isinstance(e.value, MembersDied)
 
 
 @pytest.mark.parametrize("stale", [False, True])
 def test_a_push_is_due_for_a_new_version_or_for_a_replica_that_waits_for_weights(stale):
-    router = Router(received=[], dead=[])
-    router.plan_weight_group = Call({"members": [0], "stale": stale, "world_size": 2})
-    weights = BroadcastSync(Trainer(broadcast_s=0.0), router, "bfloat16", "hot_swap")
+    router = Router(plans=[plan([0], stale=stale)])
+    weights = BroadcastSync(Trainer(), router, "bfloat16", "hot_swap", restart_dead=True)
     assert asyncio.run(weights.due(1))  # version 0 was pushed last
     assert asyncio.run(weights.due(0)) == stale  # a restarted member, or a dead one, makes the group stale

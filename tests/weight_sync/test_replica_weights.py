@@ -1,6 +1,7 @@
 """The router's side of weight sync (`ReplicaWeights`) over stand-in replicas: the broadcast
-group's plan, ranks and re-forming, each replica's outcome of a push (took it, rejected it, died),
-and the messages variant's latest weights that a restarted replica is brought to. The real
+group's plan, ranks and re-forming, each replica's outcome of a push (took it, rejected it, its
+group broke, died), and the messages variant's latest weights that a restarted replica is
+brought to. The real
 router and replicas run the same object in tests/actors and tests/faults."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from monarch.actor import ActorError
 
 from rlactors.engines.async_engine import EngineDeadError
+from rlactors.weight_sync.broadcast import BroadcastBroken
 from rlactors.weight_sync.checksum import ChecksumMismatch
 from rlactors.weight_sync.replicas import ReplicaWeights
 
@@ -107,6 +109,19 @@ def test_a_broadcast_reaches_the_members_up_and_each_takes_it_rejects_it_or_dies
         result = await weights.receive(8, "d" * 32, None)
         assert result["version"] == 8 and result["replicas"] == [{"receive_verify_s": 0.0}, {"receive_verify_s": 0.1}]
         assert received == [0, 0, 1]
+
+    asyncio.run(main())
+
+
+def test_a_member_whose_broadcast_group_broke_lives_on_without_the_version():
+    async def main():
+        weights, died, received = _weights()
+        took, broken = _Replica(0), _Replica(1, outcome=ActorError(BroadcastBroken("the group broke")))
+        weights.plan([took, broken])
+        await weights.join("10.0.0.1", 29500, None)
+        result = await weights.receive(7, "c" * 32, None)
+        assert result["broken"] == [1] and len(result["replicas"]) == 1
+        assert [r.version for r in (took, broken)] == [7, 0] and died == [] and received == [0]
 
     asyncio.run(main())
 

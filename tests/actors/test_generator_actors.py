@@ -20,6 +20,7 @@ from rlactors.engines.async_engine import AsyncEngine, EngineDeadError
 from rlactors.engines.native import NativeEngine
 from rlactors.models.checkpoint import from_pretrained
 from rlactors.types import SamplingParams
+from rlactors.weight_sync.broadcast import BroadcastBroken
 from rlactors.weight_sync.checksum import ChecksumMismatch, state_checksum
 
 VOCAB = 1024
@@ -186,6 +187,7 @@ class StagingEngine(NativeEngine):
         self.stages = 0
         self.load_gate: threading.Event | None = None
         self.joins: list[tuple[str, tuple]] = []
+        self.break_next = False  # the next receive's group breaks halfway through the buffer
 
     def broadcast_receiver(self):
         return self
@@ -198,6 +200,10 @@ class StagingEngine(NativeEngine):
         self.side_threads.add(threading.current_thread().name)
         self.stages += 1
         self.staged = {k: v.clone() for k, v in self.wire.items()}
+        if self.break_next:
+            self.break_next = False
+            self.staged = {k: torch.zeros_like(v) for k, v in self.staged.items()}
+            raise BroadcastBroken("the weight broadcast group broke: Connection closed by peer")
         if state_checksum(self.staged) != checksum:
             raise ChecksumMismatch(f"weights version {version}: checksum differs")
         return {"receive_verify_s": 0.0}
@@ -315,6 +321,32 @@ def test_a_bad_receive_over_an_accepted_version_kills_the_replica(tiny_ckpt):
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(waiting, timeout=30)
         assert not engine.stats()["healthy"] and engine.stats()["version"] == 0
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_broken_receive_over_an_accepted_version_holds_it_until_the_broadcast_goes_again(tiny_ckpt):
+    async def main():
+        engine = staging_engine(tiny_ckpt)
+        versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
+        running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
+        await until(lambda: engine.stats()["generated_tokens"] >= 2)
+        engine.engine.wire = versions[0]
+        await engine.updates.receive_weights(1, state_checksum(versions[0]))
+        waiting = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "promised-v1"))
+        engine.engine.wire, engine.engine.break_next = versions[1], True
+        with pytest.raises(BroadcastBroken):  # a member died: the push forms a new group and goes again
+            await engine.updates.receive_weights(2, state_checksum(versions[1]))
+        # Version 1's buffer was overwritten: it is never loaded, and nothing new is admitted.
+        assert (await running).versions == [0] * 200
+        await asyncio.sleep(0.1)
+        assert engine.stats()["healthy"] and engine.stats()["updating"] and not waiting.done()
+        assert engine.stats()["version"] == 0
+        await engine.updates.join_weight_group("10.0.0.1", 29501, 1, 2, None)
+        await engine.updates.receive_weights(2, state_checksum(versions[1]))
+        assert (await asyncio.wait_for(waiting, timeout=30)).versions == [2] * 4
+        assert engine.stats()["version"] == 2 and engine.stats()["superseded"] == 1
         await engine.close()
 
     asyncio.run(main())

@@ -4,7 +4,8 @@ reported with their tracebacks, Ctrl-C saving the last completed step, the
 trainer proc SIGKILLed mid-run then `--resume` matching an uninterrupted run, a half-written
 checkpoint never picked, non-finite generator logprobs excluded, a non-finite loss that stops
 the run with its state saved, corrupted weights on their way to the replicas, and with weights by
-broadcast, a failed checksum and a dead replica (restarted into a new group; the run goes on)."""
+broadcast, a failed checksum and a dead replica, between syncs or during a broadcast (restarted
+into a new group; the run goes on)."""
 
 from __future__ import annotations
 
@@ -450,6 +451,76 @@ def test_a_dead_replica_in_a_broadcast_run_is_restarted_into_a_new_group_and_the
                  "before its weight sync", controller.detection_s,
                  f"nothing: the run went on; weight groups formed {controller.groups} (the restarted replica "
                  "joined the group formed once it was up, and served from the next broadcast on)")
+
+
+class _KillingBroadcast:
+    """The trainer's `broadcast_weights`: the first call SIGKILLs replica 1, a member of the group
+    formed for it, and broadcasts for real once the router has counted it dead (its process is
+    gone: gloo fails the broadcast; a kill racing the first bytes lets gloo's sender finish a
+    buffer this small, and the dead member only misses it); the later calls just broadcast."""
+
+    def __init__(self, controller, broadcast_weights):
+        self.controller, self.broadcast_weights = controller, broadcast_weights
+
+    async def call(self):
+        if self.controller.killed_at is None:
+            router = self.controller.router
+            self.controller.killed_at = await kill_replica(router, 1)
+            while (await router.stats.call_one())["deaths"] != 1:
+                assert time.monotonic() - self.controller.killed_at < 30, "the router did not count replica 1 dead"
+                await asyncio.sleep(0.05)
+        return await self.broadcast_weights.call()
+
+
+class ReplicaKilledDuringBroadcast(Controller):
+    """SIGKILLs replica 1's proc as step 1's broadcast starts (`_KillingBroadcast`); before step 2's sync it waits
+    until the restarted replica is up. Records when step 1's push returned and the router's
+    stats after the last sync."""
+
+    killed_at = None
+
+    async def start(self) -> None:
+        await super().start()
+        self.trainer = self.weight_sync.trainer = _ActorWith(
+            self.trainer, broadcast_weights=_KillingBroadcast(self, self.trainer.broadcast_weights))
+
+    async def push_weights(self):
+        if self.step == 2:
+            up = time.monotonic()
+            while (await self.router.plan_weight_group.call_one())["members"] != [0, 1]:
+                assert time.monotonic() - up < 120, "replica 1 was not restarted"
+                await asyncio.sleep(0.1)
+        timings = await super().push_weights()
+        if self.step == 1:
+            self.recovered_s = time.monotonic() - self.killed_at
+        self.router_stats = await self.router.stats.call_one()
+        return timings
+
+
+def test_a_replica_killed_during_a_broadcast_with_restart_dead_re_forms_the_group_and_the_run_completes(
+        tiny_ckpt, tmp_path, fault_record, monkeypatch):
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, *BROADCAST, "controller.checkpoint_every=0"))
+    assert config.generator.restart_dead  # the default
+    monkeypatch.setattr(sync, "BroadcastSync", RecordingBroadcastSync)
+    controller = ReplicaKilledDuringBroadcast(config)
+    metrics = asyncio.run(asyncio.wait_for(controller.run(), 240))  # a regression hangs: fail instead
+    groups = controller.weight_sync.groups
+    assert [m["policy/version"] for m in metrics] == [1.0, 2.0, 3.0]
+    # Step 1's broadcast broke (gloo fails at once), so it went again to a group of the survivor,
+    # formed at once (the restart takes seconds); the restarted replica joined the group of step 2's sync.
+    assert [m["weight_sync/broadcast_tries"] for m in metrics] == [2.0, 1.0, 1.0]
+    assert groups == [[0, 1], [0], [0, 1]], groups
+    stats = controller.router_stats
+    assert stats["deaths"] == 1 and stats["restarts"] == 1 and stats["weight_groups"] == 3
+    assert [(r["state"], r["version"]) for r in stats["replicas"]] == [("serving", 3), ("serving", 3)]
+    assert metrics[-1]["generator/serving_replicas"] == 2 and metrics[-1]["generator/restarts"] == 1
+    fault_record("generator replica SIGKILLed during a broadcast (gloo, generator.restart_dead)",
+                 "replica 1's proc, a member of the group formed for step 1's broadcast, as that broadcast "
+                 "starts (once the router counted it dead)", None,
+                 f"nothing: the broadcast broke, went again to a new group of the survivor "
+                 f"{controller.recovered_s:.1f} s after the kill (step 1's push returned), and the restarted replica "
+                 f"joined at step 2's sync; weight groups formed {groups}; 3/3 steps trained",
+                 recovered_s=controller.recovered_s)
 
 
 class OnlyReplicaKilledBeforeSync(Controller):

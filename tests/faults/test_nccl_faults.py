@@ -1,5 +1,6 @@
 """Generator replicas killed around a weight sync over NCCL, on two GPUs: the trainer on GPU 0,
-one vLLM replica on GPU 1, weights broadcast by NCCL. The CPU suite shows the same protocol over
+one vLLM replica on GPU 1, weights broadcast by NCCL; killed between syncs or during a broadcast,
+with and without `generator.restart_dead`. The CPU suite shows the same protocol over
 gloo (test_training_faults.py); here NCCL's own waiting is real. Needs 2 GPUs and vLLM."""
 
 from __future__ import annotations
@@ -64,8 +65,11 @@ def test_a_replica_killed_between_nccl_syncs_is_restarted_into_a_new_group(ckpt,
 
 
 class ReplicaKilledDuringBroadcast(Controller):
-    """SIGKILLs the replica as the trainer's NCCL broadcast starts (the replica may or may not have
-    entered it), then lets the real broadcast run."""
+    """SIGKILLs the replica as the trainer's first NCCL broadcast starts (the replica may or may
+    not have entered it), then lets the real broadcast run; later broadcasts just run. Records
+    the router's stats after each sync."""
+
+    killed_at = None
 
     async def start(self) -> None:
         await super().start()
@@ -74,7 +78,8 @@ class ReplicaKilledDuringBroadcast(Controller):
         class Broadcast:
             def call(self):
                 async def kill_then_broadcast():
-                    controller.killed_at = await kill_replica(controller.router, 0)
+                    if controller.killed_at is None:
+                        controller.killed_at = await kill_replica(controller.router, 0)
                     return await trainer.broadcast_weights.call()
                 return kill_then_broadcast()
 
@@ -88,9 +93,11 @@ class ReplicaKilledDuringBroadcast(Controller):
 
     async def push_weights(self):
         try:
-            return await super().push_weights()
+            timings = await super().push_weights()
         finally:
             self.given_up_at = time.monotonic()
+        self.router_stats = await self.router.stats.call_one()
+        return timings
 
 
 def test_a_replica_killed_during_an_nccl_broadcast_stops_the_run_naming_it(ckpt, tmp_path, fault_record):
@@ -111,3 +118,21 @@ def test_a_replica_killed_during_an_nccl_broadcast_stops_the_run_naming_it(ckpt,
                  "the only replica's proc, as step 1's NCCL broadcast starts", None,
                  f"step 1's update: the sync gave up {stopped_s:.1f} s after the kill and the run stopped with the "
                  f"documented line (whole run, shutdown included: {time.monotonic() - start:.0f} s)")
+
+
+def test_a_replica_killed_during_an_nccl_broadcast_with_restart_dead_is_restarted_into_a_new_group(
+        ckpt, tmp_path, fault_record):
+    controller = ReplicaKilledDuringBroadcast(nccl_config(ckpt, tmp_path, "generator.restart_dead=true"))
+    metrics = asyncio.run(asyncio.wait_for(controller.run(), 540))  # a regression hangs: fail instead
+    assert [m["policy/version"] for m in metrics] == [1.0, 2.0, 3.0]
+    # Step 1's broadcast either finished into NCCL's buffers with no one receiving, or was stuck and
+    # aborted; either way it went again, to a group of the restarted replica (waited for).
+    assert [m["weight_sync/broadcast_tries"] for m in metrics] == [2.0, 1.0, 1.0]
+    stats = controller.router_stats
+    assert stats["deaths"] == 1 and stats["restarts"] == 1 and stats["weight_groups"] == 2
+    assert [(r["state"], r["version"]) for r in stats["replicas"]] == [("serving", 3)]
+    recovered_s = metrics[0]["time/weight_sync_s"]  # step 1's push, from its start to its return
+    fault_record("generator replica SIGKILLed during an NCCL broadcast (generator.restart_dead)",
+                 "the only replica's proc, as step 1's NCCL broadcast starts", None,
+                 f"nothing: step 1's push went again to a new group of the restarted replica ({recovered_s:.1f} s "
+                 "of weight sync, the restart included); 3/3 steps trained", recovered_s=recovered_s)

@@ -7,6 +7,8 @@ worker t is rank 1 + r * tp + t. Both sides must join at the same time, and ever
 likewise (`rlactors.weight_sync.sync` calls them together). A group's members are fixed when it
 is formed; when a replica dies (or a restarted one is ready) a new group is formed on a new port,
 and each member keeps its buffer across groups, so a version received but not yet loaded stays valid.
+A broadcast that a member's death breaks raises `BroadcastBroken` on the sides that see it, which
+leave the group; on GPU the sender awaits its broadcast and can be aborted (`WeightSender.abort`).
 
 A receiver stages each broadcast in its own buffer (on GPU, on a side stream) and checks its
 checksum before loading anything: on a mismatch the replica keeps serving its current weights

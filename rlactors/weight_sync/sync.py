@@ -45,13 +45,21 @@ died or a restarted replica is up:
    receive buffer and its checksum is checked beside the running engine; the receiver's `load`
    follows at a step boundary). A restarted member serves from the first broadcast it receives.
 4. While the broadcast runs, `router.dead_weight_group_members()` every 0.5 s: NCCL waits for a
-   dead member for ever (gloo fails at once), so a broadcast that outlives a member's death by
-   `BROADCAST_DEATH_GRACE_S` is given up (`BroadcastStuck`). NCCL may also let the sender finish
-   a broadcast small enough to fit its buffers; if every member died meanwhile, the push raises
-   `NoReplicaUp` (the trainer is not stuck, so its step can still be saved).
+   dead member for ever (gloo fails at once: `BroadcastBroken`), so a broadcast that outlives a
+   member's death by `BROADCAST_DEATH_GRACE_S` is given up. NCCL may also let the sender finish
+   a broadcast small enough to fit its buffers with no member left to receive it. A broadcast
+   that a member died during and that did not reach every member still up is `MembersDied`:
+   - with `generator.restart_dead`, the push plans again (waiting up to `RESTART_WAIT_S` for a
+     restart under way when no replica is up), forms a new group and broadcasts the same version
+     again, at most `BROADCAST_TRIES` times. A stuck trainer is freed first by
+     `trainer.abort_weight_broadcast()` (NCCL: `ncclCommAbort`; written, not yet run on a GPU);
+     one still stuck `ABORT_WAIT_S` later raises `BroadcastStuck`.
+   - without it, the push raises: `BroadcastStuck` (NCCL: the trainer is stuck in the
+     collective, so nothing more can be saved), `NoReplicaUp` when every member died (the trainer
+     is not stuck, so its step can still be saved), `MembersDied` otherwise.
 
 A replica that rejects the weights (checksum, names, shapes) keeps serving its previous version,
-and the push raises `WeightSyncError` naming it.
+and the push raises `WeightSyncError` naming it, with or without `restart_dead`.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from monarch.actor import ActorError
 
@@ -232,7 +232,7 @@ class BroadcastSync(WeightSync):
             if time.monotonic() - dead_since >= BROADCAST_DEATH_GRACE_S:
                 await self._abandon(transfer, version, dead)
         sent, received = transfer.result()
-        for outcome in (received, sent):  # a replica that rejected the weights (checksum) first
+        for outcome in (received, sent):  # the router's first: it names a replica that rejected the weights
             if isinstance(outcome, ActorError) and not isinstance(outcome.exception, BroadcastBroken):
                 raise WeightSyncError(f"weight sync of policy version {version} failed: {outcome.exception}")
             if isinstance(outcome, BaseException) and not isinstance(outcome, ActorError):
@@ -252,11 +252,11 @@ class BroadcastSync(WeightSync):
         raise MembersDied(f"weight sync of policy version {version}: generator replica(s) {dead} died during "
                           "the broadcast, which did not reach the members still up")
 
-    async def _abandon(self, transfer: asyncio.Future, version: int, dead: list[int]) -> None:
+    async def _abandon(self, transfer: asyncio.Future, version: int, dead: list[int]) -> NoReturn:
         """Gives up a broadcast stuck on dead members (NCCL waits for them). With `restart_dead`
-        the trainer's side is aborted, and once it returns the push may form a new group
-        (MembersDied); a trainer still stuck after ABORT_WAIT_S stops the run (BroadcastStuck)."""
-        transfer.add_done_callback(lambda f: f.cancelled() or f.exception())  # its outcome is not needed
+        the trainer's side is aborted, and once it and the members' receives have returned the
+        push may form a new group (MembersDied); still unfinished after ABORT_WAIT_S (a trainer
+        the abort did not free, a surviving member stuck in its own receive), BroadcastStuck."""
         if self.restart_dead:
             await self.trainer.abort_weight_broadcast.call()
             if (await asyncio.wait([transfer], timeout=ABORT_WAIT_S))[0]:

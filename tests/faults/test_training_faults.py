@@ -469,6 +469,7 @@ class _KillingBroadcast:
             while (await router.stats.call_one())["deaths"] != 1:
                 assert time.monotonic() - self.controller.killed_at < 30, "the router did not count replica 1 dead"
                 await asyncio.sleep(0.05)
+            self.controller.detection_s = time.monotonic() - self.controller.killed_at
         return await self.broadcast_weights.call()
 
 
@@ -516,11 +517,27 @@ def test_a_replica_killed_during_a_broadcast_with_restart_dead_re_forms_the_grou
     assert metrics[-1]["generator/serving_replicas"] == 2 and metrics[-1]["generator/restarts"] == 1
     fault_record("generator replica SIGKILLed during a broadcast (gloo, generator.restart_dead)",
                  "replica 1's proc, a member of the group formed for step 1's broadcast, as that broadcast "
-                 "starts (once the router counted it dead)", None,
+                 "starts (once the router counted it dead)", controller.detection_s,
                  f"nothing: the broadcast broke, went again to a new group of the survivor "
                  f"{controller.recovered_s:.1f} s after the kill (step 1's push returned), and the restarted replica "
                  f"joined at step 2's sync; weight groups formed {groups}; 3/3 steps trained",
                  recovered_s=controller.recovered_s)
+
+
+def test_a_replica_killed_during_a_broadcast_without_restart_dead_stops_the_run_naming_it(
+        tiny_ckpt, tmp_path, fault_record):
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, *BROADCAST, "generator.restart_dead=false",
+                                                   "controller.checkpoint_every=0"))
+    controller = ReplicaKilledDuringBroadcast(config)
+    with pytest.raises(TrainingError) as raised:
+        asyncio.run(asyncio.wait_for(controller.run(), 240))  # a regression hangs: fail instead
+    assert str(raised.value) == ("weight sync of policy version 1: generator replica(s) [1] died during the "
+                                 "broadcast, which did not reach the members still up")
+    assert read_metrics(tmp_path) == []  # step 1 stopped at its weight sync
+    fault_record("generator replica SIGKILLed during a broadcast (gloo, no generator.restart_dead)",
+                 "replica 1's proc, a member of the group formed for step 1's broadcast, as that broadcast "
+                 "starts (once the router counted it dead)", controller.detection_s,
+                 f"step 1's update: the run stopped with `{raised.value}`")
 
 
 class OnlyReplicaKilledBeforeSync(Controller):

@@ -117,9 +117,9 @@ class WeightSender:
         """Gives up a broadcast that waits for a dead member: NCCL's communicator is aborted
         (ncclCommAbort), and the broadcast raises BroadcastBroken. The group is left either way."""
         self.aborted = True
-        if self.group is not None and self.buffer.is_cuda:
-            self.group.nccl.ncclCommAbort(self.group.comm)
-        self.group = None
+        group, self.group = self.group, None
+        if group is not None and self.buffer.is_cuda:
+            group.nccl.ncclCommAbort(group.comm)
 
 
 class BufferReceiver:

@@ -257,14 +257,23 @@ class BroadcastSync(WeightSync):
         the trainer's side is aborted, and once it and the members' receives have returned the
         push may form a new group (MembersDied); still unfinished after ABORT_WAIT_S (a trainer
         the abort did not free, a surviving member stuck in its own receive), BroadcastStuck."""
-        if self.restart_dead:
-            await self.trainer.abort_weight_broadcast.call()
+        if self.restart_dead and await self._abort_trainer_broadcast():
             if (await asyncio.wait([transfer], timeout=ABORT_WAIT_S))[0]:
                 raise MembersDied(f"weight sync of policy version {version}: generator replica(s) {dead} died "
                                   "during the broadcast, which was aborted")
         transfer.cancel()
         raise BroadcastStuck(f"weight sync of policy version {version}: generator replica(s) {dead} died "
                              "during the broadcast, which waits for every member")
+
+
+    async def _abort_trainer_broadcast(self) -> bool:
+        """Whether the trainer aborted its broadcast; one whose abort failed may still be inside
+        the collective, so no new group is formed beside it."""
+        try:
+            await self.trainer.abort_weight_broadcast.call()
+        except ActorError:
+            return False
+        return True
 
 
 def create_weight_sync(config: Config, trainer: Any, router: Any) -> WeightSync:

@@ -182,6 +182,14 @@ def test_with_restart_dead_a_trainer_still_stuck_after_the_abort_stops_the_run(f
     assert trainer.abort_weight_broadcast.calls == [()]
 
 
+def test_with_restart_dead_a_failed_abort_stops_the_run_as_stuck(fast_watch):
+    trainer = Trainer(broadcast_s=5.0)
+    trainer.abort_weight_broadcast = Call(ActorError(RuntimeError("NCCL error: unhandled system error")))
+    with pytest.raises(BroadcastStuck, match="which waits for every member"):
+        push(trainer, Router(receives=[received()], dead=[[0]]), restart_dead=True)
+    assert trainer.abort_weight_broadcast.calls == [()] and len(trainer.broadcast_weights.calls) == 1
+
+
 def test_with_restart_dead_members_dying_in_every_try_stop_the_push_after_its_tries():
     router = Router(receives=[received(broken=[0])], dead=[[1]], plans=[plan([0, 1]), plan([0], stale=True)])
     trainer = Trainer(BROKEN)

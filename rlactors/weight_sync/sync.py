@@ -261,6 +261,7 @@ class BroadcastSync(WeightSync):
             if (await asyncio.wait([transfer], timeout=ABORT_WAIT_S))[0]:
                 raise MembersDied(f"weight sync of policy version {version}: generator replica(s) {dead} died "
                                   "during the broadcast, which was aborted")
+        transfer.add_done_callback(lambda f: f.cancelled() or f.exception())  # abandoned: its outcome is not needed
         transfer.cancel()
         raise BroadcastStuck(f"weight sync of policy version {version}: generator replica(s) {dead} died "
                              "during the broadcast, which waits for every member")

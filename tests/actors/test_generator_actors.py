@@ -302,15 +302,22 @@ def test_a_new_weight_group_is_joined_beside_the_drain_and_keeps_the_waiting_ver
     asyncio.run(main())
 
 
+async def version_1_accepted_beside_requests(tiny_ckpt):
+    """A staging engine generating a long request on version 0 that has accepted version 1 (not
+    loaded yet), and a request that waits for version 1; the next version's weights too."""
+    engine = staging_engine(tiny_ckpt)
+    versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
+    running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
+    await until(lambda: engine.stats()["generated_tokens"] >= 2)
+    engine.engine.wire = versions[0]
+    await engine.updates.receive_weights(1, state_checksum(versions[0]))
+    waiting = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "promised-v1"))
+    return engine, versions, running, waiting
+
+
 def test_a_bad_receive_over_an_accepted_version_kills_the_replica(tiny_ckpt):
     async def main():
-        engine = staging_engine(tiny_ckpt)
-        versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
-        running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
-        await until(lambda: engine.stats()["generated_tokens"] >= 2)
-        engine.engine.wire = versions[0]
-        await engine.updates.receive_weights(1, state_checksum(versions[0]))
-        waiting = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "promised-v1"))
+        engine, versions, running, waiting = await version_1_accepted_beside_requests(tiny_ckpt)
         engine.engine.wire = dict(versions[1])
         engine.engine.wire["model.norm.weight"] = versions[1]["model.norm.weight"] + 1
         with pytest.raises(ChecksumMismatch):
@@ -328,13 +335,7 @@ def test_a_bad_receive_over_an_accepted_version_kills_the_replica(tiny_ckpt):
 
 def test_a_broken_receive_over_an_accepted_version_holds_it_until_the_broadcast_goes_again(tiny_ckpt):
     async def main():
-        engine = staging_engine(tiny_ckpt)
-        versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
-        running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
-        await until(lambda: engine.stats()["generated_tokens"] >= 2)
-        engine.engine.wire = versions[0]
-        await engine.updates.receive_weights(1, state_checksum(versions[0]))
-        waiting = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "promised-v1"))
+        engine, versions, running, waiting = await version_1_accepted_beside_requests(tiny_ckpt)
         engine.engine.wire, engine.engine.break_next = versions[1], True
         with pytest.raises(BroadcastBroken):  # a member died: the push forms a new group and goes again
             await engine.updates.receive_weights(2, state_checksum(versions[1]))

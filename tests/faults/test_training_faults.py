@@ -394,6 +394,14 @@ def test_a_broadcast_that_fails_its_checksum_stops_the_run_and_the_replicas_keep
                  f"with `{message[:120]}...`; checkpoint 1 (complete) resumes it")
 
 
+async def restarted_into_the_next_group(router) -> None:
+    """Waits until replica 1's restart is up beside replica 0: both members of the next group."""
+    up = time.monotonic()
+    while (await router.plan_weight_group.call_one())["members"] != [0, 1]:
+        assert time.monotonic() - up < 120, "replica 1 was not restarted"
+        await asyncio.sleep(0.1)
+
+
 class RecordingBroadcastSync(sync.BroadcastSync):
     """Records the members of every weight group formed."""
 
@@ -420,10 +428,7 @@ class ReplicaKilledBeforeSync(Controller):
                 await asyncio.sleep(0.05)
             self.detection_s = time.monotonic() - killed
         if self.step == 2:
-            up = time.monotonic()
-            while (await self.router.plan_weight_group.call_one())["members"] != [0, 1]:
-                assert time.monotonic() - up < 120, "replica 1 was not restarted"
-                await asyncio.sleep(0.1)
+            await restarted_into_the_next_group(self.router)
         timings = await super().push_weights()
         self.router_stats = await self.router.stats.call_one()
         return timings
@@ -487,10 +492,7 @@ class ReplicaKilledDuringBroadcast(Controller):
 
     async def push_weights(self):
         if self.step == 2:
-            up = time.monotonic()
-            while (await self.router.plan_weight_group.call_one())["members"] != [0, 1]:
-                assert time.monotonic() - up < 120, "replica 1 was not restarted"
-                await asyncio.sleep(0.1)
+            await restarted_into_the_next_group(self.router)
         timings = await super().push_weights()
         if self.step == 1:
             self.recovered_s = time.monotonic() - self.killed_at

@@ -266,7 +266,6 @@ class BroadcastSync(WeightSync):
         raise BroadcastStuck(f"weight sync of policy version {version}: generator replica(s) {dead} died "
                              "during the broadcast, which waits for every member")
 
-
     async def _abort_trainer_broadcast(self) -> bool:
         """Whether the trainer aborted its broadcast; one whose abort failed may still be inside
         the collective, so no new group is formed beside it."""

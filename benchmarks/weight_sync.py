@@ -5,9 +5,9 @@
                                                            # native replicas on CPU: gloo broadcast
                                                            # (or `messages`: full tensors over Monarch)
 
-Each sync is the controller's own path: gather the full weights from the FSDP shards into one
-packed buffer (bf16) and checksum it; NCCL-broadcast it from trainer rank 0 to every replica
-worker; each replica verifies the checksum and loads the weights. The ceiling is a plain NCCL
+Each sync is the controller's own path: the full weights gathered from the FSDP shards into one
+packed buffer (bf16) chunk by chunk, each chunk NCCL-broadcast from trainer rank 0 to every replica
+worker once packed, then the checksum; each replica verifies it and loads the weights. The ceiling is a plain NCCL
 broadcast of the same number of bytes from GPU 0 to the replicas' GPUs, measured in the same run.
 Adds a row to benchmarks/results/weight_sync.md (results_table.py).
 """
@@ -30,15 +30,16 @@ from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.supervision import use_fast_supervision
 
 TITLE = "Weight sync: trainer -> every generator replica, verified by checksum"
-# total: what the trainer waits for, gather + transfer as the controller times them, until every
-# replica holds the weights verified. gather: the trainer packs the bf16 weights into its send
-# buffer (pack) and checksums them. transfer: the broadcast (sender side; it waits for every
-# receiver to join) and, on the slowest replica, receive + checksum check; the rest is Monarch
-# messaging. served: until every replica has loaded them (apply: the load, by the copy plan or
-# vLLM's load_weights, and the prefix-cache reset), between engine steps. Medians over --iters.
-COLUMNS = ("model", "trainer GPUs", "replicas", "total ms (min-max)", "served ms", "gather ms", "pack ms",
-           "checksum ms", "transfer ms", "broadcast ms", "replica receive+verify ms", "replica apply ms", "copy plan",
-           "transfer GB/s", "NCCL ceiling ms")
+# total: what the trainer waits for, as the controller times it, until every replica holds the
+# weights verified. By broadcast: send, the trainer's side (packing the bf16 weights from the FSDP
+# shards chunk by chunk, each chunk broadcast once packed, then the checksum; pack: the packing
+# within it) and, on the slowest replica, receive + checksum; the rest is Monarch messaging. By
+# messages: gather (full tensors on rank 0, checksummed) and transfer. served: until every replica
+# has loaded them (apply: the load, by the copy plan or vLLM's load_weights, and the prefix-cache
+# reset), between engine steps. Medians over --iters.
+COLUMNS = ("model", "trainer GPUs", "replicas", "total ms (min-max)", "served ms", "send ms", "pack ms",
+           "gather ms", "transfer ms", "replica receive+verify ms", "replica apply ms", "copy plan",
+           "GB/s (bytes / total)", "NCCL ceiling ms", "total / ceiling")
 
 
 def _broadcast_worker(rank: int, world_size: int, num_bytes: int, gpus: list[int], port: int, iters: int, out) -> None:
@@ -136,20 +137,19 @@ def main() -> None:
     def median_ms(key: str) -> str:
         return f"{statistics.median(r[key] for r in runs) * 1e3:.1f}" if key in runs[0] else "n/a"
 
-    totals = [r["gather_s"] + r["transfer_s"] for r in runs]
-    transfer = statistics.median(r["transfer_s"] for r in runs)
-    num_bytes = runs[0]["bytes"]
-    ceiling = "n/a"
+    totals = [r["total_s"] for r in runs]
+    total, num_bytes = statistics.median(totals), runs[0]["bytes"]
+    ceiling, ratio = "n/a", "n/a"
     if cuda:
         replica_gpus = [args.trainer_gpus + i for i in range(args.replicas)]
         seconds = nccl_ceiling(int(num_bytes), [0, *replica_gpus], args.iters)
-        ceiling = f"{seconds * 1e3:.1f} ({num_bytes / seconds / 1e9:.0f} GB/s)"
+        ceiling, ratio = f"{seconds * 1e3:.1f} ({num_bytes / seconds / 1e9:.0f} GB/s)", f"{total / seconds:.2f}x"
     figures = [f"{args.size} ({num_bytes / 1e6:.0f} MB)", args.trainer_gpus, args.replicas,
-               f"{statistics.median(totals) * 1e3:.1f} ({min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f})",
-               median_ms("served_s"), median_ms("gather_s"), median_ms("pack_s"), median_ms("checksum_s"),
-               median_ms("transfer_s"), median_ms("broadcast_s"), median_ms("replica_receive_verify_s"),
-               median_ms("replica_apply_s"), "yes" if all(r.get("copy_plan") == 1.0 for r in runs) else "no",
-               f"{num_bytes / transfer / 1e9:.1f}", ceiling]
+               f"{total * 1e3:.1f} ({min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f})", median_ms("served_s"),
+               median_ms("send_s"), median_ms("pack_s"), median_ms("gather_s"), median_ms("transfer_s"),
+               median_ms("replica_receive_verify_s"), median_ms("replica_apply_s"),
+               "yes" if all(r.get("copy_plan") == 1.0 for r in runs) else "no", f"{num_bytes / total / 1e9:.1f}",
+               ceiling, ratio]
     print(append_row(RESULTS / "weight_sync.md", TITLE, COLUMNS, figures, device=args.device))
 
 

@@ -132,7 +132,7 @@ class Controller:
 
     async def push_weights(self) -> dict[str, float]:
         """The trainer's current policy to every replica (`WeightSync.push`); its timings."""
-        return await self._sync_call(self.weight_sync.push())
+        return await self._sync_call(self.weight_sync.push(self.policy_version))
 
     async def _sync_call(self, call: Awaitable[Any]) -> Any:
         """`call` (a WeightSync step), its failure as the TrainingError that stops the run."""

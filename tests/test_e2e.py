@@ -84,7 +84,7 @@ def test_weights_by_broadcast_train_like_weights_by_messages(tiny_ckpt, tmp_path
                              'generator.weight_sync="broadcast"'))
     assert [m["policy/version"] for m in broadcast] == [1.0, 2.0]
     for by_message, by_broadcast in zip(messages, broadcast):
-        assert "weight_sync/broadcast_s" in by_broadcast and "weight_sync/broadcast_s" not in by_message
+        assert "weight_sync/send_s" in by_broadcast and "weight_sync/send_s" not in by_message
         # broadcast bytes include alignment
         assert by_broadcast["weight_sync/bytes"] == pytest.approx(by_message["weight_sync/bytes"], rel=0.01)
         assert by_broadcast["generator/serving_replicas"] == 2

@@ -73,18 +73,19 @@ def test_nccl_weight_sync_reaches_every_replica_and_is_verified(ckpt, tmp_path):
         await sync_and_wait(controller)
         back = await controller.generate(prompt, sampling, "back")
         stats = await controller.router.stats.call_one()
-        # A corrupted checksum is refused by every replica, which keep serving what they had.
-        packed = (await controller.trainer.pack_weights.call()).item(gpus=0)
-        with pytest.raises(Exception, match="rejected"):
-            await asyncio.gather(controller.trainer.broadcast_weights.call(),
-                                 controller.router.receive_weights.call_one(7, "0" * 32, "hot_swap"))
+        # A broadcast of another version than the replicas expect is refused by every replica,
+        # which keep serving what they had.
+        sent, refused = await asyncio.gather(controller.trainer.send_weights.call(),
+                                             controller.router.receive_weights.call_one(7, "hot_swap"),
+                                             return_exceptions=True)
         again = await controller.generate(prompt, sampling, "again")
-        return before, after, back, again, stats, packed
+        return before, after, back, again, stats, sent.item(gpus=0), refused
 
-    before, after, back, again, stats, packed = asyncio.run(_with_controller(config, body))
+    before, after, back, again, stats, sent, refused = asyncio.run(_with_controller(config, body))
     assert before.token_ids != after.token_ids
     assert back.token_ids == before.token_ids == again.token_ids and set(again.versions) == {0}
-    assert packed["pack_s"] > 0 and packed["checksum_s"] > 0 and stats["states"]["serving"] == replicas
+    assert "rejected" in str(refused) and "weights version 7 expected, the broadcast carried version 0" in str(refused)
+    assert sent["version"] == 0 and 0 < sent["pack_s"] <= sent["send_s"] and stats["states"]["serving"] == replicas
     assert [r["version"] for r in stats["replicas"]] == [0] * replicas
     assert all(r["engine"]["last_update"]["copy_plan"] == 1.0 for r in stats["replicas"])
 

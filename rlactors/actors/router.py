@@ -332,12 +332,12 @@ class GeneratorRouter(Actor):
         return [r.index for r in self.replicas if r.state is ReplicaState.DEAD]
 
     @concurrent_endpoint
-    async def receive_weights(self, version: int, checksum: str, mode: str | None = None) -> dict[str, Any]:
+    async def receive_weights(self, version: int, mode: str | None = None) -> dict[str, Any]:
         """Every member of the weight group receives the trainer's broadcast of `version` (called
         together with the trainer's broadcast); a restarted member serves from then on. A replica
-        whose checksum does not match keeps its old weights and the call raises naming it; a
-        replica that fails otherwise is marked dead."""
-        return await self.weights.receive(version, checksum, mode)
+        whose checksum does not match, or that received another version, keeps its old weights
+        and the call raises naming it; a replica that fails otherwise is marked dead."""
+        return await self.weights.receive(version, mode)
 
     @concurrent_endpoint
     async def stats(self) -> dict[str, Any]:

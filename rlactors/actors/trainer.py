@@ -26,6 +26,7 @@ from rlactors.placement import cuda_visible_devices, first_value, free_port, hos
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.core import PolicyTrainerCore, VersionedWeights
 from rlactors.trainer.parallel import init_distributed
+from rlactors.weight_sync.packed import PackedLayout
 
 
 class PolicyTrainer(Actor):
@@ -70,17 +71,13 @@ class PolicyTrainer(Actor):
         return self._core().weight_layout(dtype)
 
     @endpoint
-    async def init_weight_sender(self, host: str, port: int, world_size: int, dtype: str | None = None) -> None:
-        self._core().init_weight_sender(host, port, world_size, dtype)
-
-    @endpoint
-    async def pack_weights(self):
-        return self._core().pack_weights()
+    async def init_weight_sender(self, host: str, port: int, world_size: int, layout: PackedLayout) -> None:
+        self._core().init_weight_sender(host, port, world_size, layout)
 
     # Concurrent, so that an abort is served while a broadcast waits for a dead member (NCCL).
     @concurrent_endpoint
-    async def broadcast_weights(self):
-        return await self._core().broadcast_weights()
+    async def send_weights(self):
+        return await self._core().send_weights()
 
     @concurrent_endpoint
     async def abort_weight_broadcast(self) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,7 @@ from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, local_rows, make_mesh
 from rlactors.weight_sync.broadcast import WeightSender
 from rlactors.weight_sync.checksum import state_checksum
-from rlactors.weight_sync.packed import PackedLayout
+from rlactors.weight_sync.packed import Chunk, PackedLayout
 
 MICROBATCH_FIELDS = ("input_ids", "positions", "target_ids", "loss_mask", "advantages",
                      "generator_logprobs", "versions")
@@ -290,43 +289,48 @@ class PolicyTrainerCore:
                 local.copy_(tensors[name][first_row:first_row + local.shape[0]])
 
     @torch.no_grad()
-    def _gather_params(self, dtype: torch.dtype, destinations: dict[str, torch.Tensor] | None) -> None:
-        """Every parameter, whole and cast to `dtype`, copied into rank 0's `destinations[name]`
-        (None on the other ranks). A collective: every rank must call it.
+    def _gather_rows(self, dtype: torch.dtype, parts: Sequence[tuple[str, int, int]],
+                     destination: Callable[[int], torch.Tensor] | None) -> None:
+        """Rows `first` to `first + rows` of each part's parameter (`parts`: name, first, rows),
+        cast to `dtype`, copied into rank 0's `destination(i)` for part i (None on the other
+        ranks). A collective: every rank must call it with the same parts.
 
-        One gather moves all parameters at once (a per-parameter full_tensor() is hundreds of
-        collectives and allocations): each rank casts its rows into a flat buffer with one slot per
-        parameter, sized for the largest shard so every rank's buffer has the same layout, and
-        rank 0 copies each rank's rows into place. Bytes are gathered, so any dtype works on gloo.
+        One gather moves all parts at once (a per-parameter full_tensor() is hundreds of
+        collectives and allocations): each rank casts its own rows of each part into a flat buffer
+        with one slot per part, sized for the most rows any rank holds of it so every rank's
+        buffer has the same layout, and rank 0 copies each rank's rows into place. Bytes are
+        gathered, so any dtype works on gloo.
         """
-        params = list(self.model.named_parameters())
-        shards = [local_rows(p) for _, p in params]
+        params = dict(self.model.named_parameters())
         if self.world_size == 1:
-            if destinations is not None:
-                torch._foreach_copy_([destinations[n] for n, _ in params], [local for local, _ in shards])
+            if destination is not None:
+                torch._foreach_copy_([destination(i) for i in range(len(parts))],
+                                     [local_rows(params[name])[0][first:first + rows] for name, first, rows in parts])
             return
-        slots, offset = [], 0
-        for _, p in params:
-            chunk_rows = -(-p.shape[0] // self.world_size)
-            row_numel = math.prod(p.shape[1:])
-            slots.append((offset, chunk_rows, row_numel))
-            offset += chunk_rows * row_numel
+        shares, slots, offset = [], [], 0  # per part: this rank's rows of it; its slot in `flat`
+        for name, first, rows in parts:
+            p = params[name]
+            shard_rows = -(-p.shape[0] // self.world_size)
+            local, local_first = local_rows(p)
+            lo, hi = max(first, local_first), min(first + rows, local_first + local.shape[0])
+            shares.append(local[lo - local_first:max(lo, hi) - local_first])
+            slots.append(offset)
+            offset += min(rows, shard_rows) * math.prod(p.shape[1:])
         flat = torch.zeros(offset, dtype=dtype, device=self.device)
-        torch._foreach_copy_([flat[o:o + local.numel()].view(local.shape)
-                              for (o, _, _), (local, _) in zip(slots, shards)],
-                             [local for local, _ in shards])
+        torch._foreach_copy_([flat[o:o + share.numel()].view(share.shape) for o, share in zip(slots, shares)], shares)
         gathered = [torch.empty_like(flat) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(flat.view(torch.uint8), [g.view(torch.uint8) for g in gathered] if gathered else None, dst=0)
-        if destinations is None:
+        if destination is None:
             return
         targets, sources = [], []
-        for (name, p), (o, chunk_rows, row_numel) in zip(params, slots):
+        for i, ((name, first, rows), o) in enumerate(zip(parts, slots)):
+            p = params[name]
+            shard_rows, row_numel = -(-p.shape[0] // self.world_size), math.prod(p.shape[1:])
             for r, rank_flat in enumerate(gathered):
-                first = min(r * chunk_rows, p.shape[0])
-                rows = min(chunk_rows, p.shape[0] - first)
-                if rows:
-                    targets.append(destinations[name][first:first + rows])
-                    sources.append(rank_flat[o:o + rows * row_numel].view(rows, *p.shape[1:]))
+                lo, hi = max(first, r * shard_rows), min(first + rows, (r + 1) * shard_rows, p.shape[0])
+                if hi > lo:
+                    targets.append(destination(i)[lo - first:hi - first])
+                    sources.append(rank_flat[o:o + (hi - lo) * row_numel].view(hi - lo, *p.shape[1:]))
         torch._foreach_copy_(targets, sources)
 
     def full_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
@@ -335,9 +339,12 @@ class PolicyTrainerCore:
         A collective: every rank must call it. Tied embeddings give one tensor (no lm_head.weight),
         the HF checkpoint's names and set.
         """
-        weights = ({name: torch.empty(p.shape, dtype=dtype, device=self.device)
-                    for name, p in self.model.named_parameters()} if self.rank == 0 else None)
-        self._gather_params(dtype, weights)
+        params = dict(self.model.named_parameters())
+        weights = ({name: torch.empty(p.shape, dtype=dtype, device=self.device) for name, p in params.items()}
+                   if self.rank == 0 else None)
+        names = list(params)
+        self._gather_rows(dtype, [(name, 0, p.shape[0]) for name, p in params.items()],
+                          None if weights is None else lambda i: weights[names[i]])
         return None if weights is None else {name: t.cpu() for name, t in weights.items()}
 
     def state_dict_for_sync(self, dtype: str | None = None) -> VersionedWeights | None:
@@ -357,34 +364,40 @@ class PolicyTrainerCore:
         return PackedLayout.of((name, torch.empty(p.shape, dtype=torch_dtype, device="meta"))
                                for name, p in self.model.named_parameters())
 
-    def init_weight_sender(self, host: str, port: int, world_size: int, dtype: str | None = None) -> None:
+    def init_weight_sender(self, host: str, port: int, world_size: int, layout: PackedLayout) -> None:
         """Rank 0 forms the weight group as its rank 0 (blocks until every replica joins), in
-        place of any earlier group; every rank records the dtype it will gather the weights in."""
-        self._sync_dtype = DTYPES[dtype or self.model_config.dtype]
+        place of any earlier group; every rank records `layout` (`weight_layout`, perhaps in
+        other chunks), which it gathers the weights in and rank 0 sends in."""
+        dtypes = {spec.dtype for spec in layout.specs}
+        shapes = {spec.name: spec.shape for spec in layout.specs}
+        if len(dtypes) != 1 or shapes != {name: tuple(p.shape) for name, p in self.model.named_parameters()}:
+            raise ValueError(f"the weight layout is not this policy's in one dtype: {sorted(dtypes)}, "
+                             f"{sorted(shapes)[:3]}...")
+        self._sync_dtype, self._sync_layout = DTYPES[dtypes.pop()], layout
         if self.rank == 0:
-            if self.sender is None:
-                self.sender = WeightSender(self.weight_layout(dtype), self.device)
+            if self.sender is None or self.sender.layout != layout:
+                self.sender = WeightSender(layout, self.device)
             self.sender.join(host, port, world_size)
 
-    def pack_weights(self) -> dict[str, Any] | None:
-        """Gathers every parameter (a collective: all ranks call it) into rank 0's send buffer;
-        rank 0 returns the version, the checksum the replicas will verify, and the seconds spent
-        gathering and checksumming."""
-        start = time.perf_counter()
-        views = dict(self.sender.layout.views(self.sender.buffer)) if self.rank == 0 else None
-        self._gather_params(self._sync_dtype, views)
+    async def send_weights(self) -> dict[str, Any] | None:
+        """Gathers the policy into rank 0's send buffer chunk by chunk (a collective: all ranks
+        call it), while rank 0 broadcasts each chunk once packed (called together with the
+        replicas' receive). Rank 0 returns the version, the checksum the replicas verified, and
+        timings (`WeightSender.send`)."""
         if self.rank != 0:
+            for chunk in self._sync_layout.chunks:
+                self._pack_chunk(chunk, None)
             return None
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        gathered = time.perf_counter()
-        checksum = self.sender.layout.checksum(self.sender.buffer)
-        return {"version": self.version, "checksum": checksum, "pack_s": gathered - start,
-                "checksum_s": time.perf_counter() - gathered}
+        return await self.sender.send(self.version, self._pack_chunk)
 
-    async def broadcast_weights(self) -> dict[str, float] | None:
-        """Rank 0 broadcasts the packed buffer (called together with the replicas' receive)."""
-        return await self.sender.broadcast() if self.rank == 0 else None
+    def _pack_chunk(self, chunk: Chunk, buffer: torch.Tensor | None) -> None:
+        """The rows of `chunk`'s pieces into `buffer` (rank 0's send buffer; None elsewhere)."""
+        layout = self._sync_layout
+        # A tensor of one dimension is one piece in the layout, all of its FSDP-sharded rows here.
+        parts = [(piece.name, piece.first_row, piece.rows) if len(layout.spec(piece.name).shape) > 1
+                 else (piece.name, 0, layout.spec(piece.name).shape[0]) for piece in chunk.pieces]
+        self._gather_rows(self._sync_dtype, parts,
+                          None if buffer is None else lambda i: layout.piece_view(buffer, chunk.pieces[i]))
 
     def abort_weight_broadcast(self) -> None:
         """Rank 0 gives up a broadcast that waits for a dead member (`WeightSender.abort`)."""

@@ -10,9 +10,12 @@ and each member keeps its buffer across groups, so a version received but not ye
 A broadcast that a member's death breaks raises `BroadcastBroken` on the sides that see it, which
 leave the group; on GPU the sender awaits its broadcast and can be aborted (`WeightSender.abort`).
 
-A receiver stages each broadcast in its own buffer (on GPU, on a side stream) and checks its
-checksum before loading anything: on a mismatch the replica keeps serving its current weights
-and the error names the version. The load follows between engine steps; in vLLM, loads after the
+A broadcast is the packed buffer in chunks (`PackedLayout.chunks`), the sender packing the next
+chunk while the last one is on the wire, then a trailer: the version and the checksum sums the
+sender computed as it packed. A receiver stages the chunks in its own buffer (on GPU, on a side
+stream), checksums each as it lands, and compares the whole with the trailer before loading
+anything: on a mismatch, or another version than it was told to expect, the replica keeps serving
+its current weights and the error names the version. The load follows between engine steps; in vLLM, loads after the
 first are plain copies from the buffer where a copy plan was proven equal to vLLM's loader.
 
 Each engine names its receiving end (`Engine.broadcast_receiver()`, a `BroadcastReceiver`): the
@@ -30,12 +33,16 @@ from typing import Any, Protocol
 
 import torch
 
-from rlactors.weight_sync.checksum import ChecksumMismatch
+from rlactors.weight_sync.checksum import ChecksumMismatch, RunningChecksum, unsigned
 from rlactors.weight_sync.copy_plan import CopyPlan
-from rlactors.weight_sync.packed import PackedLayout
+from rlactors.weight_sync.packed import Chunk, PackedLayout
 
 GLOO_TIMEOUT = datetime.timedelta(minutes=5)  # a rendezvous or broadcast that waits longer fails
 CUDA_POLL_S = 0.0005  # how often the sender looks whether its NCCL broadcast has completed
+
+
+class UnexpectedVersion(RuntimeError):
+    """A broadcast carried another weights version than the receiver was told to expect."""
 
 
 class BroadcastBroken(RuntimeError):
@@ -56,6 +63,10 @@ class GlooGroup:
         try:
             self.group.broadcast(tensor, src).wait()
         except RuntimeError as e:  # a member that died fails it at once (connection closed or reset)
+            # Dropped here, so closed now whoever holds this wrapper (a traceback does): members
+            # waiting on this one in the broadcast's next collective (a chunk or the trailer)
+            # fail instead of waiting for GLOO_TIMEOUT.
+            self.group = None
             raise BroadcastBroken(f"the weight broadcast group broke: {e}") from None
 
 
@@ -71,13 +82,15 @@ def join_group(host: str, port: int, rank: int, world_size: int, device: torch.d
 
 
 class WeightSender:
-    """Trainer rank 0's side: a persistent send buffer (the trainer packs it) and the broadcast."""
+    """Trainer rank 0's side: a persistent send buffer and the pipelined broadcast of it."""
 
     def __init__(self, layout: PackedLayout, device: torch.device):
         self.layout = layout
         self.buffer = layout.empty(device).zero_()  # zeroed once: padding bytes count in the checksum
         self.group: Any = None
         self.aborted = False
+        if self.buffer.is_cuda:  # the broadcast and the checksum each beside the packing
+            self.send_stream, self.checksum_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
     def join(self, host: str, port: int, world_size: int) -> None:
         """Forms a group (as its rank 0) in place of the previous one."""
@@ -85,33 +98,68 @@ class WeightSender:
         self.aborted = False
         self.group = join_group(host, port, 0, world_size, self.buffer.device)
 
-    async def broadcast(self) -> dict[str, float]:
-        """Sends the buffer as it is (the caller has packed it) to every receiver. BroadcastBroken
-        if a member left the group, or `abort` gave it up: the group is left, and a new one must
-        be joined. On CPU the call blocks until gloo is done (it fails at once when a member
-        died); on GPU it awaits the broadcast's CUDA event, so that `abort` can run meanwhile."""
+    async def send(self, version: int, pack: Callable[[Chunk, torch.Tensor], None]) -> dict[str, Any]:
+        """Packs the weights chunk by chunk (`pack(chunk, buffer)` writes its pieces) and sends
+        each chunk once packed, then the trailer: `version` and the checksum sums of the whole
+        buffer, which every receiver checks its own against. On GPU the packing (the caller's
+        stream), the checksum and the broadcast run on three streams, so packing chunk k + 1
+        overlaps sending chunk k. BroadcastBroken if a member left the group or `abort` gave it
+        up: the group is left, and a new one must be joined. Returns the version, the checksum's
+        digest, the bytes, and seconds: the whole send, and the packing within it."""
         start = time.perf_counter()
         try:
             if self.buffer.is_cuda:
-                await self._broadcast_cuda()
+                sums, pack_s = await self._send_cuda(version, pack)
             else:
-                self.group.broadcast(self.buffer, src=0)
+                sums, pack_s = self._send_cpu(version, pack)
         except BroadcastBroken:
             self.group = None  # closes its connections: the members still waiting on it fail
             raise
-        return {"bytes": float(self.layout.total_bytes), "broadcast_s": time.perf_counter() - start}
+        return {"version": version, "checksum": self.layout.digest(*sums), "bytes": float(self.layout.total_bytes),
+                "send_s": time.perf_counter() - start, "pack_s": pack_s}
 
-    async def _broadcast_cuda(self) -> None:
+    def _send_cpu(self, version: int, pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[tuple[int, int], float]:
+        running, pack_s = RunningChecksum(self.buffer.device), 0.0
+        for chunk in self.layout.chunks:
+            packing = time.perf_counter()
+            pack(chunk, self.buffer)
+            pack_s += time.perf_counter() - packing
+            view = self.layout.chunk_view(self.buffer, chunk)
+            running.add(view, chunk.start)
+            self.group.broadcast(view, src=0)
+        self.group.broadcast(_trailer(version, running), src=0)
+        return running.sums(), pack_s
+
+    async def _send_cuda(self, version: int,
+                         pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[tuple[int, int], float]:
         # NCCL waits for a dead member for ever, and a host thread blocked in that wait could not
-        # serve `abort`: the broadcast is enqueued and its completion polled instead.
-        stream = torch.cuda.current_stream()
-        self.group.broadcast(self.buffer, src=0, stream=stream)
-        done = torch.cuda.Event()
-        done.record(stream)
+        # serve `abort`: everything is enqueued, and the end of the broadcast polled.
+        packing = torch.cuda.current_stream()
+        started, packed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        started.record(packing)
+        running = RunningChecksum(self.buffer.device)
+        for chunk in self.layout.chunks:
+            pack(chunk, self.buffer)
+            ready = packing.record_event()
+            view = self.layout.chunk_view(self.buffer, chunk)
+            self.checksum_stream.wait_event(ready)
+            with torch.cuda.stream(self.checksum_stream):
+                running.add(view, chunk.start)
+            self.send_stream.wait_event(ready)
+            self.group.broadcast(view, src=0, stream=self.send_stream)
+        packed.record(packing)
+        with torch.cuda.stream(self.checksum_stream):
+            trailer = _trailer(version, running)
+        self.send_stream.wait_stream(self.checksum_stream)
+        self.group.broadcast(trailer, src=0, stream=self.send_stream)
+        done = self.send_stream.record_event()
         while not done.query():
             if self.aborted:
                 raise BroadcastBroken("the weight broadcast was aborted: a member died during it")
             await asyncio.sleep(CUDA_POLL_S)
+        packed.synchronize()
+        _, plain, weighted = trailer.tolist()
+        return unsigned(plain, weighted), started.elapsed_time(packed) / 1e3
 
     def abort(self) -> None:
         """Gives up a broadcast that waits for a dead member: NCCL's communicator is aborted
@@ -122,6 +170,12 @@ class WeightSender:
             group.nccl.ncclCommAbort(group.comm)
 
 
+def _trailer(version: int, running: RunningChecksum) -> torch.Tensor:
+    """What follows the chunks: [version, plain sum, weighted sum], int64 on the device."""
+    version_tensor = torch.tensor([version], dtype=torch.int64).to(running.columns.device, non_blocking=True)
+    return torch.cat([version_tensor, running.sums_tensor()])
+
+
 class BufferReceiver:
     """A replica's side (the native engine holds one, each vLLM TP worker one): its member of the
     group and a receive buffer of its own, so a broadcast never touches the weights being served."""
@@ -130,26 +184,49 @@ class BufferReceiver:
         self.layout = layout
         self.buffer = layout.empty(device)
         self.group: Any = None
+        self.checksum_stream = torch.cuda.Stream(device) if self.buffer.is_cuda else None
 
     def join(self, host: str, port: int, rank: int, world_size: int) -> None:
         """Joins a group in place of the previous one; the buffer, and what it holds, stay."""
         self.group = None
         self.group = join_group(host, port, rank, world_size, self.buffer.device)
 
-    def receive(self, version: int, checksum: str, stream: Any = None) -> dict[str, float]:
-        """Receives the next broadcast into the buffer and checks it against `checksum`
-        (ChecksumMismatch on a difference; BroadcastBroken when the group broke, which is then
-        left). Returns the seconds it took."""
+    def receive(self, version: int, stream: Any = None) -> dict[str, float]:
+        """Receives the next broadcast into the buffer, chunk by chunk, checksumming each chunk
+        as it lands (on GPU on a stream of its own, beside the receive on `stream`), then the
+        trailer: the broadcast must carry `version` (else UnexpectedVersion) and its checksum
+        must equal the trailer's (else ChecksumMismatch). BroadcastBroken when the group broke,
+        which is then left. Returns the seconds it took."""
         start = time.perf_counter()
+        cuda = self.buffer.is_cuda
+        stream = stream or (torch.cuda.current_stream() if cuda else None)
+        running = RunningChecksum(self.buffer.device)
+        trailer = torch.empty(3, dtype=torch.int64, device=self.buffer.device)
         try:
-            self.group.broadcast(self.buffer, src=0, stream=stream)
+            for chunk in self.layout.chunks:
+                view = self.layout.chunk_view(self.buffer, chunk)
+                self.group.broadcast(view, src=0, stream=stream)
+                if cuda:
+                    self.checksum_stream.wait_event(stream.record_event())
+                    with torch.cuda.stream(self.checksum_stream):
+                        running.add(view, chunk.start)
+                else:
+                    running.add(view, chunk.start)
+            self.group.broadcast(trailer, src=0, stream=stream)
         except BroadcastBroken:
             self.group = None  # as the sender does: the members waiting on this one fail too
             raise
-        received = self.layout.checksum(self.buffer)  # on GPU, on the same stream, after the broadcast
-        if received != checksum:
-            raise ChecksumMismatch(f"weights version {version}: received checksum {received}, trainer sent "
-                                   f"{checksum}; keeping the previous weights")
+        if cuda:
+            self.checksum_stream.wait_stream(stream)
+            self.checksum_stream.synchronize()
+        sent_version, *sent = trailer.tolist()
+        if sent_version != version:
+            raise UnexpectedVersion(f"weights version {version} expected, the broadcast carried version "
+                                    f"{sent_version}; keeping the previous weights")
+        received, sent = running.sums(), unsigned(*sent)
+        if received != sent:
+            raise ChecksumMismatch(f"weights version {version}: received checksum {self.layout.digest(*received)}, "
+                                   f"trainer sent {self.layout.digest(*sent)}; keeping the previous weights")
         return {"receive_verify_s": time.perf_counter() - start}
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -164,9 +241,10 @@ class BroadcastReceiver(Protocol):
         """Joins a (new) group, keeping the receive buffer; blocks until every member joins.
         Returns the ranks taken (one per TP worker, from `rank_offset` on)."""
 
-    def receive(self, version: int, checksum: str) -> dict[str, float]:
-        """Receives the next broadcast into the buffer and checks its checksum (ChecksumMismatch
-        on a difference); the served weights are untouched. Returns timings."""
+    def receive(self, version: int) -> dict[str, float]:
+        """Receives the next broadcast, which must carry `version`, into the buffer and checks
+        its checksum against the one it carries (ChecksumMismatch on a difference); the served
+        weights are untouched. Returns timings."""
 
     def load(self, version: int) -> dict[str, float]:
         """Loads the received weights into the model; later tokens carry `version`. Returns timings."""
@@ -188,10 +266,10 @@ class LocalReceiver:
         self.buffer_receiver.join(host, port, rank_offset, world_size)
         return [rank_offset]
 
-    def receive(self, version: int, checksum: str) -> dict[str, float]:
+    def receive(self, version: int) -> dict[str, float]:
         if self.buffer_receiver is None:
             raise RuntimeError(f"weights version {version}: this replica has not joined a weight group")
-        return self.buffer_receiver.receive(version, checksum)
+        return self.buffer_receiver.receive(version)
 
     def load(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
@@ -211,8 +289,8 @@ class VLLMReceiver:
     def join(self, host: str, port: int, rank_offset: int, world_size: int, layout: PackedLayout) -> list[int]:
         return self.llm_engine.collective_rpc(worker_join, args=(host, port, rank_offset, world_size, layout))
 
-    def receive(self, version: int, checksum: str) -> dict[str, float]:
-        return self.llm_engine.collective_rpc(worker_stage, args=(version, checksum))[0]
+    def receive(self, version: int) -> dict[str, float]:
+        return self.llm_engine.collective_rpc(worker_stage, args=(version,))[0]
 
     def load(self, version: int) -> dict[str, float]:
         timings = self.llm_engine.collective_rpc(worker_load_staged)[0]
@@ -238,12 +316,12 @@ def worker_join(worker: Any, host: str, port: int, rank_offset: int, world_size:
     return rank
 
 
-def worker_stage(worker: Any, version: int, checksum: str) -> dict[str, float]:
+def worker_stage(worker: Any, version: int) -> dict[str, float]:
     """Receives the broadcast into the worker's buffer and checks its checksum; the model's
     weights are untouched, so the engine may be generating meanwhile (on its own stream)."""
     stream: torch.cuda.Stream = worker.rlactors_stage_stream
     with torch.cuda.stream(stream):
-        return worker.rlactors_receiver.receive(version, checksum, stream)
+        return worker.rlactors_receiver.receive(version, stream)
 
 
 def worker_load_staged(worker: Any) -> dict[str, float]:

@@ -53,7 +53,36 @@ def _plain_and_weighted(columns: torch.Tensor) -> torch.Tensor:
 
 def tensor_checksum(tensor: torch.Tensor) -> tuple[int, int]:
     """(plain, weighted) sums of the tensor's column sums, as unsigned 64-bit ints."""
-    plain, weighted = _plain_and_weighted(_column_sums(tensor)[None])[0].tolist()
+    running = RunningChecksum(tensor.device)
+    running.add(tensor, 0)
+    return running.sums()
+
+
+class RunningChecksum:
+    """`tensor_checksum` of a byte buffer that arrives in pieces, each summed as it comes, on the
+    device: a piece starting `byte_offset` bytes in has its column sums rotated to the columns
+    its words hold in the whole buffer, so the pieces of a buffer, in any order, sum to the
+    whole buffer's columns."""
+
+    def __init__(self, device: torch.device | str):
+        self.columns = torch.zeros(PERIOD, dtype=torch.int32, device=device)
+
+    def add(self, piece: torch.Tensor, byte_offset: int) -> None:
+        """Adds the bytes of `piece`, found at `byte_offset` (a multiple of 4) of the buffer."""
+        if byte_offset % 4:
+            raise ValueError(f"byte_offset must be a multiple of 4, got {byte_offset}")
+        self.columns += torch.roll(_column_sums(piece), (byte_offset // 4) % PERIOD)
+
+    def sums_tensor(self) -> torch.Tensor:
+        """[2] int64 (plain, weighted) on the device: no host sync."""
+        return _plain_and_weighted(self.columns[None])[0]
+
+    def sums(self) -> tuple[int, int]:
+        return unsigned(*self.sums_tensor().tolist())
+
+
+def unsigned(plain: int, weighted: int) -> tuple[int, int]:
+    """(plain, weighted) sums read from int64 as the unsigned 64-bit ints the digests use."""
     return plain & _MASK, weighted & _MASK
 
 

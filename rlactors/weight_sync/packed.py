@@ -1,11 +1,15 @@
 """One flat byte buffer for a whole weight set: the unit of a GPU weight broadcast.
 
 Broadcasting one buffer instead of hundreds of tensors keeps NCCL at full bandwidth, and one
-checksum over the buffer (plus the layout) verifies everything a replica received.
+checksum over the buffer (plus the layout) verifies everything a replica received. The buffer is
+sent in chunks of about CHUNK_BYTES, cut at row boundaries (a large embedding spans several), so
+that the sender packs chunk k + 1 while chunk k is on the wire, and each side checksums a chunk as
+soon as it is packed or received; every member derives the same chunks from the layout.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -15,6 +19,7 @@ import torch
 from rlactors.weight_sync.checksum import tensor_checksum
 
 _ALIGN = 64  # bytes; every view starts aligned for any dtype
+CHUNK_BYTES = 128 << 20  # long enough that a broadcast's fixed cost is small, short enough to pipeline
 
 
 @dataclass(frozen=True)
@@ -36,21 +41,52 @@ class TensorSpec:
         return count * self.torch_dtype.itemsize
 
 
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if len(self.shape) > 1 else 1
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // self.rows if self.rows else 0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows `first_row` to `first_row + rows` of the tensor named `name` (a tensor of one
+    dimension or none is one row)."""
+
+    name: str
+    first_row: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Bytes `start` to `end` of the buffer: the pieces that fill them, and the padding after."""
+
+    start: int
+    end: int
+    pieces: tuple[Piece, ...]
+
+
 @dataclass(frozen=True)
 class PackedLayout:
     specs: tuple[TensorSpec, ...]
     total_bytes: int
+    chunks: tuple[Chunk, ...]  # cover the buffer, in order
 
     @classmethod
-    def of(cls, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> PackedLayout:
-        """The layout of `named` (name order kept; only shapes and dtypes are read)."""
+    def of(cls, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+           chunk_bytes: int = CHUNK_BYTES) -> PackedLayout:
+        """The layout of `named` (name order kept; only shapes and dtypes are read), sent in
+        chunks of at most `chunk_bytes` (or one row, where a row is longer)."""
         items = named.items() if isinstance(named, Mapping) else named
         specs, offset = [], 0
         for name, tensor in items:
             spec = TensorSpec(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset)
             specs.append(spec)
             offset += -(-spec.nbytes // _ALIGN) * _ALIGN
-        return cls(tuple(specs), offset)
+        return cls(tuple(specs), offset, _chunks(specs, offset, chunk_bytes))
 
     def empty(self, device: torch.device | str) -> torch.Tensor:
         return torch.empty(self.total_bytes, dtype=torch.uint8, device=device)
@@ -75,8 +111,53 @@ class PackedLayout:
             view.copy_(source)
         return buffer
 
+    def chunk_view(self, buffer: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        return buffer[chunk.start:chunk.end]
+
+    def piece_view(self, buffer: torch.Tensor, piece: Piece) -> torch.Tensor:
+        """The rows of `piece` in `buffer`, in the tensor's dtype and shape."""
+        spec = self.spec(piece.name)
+        start = spec.offset + piece.first_row * spec.row_bytes
+        view = buffer[start:start + piece.rows * spec.row_bytes].view(spec.torch_dtype)
+        return view.view(piece.rows, *spec.shape[1:]) if len(spec.shape) > 1 else view.view(spec.shape)
+
+    def spec(self, name: str) -> TensorSpec:
+        return self._by_name[name]
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, TensorSpec]:
+        return {s.name: s for s in self.specs}
+
     def checksum(self, buffer: torch.Tensor) -> str:
         """Digest of the layout and the buffer's bytes (padding included, so zero it once)."""
-        plain, weighted = tensor_checksum(buffer)
+        return self.digest(*tensor_checksum(buffer))
+
+    def digest(self, plain: int, weighted: int) -> str:
+        """`checksum`'s digest from the buffer's (plain, weighted) sums (`RunningChecksum`)."""
         text = "\n".join(f"{s.name}:{s.dtype}:{s.shape}:{s.offset}" for s in self.specs)
         return hashlib.blake2b(f"{text}\n{plain:016x}{weighted:016x}".encode(), digest_size=16).hexdigest()
+
+
+def _chunks(specs: list[TensorSpec], total_bytes: int, chunk_bytes: int) -> tuple[Chunk, ...]:
+    """Consecutive chunks of at most `chunk_bytes` (at least one row each), cut between rows.
+    A tensor is cut only where its rows are whole multiples of the alignment, so every chunk
+    starts aligned; the padding after a tensor goes with its last rows."""
+    chunks: list[Chunk] = []
+    start, pieces = 0, []
+    for spec, next_offset in zip(specs, [s.offset for s in specs[1:]] + [total_bytes]):
+        splittable = spec.row_bytes % _ALIGN == 0 and spec.row_bytes > 0
+        row = 0
+        while row < spec.rows:
+            room = chunk_bytes - (spec.offset + row * spec.row_bytes - start)
+            rows = spec.rows - row if not splittable else min(spec.rows - row, max(room, 0) // spec.row_bytes)
+            if rows == 0 and pieces:  # the chunk is full: cut before this row
+                chunks.append(Chunk(start, spec.offset + row * spec.row_bytes, tuple(pieces)))
+                start, pieces = spec.offset + row * spec.row_bytes, []
+                continue
+            rows = max(rows, 1)
+            pieces.append(Piece(spec.name, row, rows))
+            row += rows
+        if next_offset - start >= chunk_bytes or spec is specs[-1]:
+            chunks.append(Chunk(start, next_offset, tuple(pieces)))
+            start, pieces = next_offset, []
+    return tuple(chunks)

@@ -114,13 +114,13 @@ class ReplicaWeights:
         """The members of the current group that died (a member is up until it dies)."""
         return [r.index for r in self.group or () if not r.up]
 
-    async def receive(self, version: int, checksum: str, mode: str | None) -> dict[str, Any]:
+    async def receive(self, version: int, mode: str | None) -> dict[str, Any]:
         """Every member still up receives the trainer's broadcast of `version` (called together
         with it); returns each one's receive timings."""
         start = time.perf_counter()
         members = [r for r in self.group or () if r.up]
         rejected, broken, timings = await self._fan_out(
-            version, lambda r: r.actor.receive_weights.call_one(version, checksum, mode), members)
+            version, lambda r: r.actor.receive_weights.call_one(version, mode), members)
         _raise_if_rejected(version, rejected)
         return {"version": version, "seconds": time.perf_counter() - start, "replicas": timings, "broken": broken}
 

@@ -5,9 +5,9 @@ itself in `rlactors.weight_sync.broadcast`. The actors' endpoints it calls are t
 
 The controller holds one `WeightSync`, made by `create_weight_sync(config, trainer, router)` for
 `generator.weight_sync` (a concrete value once the config is loaded: "auto" is resolved then),
-calls `await sync.start()` once the meshes are up and `await sync.push()` whenever
+calls `await sync.start()` once the meshes are up and `await sync.push(policy_version)` whenever
 `await sync.due(policy_version)`: the trainer's policy version differs from `sync.version`, or (by
-broadcast) a restarted replica waits for weights. `push()` returns once every replica has verified the
+broadcast) a restarted replica waits for weights. `push` returns once every replica has verified the
 weights; each replica loads them at its next engine step boundary (`generator.update_mode`: after
 its in-flight requests finish, or at once as a hot swap) and admits no new request before then
 (`rlactors.weight_sync.updates`).
@@ -38,12 +38,13 @@ died or a restarted replica is up:
    (rlactors.weight_sync.updates) join through its engine's `broadcast_receiver()`: a
    `BufferReceiver` per native engine or vLLM TP worker, whose receive buffer, and a version in
    it waiting for its load, survive the change of group).
-3. A push: `trainer.pack_weights()` on every rank (all ranks gather into rank 0's send buffer,
-   which is checksummed) beside the plan of step 1; then, together, `trainer.broadcast_weights()`
-   and `router.receive_weights(version, checksum, mode)` (each member's
-   `WeightUpdates.receive_weights` -> its receiver's `receive`: the broadcast lands in the
-   receive buffer and its checksum is checked beside the running engine; the receiver's `load`
-   follows at a step boundary). A restarted member serves from the first broadcast it receives.
+3. A push, after the plan of step 1: together, `trainer.send_weights()` on every rank (all ranks
+   gather into rank 0's send buffer chunk by chunk, and rank 0 broadcasts each chunk once packed,
+   then the version and checksum) and `router.receive_weights(version, mode)` (each member's
+   `WeightUpdates.receive_weights` -> its receiver's `receive`: the chunks land in the receive
+   buffer, checksummed as they come, beside the running engine, and the whole must match the
+   trainer's checksum and version; the receiver's `load` follows at a step boundary). A restarted
+   member serves from the first broadcast it receives.
 4. While the broadcast runs, `router.dead_weight_group_members()` every 0.5 s: NCCL waits for a
    dead member for ever (gloo fails at once: `BroadcastBroken`), so a broadcast that outlives a
    member's death by `BROADCAST_DEATH_GRACE_S` is given up. NCCL may also let the sender finish
@@ -131,28 +132,30 @@ class WeightSync:
     async def _replicas_wait(self) -> bool:
         return False  # by messages the router brings a restarted replica to the last version itself
 
-    async def push(self) -> dict[str, float]:
-        """Sends the trainer's current policy; returns once every replica has verified it.
+    async def push(self, version: int) -> dict[str, float]:
+        """Sends the trainer's current policy, `version`; returns once every replica has verified it.
 
-        Returns seconds spent gathering the weights (with packing and checksumming: `gather_s`)
-        and moving them (transfer and verification: `transfer_s`), the bytes moved to each
-        replica, and the variant's own timings."""
+        Returns the seconds until then (`total_s`), the bytes moved to each replica, and the
+        variant's own timings."""
         raise NotImplementedError
 
 
 class MessagesSync(WeightSync):
-    async def push(self) -> dict[str, float]:
+    async def push(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
         weights = first_value(await self.trainer.state_dict_for_sync.call(self.dtype))
+        if weights.version != version:
+            raise WeightSyncError(f"weight sync of policy version {version} failed: the trainer holds version "
+                                  f"{weights.version}")
         gathered = time.perf_counter()
         try:
-            await self.router.update_weights.call_one(weights.version, weights.weights, weights.checksum,
-                                                      self.update_mode)
+            await self.router.update_weights.call_one(version, weights.weights, weights.checksum, self.update_mode)
         except ActorError as e:  # a replica rejected the weights (checksum, names, shapes)
-            raise WeightSyncError(f"weight sync of policy version {weights.version} failed: {e.exception}") from None
-        self.version = weights.version
+            raise WeightSyncError(f"weight sync of policy version {version} failed: {e.exception}") from None
+        self.version = version
         num_bytes = float(sum(t.numel() * t.element_size() for t in weights.weights.values()))
-        return {"gather_s": gathered - start, "transfer_s": time.perf_counter() - gathered, "bytes": num_bytes}
+        return {"total_s": time.perf_counter() - start, "gather_s": gathered - start,
+                "transfer_s": time.perf_counter() - gathered, "bytes": num_bytes}
 
 
 class BroadcastSync(WeightSync):
@@ -187,19 +190,17 @@ class BroadcastSync(WeightSync):
             raise NoReplicaUp("no generator replica is up to receive the weights")
         host, port = first_value(await self.trainer.weight_sync_address.call())
         layout = first_value(await self.trainer.weight_layout.call(self.dtype))
-        await asyncio.gather(self.trainer.init_weight_sender.call(host, port, plan["world_size"], self.dtype),
+        await asyncio.gather(self.trainer.init_weight_sender.call(host, port, plan["world_size"], layout),
                              self.router.join_weight_group.call_one(host, port, layout))
 
-    async def push(self) -> dict[str, float]:
+    async def push(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        packed, plan = await asyncio.gather(self.trainer.pack_weights.call(), self._plan())
-        packed = first_value(packed)
-        version, gathered = packed["version"], time.perf_counter()
+        plan = await self._plan()
         for tries in range(1, BROADCAST_TRIES + 1):
             if plan["stale"]:  # a member died, or a restarted replica waits for weights
                 await self._form_group(plan)
             try:
-                sent, received = await self._broadcast(version, packed["checksum"])
+                sent, received = await self._broadcast(version)
                 break
             except MembersDied:
                 if not self.restart_dead or tries == BROADCAST_TRIES:
@@ -207,22 +208,21 @@ class BroadcastSync(WeightSync):
                 plan = await self._plan()  # the group is stale: the same version again, to a new one
         self.version = version
         sender = first_value(sent)
-        # Where the time went: the trainer's gather and checksum, its broadcast (which waits for
-        # every receiver to join), and the slowest replica's receive + checksum check. The
-        # replicas load after this returns, between engine steps.
-        return {"gather_s": gathered - start, "transfer_s": time.perf_counter() - gathered,
-                "bytes": sender["bytes"], "pack_s": packed["pack_s"], "checksum_s": packed["checksum_s"],
-                "broadcast_s": sender["broadcast_s"],
+        # Where the time went: the trainer's send (packing, and the broadcast beside it, which
+        # waits for every receiver), and the slowest replica's receive + checksum. The replicas
+        # load after this returns, between engine steps.
+        return {"total_s": time.perf_counter() - start, "bytes": sender["bytes"], "send_s": sender["send_s"],
+                "pack_s": sender["pack_s"],
                 "replica_receive_verify_s": max((r["receive_verify_s"] for r in received["replicas"]), default=0.0),
                 "broadcast_tries": float(tries)}
 
-    async def _broadcast(self, version: int, checksum: str) -> tuple[Any, dict[str, Any]]:
-        """The trainer's broadcast together with every member's receive, watched for members
-        that die meanwhile (step 4 of the protocol). MembersDied when a member died and the
-        broadcast did not reach every member still up."""
+    async def _broadcast(self, version: int) -> tuple[Any, dict[str, Any]]:
+        """The trainer's send together with every member's receive, watched for members that
+        die meanwhile (step 4 of the protocol). MembersDied when a member died and the broadcast
+        did not reach every member still up."""
         transfer = asyncio.ensure_future(asyncio.gather(
-            self.trainer.broadcast_weights.call(),
-            self.router.receive_weights.call_one(version, checksum, self.update_mode), return_exceptions=True))
+            self.trainer.send_weights.call(),
+            self.router.receive_weights.call_one(version, self.update_mode), return_exceptions=True))
         dead_since = None
         while not (await asyncio.wait([transfer], timeout=BROADCAST_WATCH_S))[0]:
             dead = await self.router.dead_weight_group_members.call_one()

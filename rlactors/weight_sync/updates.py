@@ -94,9 +94,10 @@ class WeightUpdates:
                                     mode, asyncio.get_running_loop().create_future()))
             return {"version": version, "mode": mode, "verify_s": time.perf_counter() - start}
 
-    async def receive_weights(self, version: int, checksum: str, mode: str | None = None) -> dict[str, Any]:
-        """The trainer's next broadcast, received into the engine's buffer and verified now,
-        loaded between engine steps later. Returns once verified (ChecksumMismatch if not)."""
+    async def receive_weights(self, version: int, mode: str | None = None) -> dict[str, Any]:
+        """The trainer's next broadcast (which must carry `version`), received into the engine's
+        buffer and verified now, loaded between engine steps later. Returns once verified
+        (ChecksumMismatch or UnexpectedVersion if not)."""
         mode = self._checked_mode(mode)
         async with self._receive_lock:
             self.check_alive()
@@ -104,7 +105,7 @@ class WeightUpdates:
             self.check_alive()
             try:
                 staged = await asyncio.get_running_loop().run_in_executor(
-                    self._staging_executor, self.receiver.receive, version, checksum)
+                    self._staging_executor, self.receiver.receive, version)
             except BroadcastBroken:
                 raise  # a version it overwrote stays held: the push broadcasts again, to a new group
             except BaseException as e:

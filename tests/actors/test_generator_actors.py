@@ -174,14 +174,16 @@ def test_checksum_mismatch_or_bad_weights_keep_the_old_version_serving(tiny_ckpt
 
 class StagingEngine(NativeEngine):
     """The native engine as its own broadcast receiver; `wire` stands in for the NCCL broadcast
-    (the vLLM engine's transport, run on the GPU machines). Its one receive buffer, `staged`, is
-    what a load reads; `load_gate`, when set, holds a load until released."""
+    (the vLLM engine's transport, run on the GPU machines): the tensors that arrive and the
+    checksum the trainer sent with them (`send`). Its one receive buffer, `staged`, is what a load
+    reads; `load_gate`, when set, holds a load until released."""
 
     stages_concurrently = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.wire: dict[str, torch.Tensor] = {}
+        self.wire_checksum = ""
         self.staged: dict[str, torch.Tensor] = {}
         self.side_threads: set[str] = set()
         self.stages = 0
@@ -196,7 +198,11 @@ class StagingEngine(NativeEngine):
         self.joins.append((threading.current_thread().name, group))
         return [group[2]]
 
-    def receive(self, version, checksum):
+    def send(self, tensors: dict[str, torch.Tensor], sent: dict[str, torch.Tensor] | None = None) -> None:
+        """The trainer broadcasts `sent` (default: `tensors`); `tensors` arrive."""
+        self.wire, self.wire_checksum = tensors, state_checksum(tensors if sent is None else sent)
+
+    def receive(self, version):
         self.side_threads.add(threading.current_thread().name)
         self.stages += 1
         self.staged = {k: v.clone() for k, v in self.wire.items()}
@@ -204,7 +210,7 @@ class StagingEngine(NativeEngine):
             self.break_next = False
             self.staged = {k: torch.zeros_like(v) for k, v in self.staged.items()}
             raise BroadcastBroken("the weight broadcast group broke: Connection closed by peer")
-        if state_checksum(self.staged) != checksum:
+        if state_checksum(self.staged) != self.wire_checksum:
             raise ChecksumMismatch(f"weights version {version}: checksum differs")
         return {"receive_verify_s": 0.0}
 
@@ -228,21 +234,21 @@ def test_broadcast_weights_are_verified_at_once_and_the_newest_is_loaded_after_t
         running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
         await until(lambda: engine.stats()["generated_tokens"] >= 2)
 
-        engine.engine.wire = dict(versions[0])
-        engine.engine.wire["model.norm.weight"] = versions[0]["model.norm.weight"] + 1  # corrupted in transit
+        corrupted = {**versions[0], "model.norm.weight": versions[0]["model.norm.weight"] + 1}  # in transit
+        engine.engine.send(corrupted, sent=versions[0])
         with pytest.raises(ChecksumMismatch, match="version 1"):
-            await engine.updates.receive_weights(1, state_checksum(versions[0]))
+            await engine.updates.receive_weights(1)
         assert not engine.stats()["updating"]
 
-        engine.engine.wire = versions[0]
-        staged = await engine.updates.receive_weights(1, state_checksum(versions[0]))
+        engine.engine.send(versions[0])
+        staged = await engine.updates.receive_weights(1)
         # Verified while the old request still runs; it finishes on the old weights, and a request
         # sent now waits for the load.
         assert staged["version"] == 1 and not running.done() and engine.stats()["updating"]
         later = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "new"))
         # Version 2 overwrites the buffer before version 1 was loaded: no wait for the drain.
-        engine.engine.wire = versions[1]
-        await engine.updates.receive_weights(2, state_checksum(versions[1]))
+        engine.engine.send(versions[1])
+        await engine.updates.receive_weights(2)
         assert not running.done() and engine.stats()["superseded"] == 1
         assert (await running).versions == [0] * 200
         assert (await later).versions == [2] * 4
@@ -251,8 +257,8 @@ def test_broadcast_weights_are_verified_at_once_and_the_newest_is_loaded_after_t
         assert engine.engine.side_threads == {"engine-side_0"}
 
         # Verified weights that then fail to load leave the engine dead, not half-loaded and serving.
-        engine.engine.wire = {"model.norm.weight": versions[1]["model.norm.weight"]}  # not a whole set
-        await engine.updates.receive_weights(3, state_checksum(engine.engine.wire))
+        engine.engine.send({"model.norm.weight": versions[1]["model.norm.weight"]})  # not a whole set
+        await engine.updates.receive_weights(3)
         await until(lambda: not engine.stats()["healthy"])
         with pytest.raises(EngineDeadError):
             await engine.generate([5, 6], SamplingParams(max_tokens=2), "after")
@@ -266,11 +272,11 @@ def test_a_receive_never_overwrites_the_buffer_while_it_loads(tiny_ckpt):
         engine = staging_engine(tiny_ckpt)
         versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
         engine.engine.load_gate = threading.Event()
-        engine.engine.wire = versions[0]
-        await engine.updates.receive_weights(1, state_checksum(versions[0]))  # nothing in flight: loads at once
+        engine.engine.send(versions[0])
+        await engine.updates.receive_weights(1)  # nothing in flight: loads at once
         await asyncio.sleep(0.05)
-        engine.engine.wire = versions[1]
-        second = asyncio.create_task(engine.updates.receive_weights(2, state_checksum(versions[1])))
+        engine.engine.send(versions[1])
+        second = asyncio.create_task(engine.updates.receive_weights(2))
         await asyncio.sleep(0.05)
         assert not second.done() and engine.engine.stages == 1  # waits for the load of version 1
         engine.engine.load_gate.set()
@@ -288,8 +294,8 @@ def test_a_new_weight_group_is_joined_beside_the_drain_and_keeps_the_waiting_ver
         version = perturbed(engine.engine.model.state_dict(), seed=1)
         running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
         await until(lambda: engine.stats()["generated_tokens"] >= 2)
-        engine.engine.wire = version
-        await engine.updates.receive_weights(1, state_checksum(version))
+        engine.engine.send(version)
+        await engine.updates.receive_weights(1)
         # A member died: the controller forms a new group while version 1 waits for the drain.
         assert await engine.updates.join_weight_group("10.0.0.1", 29500, 1, 2, None) == [1]
         assert not running.done() and engine.stats()["updating"]
@@ -309,8 +315,8 @@ async def version_1_accepted_beside_requests(tiny_ckpt):
     versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
     running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
     await until(lambda: engine.stats()["generated_tokens"] >= 2)
-    engine.engine.wire = versions[0]
-    await engine.updates.receive_weights(1, state_checksum(versions[0]))
+    engine.engine.send(versions[0])
+    await engine.updates.receive_weights(1)
     waiting = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "promised-v1"))
     return engine, versions, running, waiting
 
@@ -318,10 +324,10 @@ async def version_1_accepted_beside_requests(tiny_ckpt):
 def test_a_bad_receive_over_an_accepted_version_kills_the_replica(tiny_ckpt):
     async def main():
         engine, versions, running, waiting = await version_1_accepted_beside_requests(tiny_ckpt)
-        engine.engine.wire = dict(versions[1])
-        engine.engine.wire["model.norm.weight"] = versions[1]["model.norm.weight"] + 1
+        engine.engine.send({**versions[1], "model.norm.weight": versions[1]["model.norm.weight"] + 1},
+                           sent=versions[1])
         with pytest.raises(ChecksumMismatch):
-            await engine.updates.receive_weights(2, state_checksum(versions[1]))
+            await engine.updates.receive_weights(2)
         # Version 1 was accepted, then its buffer overwritten: the in-flight request finishes on
         # version 0, and the replica dies rather than serve version 0 to requests promised version 1.
         assert (await running).versions == [0] * 200
@@ -336,16 +342,17 @@ def test_a_bad_receive_over_an_accepted_version_kills_the_replica(tiny_ckpt):
 def test_a_broken_receive_over_an_accepted_version_holds_it_until_the_broadcast_goes_again(tiny_ckpt):
     async def main():
         engine, versions, running, waiting = await version_1_accepted_beside_requests(tiny_ckpt)
-        engine.engine.wire, engine.engine.break_next = versions[1], True
+        engine.engine.send(versions[1])
+        engine.engine.break_next = True
         with pytest.raises(BroadcastBroken):  # a member died: the push forms a new group and goes again
-            await engine.updates.receive_weights(2, state_checksum(versions[1]))
+            await engine.updates.receive_weights(2)
         # Version 1's buffer was overwritten: it is never loaded, and nothing new is admitted.
         assert (await running).versions == [0] * 200
         await asyncio.sleep(0.1)
         assert engine.stats()["healthy"] and engine.stats()["updating"] and not waiting.done()
         assert engine.stats()["version"] == 0
         await engine.updates.join_weight_group("10.0.0.1", 29501, 1, 2, None)
-        await engine.updates.receive_weights(2, state_checksum(versions[1]))
+        await engine.updates.receive_weights(2)
         assert (await asyncio.wait_for(waiting, timeout=30)).versions == [2] * 4
         assert engine.stats()["version"] == 2 and engine.stats()["superseded"] == 1
         await engine.close()

@@ -15,7 +15,10 @@ from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm
 from rlactors.models.checkpoint import TOKENIZER_FILES, copy_tokenizer_files
 from rlactors.on_policy.sides import sides
+from rlactors.placement import free_port
 from rlactors.trainer.checkpoint import latest_checkpoint
+from rlactors.weight_sync.broadcast import BufferReceiver
+from rlactors.weight_sync.packed import PackedLayout
 
 LOSS = LossConfig(name="dapo", clip_high=0.28)
 
@@ -198,3 +201,30 @@ def test_a_save_that_fails_on_rank_0_fails_on_every_rank_and_leaves_no_partial_d
     assert f"ValueError: {ckpt} holds no tokenizer files" in error
     assert left == []  # no .step_00000002.partial
     assert saved == str(latest_checkpoint(tmp_path / "ckpts")) == str(tmp_path / "ckpts" / "step_00000002")
+
+
+def test_two_ranks_send_the_policy_in_chunks_cut_across_their_shards_bit_for_bit(loop, two_ranks, tiny_ckpt):
+    """The weight broadcast's sending side over FSDP2 on 2 ranks: each chunk gathered from both
+    ranks' rows (the embedding's chunks cut across the boundary of its two shards) and sent, then
+    the trailer; a receiver gets the policy bit for bit, verified, at the trainer's version."""
+    async def main():
+        await two_ranks.load_checkpoint.call(str(tiny_ckpt))
+        layout = (await two_ranks.weight_layout.call("bfloat16")).item(gpus=0)
+        chunked = PackedLayout.of([(s.name, torch.empty(s.shape, dtype=s.torch_dtype, device="meta"))
+                                   for s in layout.specs], chunk_bytes=96 << 10)
+        receiver, port = BufferReceiver(chunked, torch.device("cpu")), free_port()
+        await asyncio.gather(two_ranks.init_weight_sender.call("127.0.0.1", port, 2, chunked),
+                             asyncio.to_thread(receiver.join, "127.0.0.1", port, 1, 2))
+        sent, _ = await asyncio.gather(two_ranks.send_weights.call(), asyncio.to_thread(receiver.receive, 0))
+        expected = (await two_ranks.state_dict_for_sync.call("bfloat16")).item(gpus=0).weights
+        return chunked, sent, receiver, expected
+
+    chunked, sent, receiver, expected = loop.run_until_complete(main())
+    embed = [(p.first_row, p.rows) for c in chunked.chunks for p in c.pieces if p.name == "model.embed_tokens.weight"]
+    assert embed == [(0, 384), (384, 384), (768, 256)]  # rows 384-767 come from both ranks' shards
+    assert sent.item(gpus=1) is None and sent.item(gpus=0)["version"] == 0
+    assert sent.item(gpus=0)["checksum"] == chunked.checksum(receiver.buffer)
+    received = receiver.weights()
+    assert received.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(received[name], tensor) and received[name].dtype == torch.bfloat16, name

@@ -80,11 +80,11 @@ class ReplicaKilledDuringBroadcast(Controller):
                 async def kill_then_broadcast():
                     if controller.killed_at is None:
                         controller.killed_at = await kill_replica(controller.router, 0)
-                    return await trainer.broadcast_weights.call()
+                    return await trainer.send_weights.call()
                 return kill_then_broadcast()
 
         class Trainer:
-            broadcast_weights = Broadcast()
+            send_weights = Broadcast()
 
             def __getattr__(self, name):
                 return getattr(trainer, name)

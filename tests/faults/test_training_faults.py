@@ -4,7 +4,7 @@ reported with their tracebacks, Ctrl-C saving the last completed step, the
 trainer proc SIGKILLed mid-run then `--resume` matching an uninterrupted run, a half-written
 checkpoint never picked, non-finite generator logprobs excluded, a non-finite loss that stops
 the run with its state saved, corrupted weights on their way to the replicas, and with weights by
-broadcast, a failed checksum and a dead replica, between syncs or during a broadcast (restarted
+broadcast, a version the replicas refuse and a dead replica, between syncs or during a broadcast (restarted
 into a new group; the run goes on)."""
 
 from __future__ import annotations
@@ -362,36 +362,39 @@ def test_corrupted_weight_sync_stops_the_run_and_the_replicas_keep_the_old_polic
 BROADCAST = ("generator.replicas=2", 'generator.weight_sync="broadcast"')
 
 
-class _WrongChecksumReceives(_StandIn):
-    """`receive_weights`: the replicas are told a checksum that is not the one of what the
-    trainer broadcasts."""
+class _OtherVersionReceives(_StandIn):
+    """`receive_weights`: the replicas are told to expect another version than the one the
+    trainer broadcasts (the checksum travels with the broadcast, so the corruption a test can make
+    from outside the procs is the expected version; a flipped bit on the wire is
+    tests/weight_sync/test_broadcast_group.py's)."""
 
-    async def call_one(self, version, checksum, mode=None):
-        return await self._call(version, "0" * 32, mode)
+    async def call_one(self, version, mode=None):
+        return await self._call(version + 1, mode)
 
 
-class WrongChecksumBroadcastController(Controller):
+class OtherVersionBroadcastController(Controller):
     async def start(self) -> None:
         await super().start()
         self.router = self.weight_sync.router = _ActorWith(
-            self.router, receive_weights=_WrongChecksumReceives(self.router.receive_weights, self.router))
+            self.router, receive_weights=_OtherVersionReceives(self.router.receive_weights, self.router))
 
 
-def test_a_broadcast_that_fails_its_checksum_stops_the_run_and_the_replicas_keep_the_old_policy(
+def test_a_broadcast_the_replicas_refuse_stops_the_run_and_they_keep_the_old_policy(
         tiny_ckpt, tmp_path, fault_record):
     config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, *BROADCAST))
-    controller = WrongChecksumBroadcastController(config)
+    controller = OtherVersionBroadcastController(config)
     with pytest.raises(TrainingError) as raised:
         asyncio.run(controller.run())
     message = str(raised.value)
-    assert message.startswith("weight sync of policy version 1 failed: ") and "ChecksumMismatch" in message
+    assert message.startswith("weight sync of policy version 1 failed: ") and "UnexpectedVersion" in message
+    assert "weights version 2 expected, the broadcast carried version 1" in message
     assert "rejected by replica 0" in message and "replica 1" in message
     replicas = controller.router.receive_weights.after["replicas"]
     assert [(r["state"] == "serving", r["version"], r["engine"]["version"]) for r in replicas] == [(True, 0, 0)] * 2
     assert (checkpoint_dir(tmp_path / "checkpoints", 1) / COMPLETE_FILE).is_file()
-    fault_record("weight-sync corruption (broadcast)", "the replicas told a checksum that does not match "
-                 "the step-1 broadcast", None, f"no served token: both replicas kept version 0; the run stopped "
-                 f"with `{message[:120]}...`; checkpoint 1 (complete) resumes it")
+    fault_record("weight-sync mismatch (broadcast)", "the replicas told to expect another version than "
+                 "the step-1 broadcast carries", None, "no served token: both replicas kept version 0; the run "
+                 f"stopped with `{message[:120]}...`; checkpoint 1 (complete) resumes it")
 
 
 async def restarted_into_the_next_group(router) -> None:
@@ -459,13 +462,13 @@ def test_a_dead_replica_in_a_broadcast_run_is_restarted_into_a_new_group_and_the
 
 
 class _KillingBroadcast:
-    """The trainer's `broadcast_weights`: the first call SIGKILLs replica 1, a member of the group
+    """The trainer's `send_weights`: the first call SIGKILLs replica 1, a member of the group
     formed for it, and broadcasts for real once the router has counted it dead (its process is
     gone: gloo fails the broadcast; a kill racing the first bytes lets gloo's sender finish a
     buffer this small, and the dead member only misses it); the later calls just broadcast."""
 
-    def __init__(self, controller, broadcast_weights):
-        self.controller, self.broadcast_weights = controller, broadcast_weights
+    def __init__(self, controller, send_weights):
+        self.controller, self.send_weights = controller, send_weights
 
     async def call(self):
         if self.controller.killed_at is None:
@@ -475,7 +478,7 @@ class _KillingBroadcast:
                 assert time.monotonic() - self.controller.killed_at < 30, "the router did not count replica 1 dead"
                 await asyncio.sleep(0.05)
             self.controller.detection_s = time.monotonic() - self.controller.killed_at
-        return await self.broadcast_weights.call()
+        return await self.send_weights.call()
 
 
 class ReplicaKilledDuringBroadcast(Controller):
@@ -488,7 +491,7 @@ class ReplicaKilledDuringBroadcast(Controller):
     async def start(self) -> None:
         await super().start()
         self.trainer = self.weight_sync.trainer = _ActorWith(
-            self.trainer, broadcast_weights=_KillingBroadcast(self, self.trainer.broadcast_weights))
+            self.trainer, send_weights=_KillingBroadcast(self, self.trainer.send_weights))
 
     async def push_weights(self):
         if self.step == 2:
@@ -569,7 +572,7 @@ def test_a_broadcast_run_with_no_replica_left_stops_with_the_step_saved(tiny_ckp
 
 
 class _StuckBroadcast:
-    """The trainer's `broadcast_weights` as over NCCL with a dead member: replica 1 is SIGKILLed
+    """The trainer's `send_weights` as over NCCL with a dead member: replica 1 is SIGKILLed
     and the call never returns."""
 
     def __init__(self, controller):
@@ -588,7 +591,7 @@ class _StuckBroadcast:
 class StuckBroadcastController(Controller):
     async def start(self) -> None:
         await super().start()
-        self.trainer = self.weight_sync.trainer = _ActorWith(self.trainer, broadcast_weights=_StuckBroadcast(self))
+        self.trainer = self.weight_sync.trainer = _ActorWith(self.trainer, send_weights=_StuckBroadcast(self))
 
     async def push_weights(self):
         try:

@@ -2,8 +2,10 @@
 against a plain-PyTorch reference, bad input, weights for sync, checkpoint save/load and their
 failure paths."""
 
+import asyncio
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -14,9 +16,12 @@ from rlactors.losses import LossNorm, compute_loss
 from rlactors.models.args import FAMILIES
 from rlactors.models.checkpoint import TIED_KEY, from_pretrained, fuse_experts, load_args, load_state_dict
 from rlactors.on_policy.sides import sides
+from rlactors.placement import free_port
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.checkpoint import COMPLETE_FILE, latest_checkpoint, partial_dir
 from rlactors.trainer.core import MICROBATCH_FIELDS, PolicyTrainerCore
+from rlactors.weight_sync.broadcast import BufferReceiver
+from rlactors.weight_sync.packed import PackedLayout
 
 VOCAB = 1024  # the tiny checkpoint's
 
@@ -352,3 +357,27 @@ def test_cuda_bf16_compiled_step_tracks_the_fp32_cpu_step(family, family_ckpt, d
     moved = cpu.full_weights(torch.float32)
     for name, tensor in cuda.full_weights(torch.float32).items():
         assert (tensor - moved[name]).abs().float().mean() < 2e-3, name
+
+
+def test_the_policy_sent_in_chunks_arrives_bit_for_bit_and_verified(tiny_ckpt, device):
+    """One rank's weight broadcast in chunks cut between rows (the embedding in three), packed and
+    sent one after another over a gloo group to a receiver: the whole policy in the layout's dtype."""
+    core = make_core(tiny_ckpt, device)
+    step(core, [cat(rows(7))])
+    layout = core.weight_layout("bfloat16")
+    chunked = PackedLayout.of([(s.name, torch.empty(s.shape, dtype=s.torch_dtype, device="meta"))
+                               for s in layout.specs], chunk_bytes=96 << 10)
+    receiver, port = BufferReceiver(chunked, device), free_port()
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(receiver.join, "127.0.0.1", port, 1, 2)
+        core.init_weight_sender("127.0.0.1", port, 2, chunked)
+        joined.result()
+        received = pool.submit(receiver.receive, 1)
+        sent = asyncio.run(core.send_weights())
+        received.result()
+    assert len(chunked.chunks) > 3 and sent["version"] == 1 and sent["checksum"] == chunked.checksum(receiver.buffer)
+    expected = core.state_dict_for_sync("bfloat16").weights
+    for name, tensor in receiver.weights().items():
+        assert torch.equal(tensor, expected[name]), name
+    with pytest.raises(ValueError, match="the weight layout is not this policy's in one dtype"):
+        core.init_weight_sender("127.0.0.1", port, 2, PackedLayout.of({"w": torch.zeros(2)}))

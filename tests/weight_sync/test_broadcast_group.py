@@ -1,7 +1,8 @@
-"""The CPU weight broadcast (gloo) between real processes: the sender's packed buffer arrives bit
-for bit and verified, a wrong checksum is refused, a member that dies fails the sender's next
-broadcast at once instead of hanging it, and the survivors then form a new group that delivers
-the next version into the buffers they already hold. The engines' receiving ends: one refuses a
+"""The CPU weight broadcast (gloo) between real processes: the sender's buffer, packed and sent in
+chunks, arrives bit for bit and verified; a broadcast of another version than expected, or with a
+bit flipped on the way, is refused; a member that dies fails the sender's next broadcast at once
+instead of hanging it, and the survivors then form a new group that delivers the next version into
+the buffers they already hold. The engines' receiving ends: one refuses a
 receive before any join, and the vLLM one's calls over its TP workers."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rlactors.weight_sync.broadcast import (
     BroadcastBroken,
     BufferReceiver,
     LocalReceiver,
+    UnexpectedVersion,
     VLLMReceiver,
     WeightSender,
     worker_join,
@@ -35,45 +37,71 @@ def _weights() -> dict[str, torch.Tensor]:
     return {"embed": torch.randn(300, 64, generator=g).to(torch.bfloat16), "norm": torch.randn(64, generator=g)}
 
 
+CHUNK_BYTES = 4096  # the 38 KB embedding goes in 10 chunks
+
+
+def _pack_from(weights: dict[str, torch.Tensor], layout: PackedLayout):
+    """A trainer's `pack` for WeightSender.send: each chunk's pieces from `weights`."""
+    def pack(chunk, buffer):
+        for piece in chunk.pieces:
+            rows = weights[piece.name] if weights[piece.name].dim() < 2 else \
+                weights[piece.name][piece.first_row:piece.first_row + piece.rows]
+            layout.piece_view(buffer, piece).copy_(rows)
+    return pack
+
+
+class _FlipsAByte:
+    """A group whose receives come with one bit flipped in the first chunk: a transport fault."""
+
+    def __init__(self, group):
+        self.group, self.flipped = group, False
+
+    def broadcast(self, tensor, src, stream=None):
+        self.group.broadcast(tensor, src, stream)
+        if not self.flipped and tensor.dtype == torch.uint8:
+            tensor[100] ^= 1
+            self.flipped = True
+
+
 def _member(rank: int, port: int, new_port: int, results) -> None:
     weights = _weights()
-    layout = PackedLayout.of(weights)
+    layout = PackedLayout.of(weights, chunk_bytes=CHUNK_BYTES)
     cpu = torch.device("cpu")
-    doubled = {name: tensor * 2 for name, tensor in weights.items()}  # version 3
+    doubled = {name: tensor * 2 for name, tensor in weights.items()}
     try:
         if rank == 0:
             sender = WeightSender(layout, cpu)
             sender.join("127.0.0.1", port, 3)
-            layout.pack(weights, sender.buffer)
-            asyncio.run(sender.broadcast())  # version 1
-            asyncio.run(sender.broadcast())  # version 2, received with a wrong checksum
+            sent = asyncio.run(sender.send(1, _pack_from(weights, layout)))
+            whole = layout.checksum(layout.pack(weights, layout.empty(cpu).zero_()))
+            results.put((rank, "sent", sent["checksum"] == whole and len(layout.chunks) == 10))
+            asyncio.run(sender.send(2, _pack_from(weights, layout)))  # received as version 3: refused
+            asyncio.run(sender.send(3, _pack_from(weights, layout)))  # a bit flips on the way: refused
             try:
-                asyncio.run(sender.broadcast())  # rank 2 has died
+                asyncio.run(sender.send(4, _pack_from(weights, layout)))  # rank 2 has died
             except BroadcastBroken as e:
                 results.put((rank, "error", f"{e} (group left: {sender.group is None})"))
             sender.join("127.0.0.1", new_port, 2)  # the survivors' group
-            layout.pack(doubled, sender.buffer)
-            asyncio.run(sender.broadcast())
+            asyncio.run(sender.send(5, _pack_from(doubled, layout)))
             return
         receiver = BufferReceiver(layout, cpu)
         receiver.join("127.0.0.1", port, rank, 3)
-        expected = layout.checksum(layout.pack(weights, layout.empty(cpu).zero_()))
-        receiver.receive(1, expected)
+        receiver.receive(1)
         received = receiver.weights()
         same = all(torch.equal(received[k], v) and received[k].dtype == v.dtype for k, v in weights.items())
-        try:
-            receiver.receive(2, "0" * 32)
-            refused = False
-        except ChecksumMismatch:
-            refused = True
-        results.put((rank, "received", same and refused))
+        with pytest.raises(UnexpectedVersion, match="weights version 3 expected, the broadcast carried version 2"):
+            receiver.receive(3)
+        receiver.group = _FlipsAByte(receiver.group)
+        with pytest.raises(ChecksumMismatch, match="weights version 3: received checksum [0-9a-f]{32}, trainer sent"):
+            receiver.receive(3)
+        results.put((rank, "received", same))
         if rank == 2:
             results.close()
             results.join_thread()  # the report is out
             os._exit(0)  # dies without leaving the group
         buffer = receiver.buffer.data_ptr()
         receiver.join("127.0.0.1", new_port, 1, 2)
-        receiver.receive(3, layout.checksum(layout.pack(doubled, layout.empty(cpu).zero_())))
+        receiver.receive(5)
         received = receiver.weights()
         same = all(torch.equal(received[k], v) for k, v in doubled.items())
         results.put((rank, "regrouped", same and receiver.buffer.data_ptr() == buffer))
@@ -90,7 +118,7 @@ def test_gloo_broadcast_delivers_verified_bits_a_dead_member_fails_it_and_surviv
         member.start()
     reports = []
     try:
-        while len(reports) < 4:
+        while len(reports) < 5:
             reports.append(results.get(timeout=90))
     except queue.Empty:
         raise AssertionError(f"members reported only {reports}") from None
@@ -99,8 +127,9 @@ def test_gloo_broadcast_delivers_verified_bits_a_dead_member_fails_it_and_surviv
             member.join(30)
             if member.is_alive():
                 member.kill()
-    assert sorted(r[:2] for r in reports) == [(0, "error"), (1, "received"), (1, "regrouped"), (2, "received")], reports
-    assert all(ok for _, what, ok in reports if what in ("received", "regrouped"))
+    assert sorted(r[:2] for r in reports) == [(0, "error"), (0, "sent"), (1, "received"), (1, "regrouped"),
+                                              (2, "received")], reports
+    assert all(ok for _, what, ok in reports if what in ("sent", "received", "regrouped")), reports
     error = next(text for _, what, text in reports if what == "error")
     assert re.search(r"Connection (closed by peer|reset)", error) and error.endswith("(group left: True)"), error
 
@@ -109,7 +138,7 @@ def test_a_receive_before_the_replica_joined_a_group_is_refused_and_loads_nothin
     loads = []
     receiver = LocalReceiver(torch.device("cpu"), lambda weights, version: loads.append(version))
     with pytest.raises(RuntimeError, match="weights version 3: this replica has not joined a weight group"):
-        receiver.receive(3, "0" * 32)
+        receiver.receive(3)
     assert loads == [] and receiver.buffer_receiver is None
 
 
@@ -126,7 +155,7 @@ def test_a_vllm_receiver_reaches_every_tp_worker_and_tells_the_engine_after_a_lo
 
     receiver = VLLMReceiver(Engine(), loaded=lambda version: events.append(("loaded", version)))
     assert receiver.join("10.0.0.1", 29500, 1, 3, "layout") == [1, 2]
-    assert receiver.receive(4, "c" * 32) == {"worker": 0}
+    assert receiver.receive(4) == {"worker": 0}
     assert receiver.load(4) == {"worker": 0}
-    assert events == [(worker_join, ("10.0.0.1", 29500, 1, 3, "layout")), (worker_stage, (4, "c" * 32)),
+    assert events == [(worker_join, ("10.0.0.1", 29500, 1, 3, "layout")), (worker_stage, (4,)),
                       (worker_load_staged, ()), ("loaded", 4)]

@@ -55,14 +55,13 @@ class Call:
     call_one = call
 
 
-SENT = Rank0({"bytes": 8.0, "broadcast_s": 0.1})
+SENT = Rank0({"version": 1, "checksum": "c" * 32, "bytes": 8.0, "send_s": 0.1, "pack_s": 0.05})
 BROKEN = ActorError(BroadcastBroken("the weight broadcast group broke: Connection closed by peer"))
 
 
 class Trainer:
     def __init__(self, *broadcasts, broadcast_s=0.0):
-        self.pack_weights = Call(Rank0({"version": 1, "checksum": "c", "pack_s": 0.1, "checksum_s": 0.1}))
-        self.broadcast_weights = Call(*(broadcasts or (SENT,)), seconds=broadcast_s)
+        self.send_weights = Call(*(broadcasts or (SENT,)), seconds=broadcast_s)
         self.weight_sync_address = Call(Rank0(("10.0.0.1", 29500)))
         self.weight_layout = Call(Rank0("layout"))
         self.init_weight_sender = Call(None)
@@ -87,7 +86,7 @@ class Router:
 
 def push(trainer, router, restart_dead=False):
     sync = BroadcastSync(trainer, router, "bfloat16", "hot_swap", restart_dead)
-    return asyncio.run(sync.push())
+    return asyncio.run(sync.push(1))
 
 
 @pytest.fixture
@@ -97,8 +96,11 @@ def fast_watch(monkeypatch):
 
 
 def test_a_push_that_a_member_received_completes():
-    timings = push(Trainer(), Router())
+    router = Router()
+    timings = push(Trainer(), router)
+    assert router.receive_weights.calls == [(1, "hot_swap")]  # the version every member must receive
     assert timings["bytes"] == 8.0 and timings["replica_receive_verify_s"] == 0.2 and timings["broadcast_tries"] == 1
+    assert timings["send_s"] == 0.1 and timings["pack_s"] == 0.05 and timings["total_s"] >= 0
 
 
 def test_a_push_that_every_member_died_during_raises_no_replica_up():
@@ -128,7 +130,7 @@ def test_with_restart_dead_a_broken_broadcast_goes_again_to_a_new_group_of_the_m
     timings = push(trainer, router, restart_dead=True)
     assert timings["broadcast_tries"] == 2 and timings["replica_receive_verify_s"] == 0.2
     # The survivor formed a new group with the trainer (world size 2), and took version 1 from it.
-    assert trainer.init_weight_sender.calls == [("10.0.0.1", 29500, 2, "bfloat16")]
+    assert trainer.init_weight_sender.calls == [("10.0.0.1", 29500, 2, "layout")]
     assert len(router.join_weight_group.calls) == 1 and len(router.receive_weights.calls) == 2
 
 
@@ -159,7 +161,7 @@ class AbortableBroadcast:
 
 def test_with_restart_dead_a_stuck_broadcast_is_aborted_and_goes_again(fast_watch):
     trainer = Trainer()
-    trainer.broadcast_weights = broadcast = AbortableBroadcast()
+    trainer.send_weights = broadcast = AbortableBroadcast()
 
     async def abort():
         broadcast.aborted.set()
@@ -187,7 +189,7 @@ def test_with_restart_dead_a_failed_abort_stops_the_run_as_stuck(fast_watch):
     trainer.abort_weight_broadcast = Call(ActorError(RuntimeError("NCCL error: unhandled system error")))
     with pytest.raises(BroadcastStuck, match="which waits for every member"):
         push(trainer, Router(receives=[received()], dead=[[0]]), restart_dead=True)
-    assert trainer.abort_weight_broadcast.calls == [()] and len(trainer.broadcast_weights.calls) == 1
+    assert trainer.abort_weight_broadcast.calls == [()] and len(trainer.send_weights.calls) == 1
 
 
 def test_with_restart_dead_members_dying_in_every_try_stop_the_push_after_its_tries():
@@ -195,7 +197,7 @@ def test_with_restart_dead_members_dying_in_every_try_stop_the_push_after_its_tr
     trainer = Trainer(BROKEN)
     with pytest.raises(MembersDied, match=r"replica\(s\) \[1\] died during the broadcast"):
         push(trainer, router, restart_dead=True)
-    assert len(trainer.broadcast_weights.calls) == BROADCAST_TRIES
+    assert len(trainer.send_weights.calls) == BROADCAST_TRIES
 
 
 def test_a_rejection_stops_the_push_even_with_restart_dead():

@@ -1,8 +1,9 @@
 import random
 
+import pytest
 import torch
 
-from rlactors.weight_sync.checksum import PERIOD, state_checksum, tensor_checksum
+from rlactors.weight_sync.checksum import PERIOD, RunningChecksum, state_checksum, tensor_checksum
 from rlactors.weight_sync.packed import PackedLayout
 
 
@@ -165,3 +166,20 @@ def test_a_whole_state_costs_one_transfer_to_the_host(monkeypatch):
                             transfers.append(_name) or _original(self, *a, **k))
     state_checksum({f"t{i}": torch.randn(5, 7) for i in range(20)})
     assert transfers == ["tolist"]
+
+
+def test_pieces_summed_as_they_come_in_any_order_give_the_whole_buffers_checksum():
+    """What each side of a chunked broadcast computes: a piece's sums rotated to its offset."""
+    g = torch.Generator().manual_seed(3)
+    buffer = torch.randint(0, 256, (3 * 4 * PERIOD + 1000,), dtype=torch.uint8, generator=g)
+    cuts = [0, 64, 4 * PERIOD + 8, 2 * 4 * PERIOD, buffer.numel()]  # offsets that are not multiples of a row
+    running = RunningChecksum("cpu")
+    for start, end in reversed(list(zip(cuts, cuts[1:]))):
+        running.add(buffer[start:end], start)
+    assert running.sums() == tensor_checksum(buffer)
+    shifted = RunningChecksum("cpu")
+    shifted.add(buffer[:64], 4)  # the right bytes at the wrong place
+    shifted.add(buffer[64:], 64)
+    assert shifted.sums() != tensor_checksum(buffer)
+    with pytest.raises(ValueError, match="byte_offset must be a multiple of 4, got 6"):
+        running.add(buffer[:8], 6)

@@ -98,15 +98,15 @@ def test_a_broadcast_reaches_the_members_up_and_each_takes_it_rejects_it_or_dies
         await weights.join("10.0.0.1", 29500, None)
         down.up = False
         with pytest.raises(RuntimeError) as raised:
-            await weights.receive(7, "c" * 32, "drain")
+            await weights.receive(7, "drain")
         assert str(raised.value) == ("weights version 7 rejected by replica 1: "
                                      "ChecksumMismatch('received checksum 1, trainer sent 2')")
         assert [r.version for r in members] == [7, 0, 0, 0, 0]
         assert received == [0] and died == [(2, "ActorError"), (3, "ConnectionError")]
-        assert down.actor.receive_weights.calls == [] and took.actor.receive_weights.calls == [(7, "c" * 32, "drain")]
+        assert down.actor.receive_weights.calls == [] and took.actor.receive_weights.calls == [(7, "drain")]
 
         rejected.outcome = None
-        result = await weights.receive(8, "d" * 32, None)
+        result = await weights.receive(8, None)
         assert result["version"] == 8 and result["replicas"] == [{"receive_verify_s": 0.0}, {"receive_verify_s": 0.1}]
         assert received == [0, 0, 1]
 
@@ -119,7 +119,7 @@ def test_a_member_whose_broadcast_group_broke_lives_on_without_the_version():
         took, broken = _Replica(0), _Replica(1, outcome=ActorError(BroadcastBroken("the group broke")))
         weights.plan([took, broken])
         await weights.join("10.0.0.1", 29500, None)
-        result = await weights.receive(7, "c" * 32, None)
+        result = await weights.receive(7, None)
         assert result["broken"] == [1] and len(result["replicas"]) == 1
         assert [r.version for r in (took, broken)] == [7, 0] and died == [] and received == [0]
 

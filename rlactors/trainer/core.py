@@ -143,6 +143,7 @@ class PolicyTrainerCore:
         self._stats = LossStats()
         self._accumulated = 0  # forward_backward calls since the last optim_step
         self.sender: WeightSender | None = None  # rank 0, once weights go by broadcast
+        self._chunk_copies: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
 
     # ------------------------------------------------------------------------------------------
     # Training
@@ -377,7 +378,22 @@ class PolicyTrainerCore:
         if self.rank == 0:
             if self.sender is None or self.sender.layout != layout:
                 self.sender = WeightSender(layout, self.device)
+                self._chunk_copies = self._plan_chunk_copies() if self.world_size == 1 else None
             self.sender.join(host, port, world_size)
+
+    @torch.no_grad()
+    def _plan_chunk_copies(self) -> dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """On one rank, packing a chunk is one copy of parameter rows into the send buffer: the
+        views are made once (per parameter they cost more host time than the copy takes on a
+        GPU), and stay valid as the optimizer and checkpoint loads write the parameters in place."""
+        params = dict(self.model.named_parameters())
+        copies = {}
+        for chunk in self._sync_layout.chunks:
+            sources = [local_rows(params[name])[0].detach()[first:first + rows]
+                       for name, first, rows in self._parts(chunk)]
+            copies[chunk.start] = ([self._sync_layout.piece_view(self.sender.buffer, p) for p in chunk.pieces],
+                                   sources)
+        return copies
 
     async def send_weights(self) -> dict[str, Any] | None:
         """Gathers the policy into rank 0's send buffer chunk by chunk (a collective: all ranks
@@ -390,14 +406,22 @@ class PolicyTrainerCore:
             return None
         return await self.sender.send(self.version, self._pack_chunk)
 
+    @torch.no_grad()
     def _pack_chunk(self, chunk: Chunk, buffer: torch.Tensor | None) -> None:
         """The rows of `chunk`'s pieces into `buffer` (rank 0's send buffer; None elsewhere)."""
+        if self.world_size == 1:
+            torch._foreach_copy_(*self._chunk_copies[chunk.start])
+            return
         layout = self._sync_layout
-        # A tensor of one dimension is one piece in the layout, all of its FSDP-sharded rows here.
-        parts = [(piece.name, piece.first_row, piece.rows) if len(layout.spec(piece.name).shape) > 1
-                 else (piece.name, 0, layout.spec(piece.name).shape[0]) for piece in chunk.pieces]
-        self._gather_rows(self._sync_dtype, parts,
+        self._gather_rows(self._sync_dtype, self._parts(chunk),
                           None if buffer is None else lambda i: layout.piece_view(buffer, chunk.pieces[i]))
+
+    def _parts(self, chunk: Chunk) -> list[tuple[str, int, int]]:
+        """`chunk`'s pieces as parameter rows: a tensor of one dimension is one piece in the
+        layout, and all of its (FSDP-sharded) rows here."""
+        shape = {piece.name: self._sync_layout.spec(piece.name).shape for piece in chunk.pieces}
+        return [(piece.name, piece.first_row, piece.rows) if len(shape[piece.name]) > 1
+                else (piece.name, 0, shape[piece.name][0]) for piece in chunk.pieces]
 
     def abort_weight_broadcast(self) -> None:
         """Rank 0 gives up a broadcast that waits for a dead member (`WeightSender.abort`)."""

@@ -379,5 +379,15 @@ def test_the_policy_sent_in_chunks_arrives_bit_for_bit_and_verified(tiny_ckpt, d
     expected = core.state_dict_for_sync("bfloat16").weights
     for name, tensor in receiver.weights().items():
         assert torch.equal(tensor, expected[name]), name
+    # The weights of the next step, and then of a checkpoint load (both write the parameters in
+    # place), are what the next sends carry.
+    for change in (lambda: step(core, [cat(rows(8))]), lambda: core.load_checkpoint(tiny_ckpt)):
+        change()
+        with ThreadPoolExecutor(1) as pool:
+            received = pool.submit(receiver.receive, core.version)
+            asyncio.run(core.send_weights())
+            received.result()
+        expected = core.state_dict_for_sync("bfloat16").weights
+        assert all(torch.equal(tensor, expected[name]) for name, tensor in receiver.weights().items())
     with pytest.raises(ValueError, match="the weight layout is not this policy's in one dtype"):
         core.init_weight_sender("127.0.0.1", port, 2, PackedLayout.of({"w": torch.zeros(2)}))

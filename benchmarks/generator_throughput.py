@@ -162,13 +162,16 @@ def raw_vllm_run(ckpt: str, prompt_sets, max_tokens: int, config, shard: int = 0
     from vllm import LLM
     from vllm import SamplingParams as VLLMSamplingParams
 
-    from rlactors.engines.vllm_engine import one_start_per_gpu
+    from rlactors.engines.vllm_engine import custom_all_reduce_works, one_start_per_gpu
 
     with one_start_per_gpu(config.tp):  # as the router's replicas start: in turn on a shared GPU
         llm = LLM(model=ckpt, dtype="bfloat16", gpu_memory_utilization=config.gpu_memory_utilization,
                   tensor_parallel_size=config.tp,
                   max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-                  max_num_batched_tokens=config.max_num_tokens, enable_prefix_caching=True)
+                  max_num_batched_tokens=config.max_num_tokens, enable_prefix_caching=True,
+                  # as the router's engines: vLLM's TP workers exit at start where it cannot work
+                  disable_custom_all_reduce=not custom_all_reduce_works(
+                      config.tp, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")))
     params = [VLLMSamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True, logprobs=0,
                                  detokenize=False) for i in range(len(prompt_sets[0]))][shard::config.replicas]
     warm = [{"prompt_token_ids": p[:4]} for p in prompt_sets[0][:8]]

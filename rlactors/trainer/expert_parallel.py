@@ -47,9 +47,10 @@ class ExpertParallel:
         out = torch.cat([experts.mlp(chunk, chunk_counts, gate_up, down)
                          for chunk, chunk_counts in zip(inputs.split(received), received_counts)])
         if not sum(received):
-            # Experts that got no rows still get a (zero) gradient, as under FSDP, so that every
-            # rank clips and steps the same parameters.
-            out = out + 0 * (gate_up.sum() + down.sum())
+            # Keeps the (empty) received rows and this rank's experts in the graph: the backward
+            # must still run the dispatch's all-to-all, which the other ranks run, and experts
+            # that got no rows get a zero gradient, as under FSDP, so every rank steps alike.
+            out = out + 0 * (inputs.sum() + gate_up.sum() + down.sum())
         return _AllToAll.apply(out, sent, received, self.group)
 
 

@@ -399,15 +399,16 @@ class Config:
 
 def check_model_keys(model: ModelConfig, trainer: TrainerConfig, args: ModelArgs) -> None:
     """Checks the keys that depend on the checkpoint in `model.path` (`args`, its config)."""
-    moe = args.moe
-    no_experts = f"{model.path} ({args.model_type}) has no experts"
-    _check(moe is not None or trainer.router_aux_loss_coef == 0, "trainer.router_aux_loss_coef",
-           f"is {trainer.router_aux_loss_coef}, but {no_experts}")
-    _check(moe is not None or not model.routing_replay, "model.routing_replay", f"is set, but {no_experts}")
-    _check(moe is not None or trainer.expert_parallel == 1, "trainer.expert_parallel",
-           f"is {trainer.expert_parallel}, but {no_experts}")
-    _check(moe is None or moe.num_experts % trainer.expert_parallel == 0, "trainer.expert_parallel",
-           f"{trainer.expert_parallel} ranks cannot split the {moe and moe.num_experts} experts evenly")
+    if args.moe is None:
+        no_experts = f"{model.path} ({args.model_type}) has no experts"
+        _check(trainer.router_aux_loss_coef == 0, "trainer.router_aux_loss_coef",
+               f"is {trainer.router_aux_loss_coef}, but {no_experts}")
+        _check(not model.routing_replay, "model.routing_replay", f"is set, but {no_experts}")
+        _check(trainer.expert_parallel == 1, "trainer.expert_parallel",
+               f"is {trainer.expert_parallel}, but {no_experts}")
+        return
+    _check(args.moe.num_experts % trainer.expert_parallel == 0, "trainer.expert_parallel",
+           f"{trainer.expert_parallel} ranks cannot split the {args.moe.num_experts} experts evenly")
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """Expert parallelism (trainer.expert_parallel): the experts stay sharded by expert, outside FSDP,
 and on 2 real gloo procs a step is bitwise the step of FSDP alone, in true on-policy mode and in
-default mode with routing replay, also when one rank's experts get no token."""
+default mode with routing replay, also when one rank's experts get no token; a checkpoint resumes
+bitwise."""
 
 import asyncio
 
@@ -72,9 +73,10 @@ def to_rank_0_experts(mb: MicroBatch) -> MicroBatch:
 
 
 @pytest.mark.parametrize("mode", ["true_on_policy", "routing_replay"])
-def test_two_expert_parallel_ranks_step_bitwise_as_fsdp_alone(loop, family_ckpt, mode):
+def test_two_expert_parallel_ranks_step_bitwise_as_fsdp_alone(loop, family_ckpt, tmp_path, mode):
     """Two steps on 2 ranks with trainer.expert_parallel 2 and 1: the same logprobs, loss, gradient
-    norm and weights, bit for bit. With routing replay the second step sends every token to rank
+    norm and weights, bit for bit; resuming the expert-parallel ranks from a checkpoint of step 1
+    repeats step 2 bit for bit. With routing replay the second step sends every token to rank
     0's experts, so rank 1's get none (a zero gradient, as under FSDP)."""
     ckpt, batches = family_ckpt("qwen3_moe", tie=False), [rows(5), rows(6)]
     if mode == "routing_replay":
@@ -82,24 +84,37 @@ def test_two_expert_parallel_ranks_step_bitwise_as_fsdp_alone(loop, family_ckpt,
     model = ModelConfig(path=str(ckpt), true_on_policy=mode == "true_on_policy",
                         routing_replay=mode == "routing_replay")
 
+    async def step(trainer, batch):
+        split = [[cat(batch[:3])], [cat(batch[3:])]]
+        logprobs = await trainer.compute_logprobs.call([s[0] for s in split])
+        metrics = await train_step(trainer, split, LossNorm.for_step(batch, LOSS.name), LOSS)
+        return [logprobs.item(gpus=r) for r in range(2)], metrics
+
+    async def weights(trainer):
+        return first_value(await trainer.state_dict_for_sync.call("float32")).weights
+
     async def trained(expert_parallel):
+        """Both steps, the weights after them, and (expert parallel) those after resuming from a
+        checkpoint of step 1 and taking step 2 again."""
         config = TrainerConfig(ranks=2, lr=1e-2, max_grad_norm=0.005, expert_parallel=expert_parallel)
         procs, trainer, _ = await spawn_trainer(this_host(), model, config,
                                                 sides(model.true_on_policy, "native", "cpu").trainer)
         try:
-            out = []
-            for batch in batches:
-                split = [[cat(batch[:3])], [cat(batch[3:])]]
-                logprobs = await trainer.compute_logprobs.call([s[0] for s in split])
-                metrics = await train_step(trainer, split, LossNorm.for_step(batch, LOSS.name), LOSS)
-                out.append(([logprobs.item(gpus=r) for r in range(2)], metrics))
-            synced = first_value(await trainer.state_dict_for_sync.call("float32"))
-            return out, synced.weights
+            steps = [await step(trainer, batches[0])]
+            if expert_parallel > 1:
+                saved = (await trainer.save_checkpoint.call(str(tmp_path), 1)).item(gpus=0)
+            steps.append(await step(trainer, batches[1]))
+            final = await weights(trainer)
+            if expert_parallel == 1:
+                return steps, final, None
+            await trainer.load_checkpoint.call(saved)
+            await step(trainer, batches[1])
+            return steps, final, await weights(trainer)
         finally:
             await procs.stop()
 
-    fsdp_steps, fsdp_weights = loop.run_until_complete(trained(1))
-    ep_steps, ep_weights = loop.run_until_complete(trained(2))
+    fsdp_steps, fsdp_weights, _ = loop.run_until_complete(trained(1))
+    ep_steps, ep_weights, resumed_weights = loop.run_until_complete(trained(2))
     for (fsdp_logprobs, fsdp_metrics), (ep_logprobs, ep_metrics) in zip(fsdp_steps, ep_steps):
         assert all(torch.equal(a, b) for a, b in zip(ep_logprobs, fsdp_logprobs))
         for key in ("loss", "grad_norm", "logprob_diff/max", "expert_mismatch/share"):
@@ -107,5 +122,6 @@ def test_two_expert_parallel_ranks_step_bitwise_as_fsdp_alone(loop, family_ckpt,
     assert fsdp_steps[1][1]["policy_version"] == 2
     assert ep_weights.keys() == fsdp_weights.keys()
     assert all(torch.equal(ep_weights[n], fsdp_weights[n]) for n in fsdp_weights)
+    assert all(torch.equal(resumed_weights[n], ep_weights[n]) for n in ep_weights)
     if mode == "routing_replay":
         assert fsdp_steps[1][1]["expert_mismatch/share"] > 0.5  # the replayed experts are not the routers'

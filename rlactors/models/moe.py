@@ -5,8 +5,9 @@ expert), a softmax, the top ``k`` experts per token (``route``), each chosen exp
 and the outputs summed weighted by the router's probabilities. The experts are held fused, as
 transformers 5 holds them in memory (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj
 [E, H, I]``), so dim 0 of every expert tensor is the expert: FSDP shards it by experts, and
-expert parallelism over a trainer mesh dim can place whole experts on ranks. Checkpoints on disk
-hold one tensor per expert (``rlactors.models.checkpoint`` converts).
+expert parallelism (``rlactors.trainer.expert_parallel``) places whole experts on ranks.
+Checkpoints on disk hold one tensor per expert (``rlactors.models.checkpoint`` converts).
+``RoutingReplay`` can force each token's experts (routing replay, R3).
 
 Tokens are sorted by expert and every expert multiplies its rows in one matmul
 (``grouped_linear``: ``torch._grouped_mm`` for bf16 on CUDA, a matmul per expert otherwise).
@@ -65,9 +66,9 @@ class RoutingReplay(nn.Module):
     """Routing replay (R3): the experts another model (the generator) routed each token to, forced
     on this forward in place of the router's own top-k; their weights are this router's
     probabilities at those experts (renormalized as top-k's are). ``experts`` (int64 ``[T, k]``,
-    a row of -1 where unknown: that token keeps its own top-k) is set for a forward by its caller;
-    None replays nothing. A module, so hooks see the router's choice (input) and the experts used
-    (output)."""
+    a row of -1 where unknown: that token keeps its own top-k) is set for a forward by its caller
+    (the trainer, which checks its shape); None replays nothing. A module, so hooks see the
+    router's choice (input) and the experts used (output)."""
 
     experts: torch.Tensor | None = None
 
@@ -75,9 +76,6 @@ class RoutingReplay(nn.Module):
                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if self.experts is None:
             return weights, expert_ids
-        if self.experts.shape != expert_ids.shape:
-            raise ValueError(f"replayed experts {tuple(self.experts.shape)} do not match the routing "
-                             f"{tuple(expert_ids.shape)}")
         known = (self.experts >= 0).all(-1, keepdim=True)
         expert_ids = torch.where(known, self.experts, expert_ids)
         weights = probs.gather(-1, expert_ids)

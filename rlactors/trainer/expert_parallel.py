@@ -34,6 +34,9 @@ class ExpertParallel:
         self.ranks = dist.get_world_size(group)
         self.local_experts = num_experts // self.ranks
 
+    # Eager inside a torch.compile'd layer (trainer.compile_layers): the exchange reads the counts
+    # on the host and runs collectives.
+    @torch.compiler.disable
     def __call__(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``Experts.mlp`` of ``rows`` grouped by expert (``counts [E]`` rows each), computed on
         the ranks that hold the experts."""

@@ -212,7 +212,8 @@ class PolicyTrainerCore:
 
     def _token_logprobs(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         replayed = mb.routed_experts if self.model_config.routing_replay else None
-        for i, block in enumerate(self._sparse_blocks):  # kept for activation checkpointing's recompute
+        # Left set after the forward, so that activation checkpointing's recompute routes alike.
+        for i, block in enumerate(self._sparse_blocks):
             block.replay.experts = None if replayed is None else replayed.flatten(0, 1)[:, i]
         positions = mb.positions.reshape(-1)
         hidden = self.model(mb.input_ids.reshape(-1), positions, self._attention(positions))

@@ -18,11 +18,14 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rlactors.liveness import UNRESPONSIVE_TIMEOUT_S
 from rlactors.placement import gpu_layout
 from rlactors.supervision import MONARCH_STATE_QUERY_WAIT_S
+
+if TYPE_CHECKING:
+    from rlactors.models.args import ModelArgs
 
 # The choices of the Literal fields that code outside this module also names.
 UpdateMode = Literal["drain", "hot_swap"]
@@ -54,9 +57,15 @@ class ModelConfig(_Section):
     path: str  # an HF checkpoint dir
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # generator/compute dtype
     true_on_policy: bool = False  # batch-invariant kernels: trainer logprobs == generator's
+    # Mixture-of-experts models: the trainer routes each sampled token to the generator's experts
+    # (R3); true on-policy routes them alike without it
+    routing_replay: bool = False
 
     def validate(self, key: str) -> None:
         _check(bool(self.path), f"{key}.path", "must name a checkpoint directory")
+        _check(not (self.routing_replay and self.true_on_policy), f"{key}.routing_replay",
+               f"is for the default mode: with {key}.true_on_policy the trainer routes every token as the "
+               "generator did already")
 
 
 @dataclass
@@ -73,6 +82,9 @@ class TrainerConfig(_Section):
     logprob_chunk_tokens: int = 1024  # tokens per chunk of the fp32 log-softmax
     # Mixture-of-experts models: weight of the router's load-balancing loss (0: off, as RL recipes run)
     router_aux_loss_coef: float = 0.0
+    # Mixture-of-experts models: ranks each sparse layer's experts are split over (1: FSDP shards
+    # them with the rest; trainer.ranks: expert parallelism over all trainer ranks)
+    expert_parallel: int = 1
 
     def validate(self, key: str) -> None:
         _check(self.ranks >= 1, f"{key}.ranks", f"must be >= 1, got {self.ranks}")
@@ -84,6 +96,8 @@ class TrainerConfig(_Section):
         _check(self.logprob_chunk_tokens >= 1, f"{key}.logprob_chunk_tokens", "must be >= 1")
         _check(0 <= self.router_aux_loss_coef < math.inf, f"{key}.router_aux_loss_coef",
                f"must be >= 0 and finite, got {self.router_aux_loss_coef}")
+        _check(self.expert_parallel in (1, self.ranks), f"{key}.expert_parallel",
+               f"must be 1 or trainer.ranks ({self.ranks}), got {self.expert_parallel}")
 
 
 @dataclass
@@ -381,6 +395,20 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def check_model_keys(model: ModelConfig, trainer: TrainerConfig, args: ModelArgs) -> None:
+    """Checks the keys that depend on the checkpoint in `model.path` (`args`, its config)."""
+    if args.moe is None:
+        no_experts = f"{model.path} ({args.model_type}) has no experts"
+        _check(trainer.router_aux_loss_coef == 0, "trainer.router_aux_loss_coef",
+               f"is {trainer.router_aux_loss_coef}, but {no_experts}")
+        _check(not model.routing_replay, "model.routing_replay", f"is set, but {no_experts}")
+        _check(trainer.expert_parallel == 1, "trainer.expert_parallel",
+               f"is {trainer.expert_parallel}, but {no_experts}")
+        return
+    _check(args.moe.num_experts % trainer.expert_parallel == 0, "trainer.expert_parallel",
+           f"{trainer.expert_parallel} ranks cannot split the {args.moe.num_experts} experts evenly")
 
 
 @functools.cache

@@ -24,7 +24,7 @@ from typing import Any
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import ActorError
 
-from rlactors.config import Config
+from rlactors.config import Config, check_model_keys
 from rlactors.evaluation import EvalSchedule, Evaluator, training_evaluator
 from rlactors.generation import generate, serve_gateway
 from rlactors.liveness import ProcLost
@@ -78,10 +78,12 @@ class Controller:
 
     async def start(self) -> None:
         from rlactors.models import load_checked_tokenizer
+        from rlactors.models.checkpoint import load_args
 
         c = self.config
         resume_from = self.run_dir.check(c, self.resume)  # fails (or finds the run complete) before any proc starts
         self.tokenizer = load_checked_tokenizer(c.model.path)
+        check_model_keys(c.model, c.trainer, load_args(c.model.path))
         env = load_env(c.env, self.tokenizer)
         dataset = env.dataset("train")
         if len(dataset) == 0:

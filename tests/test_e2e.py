@@ -145,13 +145,16 @@ def test_samples_show_each_turns_prompt_as_the_env_extended_it(tiny_ckpt):
     assert samples[1]["turns"] == []
 
 
-@pytest.mark.parametrize("true_on_policy", [False, True], ids=["default", "true_on_policy"])
+@pytest.mark.parametrize("true_on_policy", [False, True], ids=["default_routing_replay", "true_on_policy"])
 def test_a_tiny_mixture_of_experts_trains_end_to_end(family_ckpt, tmp_path, true_on_policy):
-    """Qwen3-MoE through the controller: native replicas generate, the trainer steps (with the
-    router's load-balancing loss on), weights sync back; in true on-policy mode no token's
-    logprob or experts differ between generator and trainer."""
-    history = _run(_config(family_ckpt("qwen3_moe"), tmp_path, "controller.steps=2", "trainer.ranks=1",
-                           f"model.true_on_policy={str(true_on_policy).lower()}", "trainer.router_aux_loss_coef=0.01"))
+    """Qwen3-MoE through the controller: native replicas generate, 2 expert-parallel trainer ranks
+    step (with the router's load-balancing loss on), weights sync back; in default mode the trainer
+    replays the generator's routing; in true on-policy mode no token's logprob or experts differ
+    between generator and trainer."""
+    history = _run(_config(family_ckpt("qwen3_moe"), tmp_path, "controller.steps=2", "trainer.ranks=2",
+                           "trainer.expert_parallel=2", "trainer.router_aux_loss_coef=0.01",
+                           f"model.true_on_policy={str(true_on_policy).lower()}",
+                           f"model.routing_replay={str(not true_on_policy).lower()}"))
     assert [m["policy/version"] for m in history] == [1.0, 2.0]
     for m in history:
         assert m["rollout/rollouts"] == 8 and m["loss/tokens"] > 0 and math.isfinite(m["loss/loss"])

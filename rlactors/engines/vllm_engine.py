@@ -89,12 +89,13 @@ class VLLMEngine(Engine):
     """
 
     def __init__(self, llm_engine: Any, vocab_size: int, max_model_len: int, tp: int = 1, version: int = 0,
-                 hot_swaps: bool = True):
+                 hot_swaps: bool = True, sparse_layers: list[int] | None = None):
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         self._vllm_params = VLLMSamplingParams
         self.hot_swaps = hot_swaps
+        self.sparse_layers = sparse_layers  # the MoE layers whose routed experts vLLM returns, or None
         self._output_kind = RequestOutputKind.DELTA if hot_swaps else RequestOutputKind.FINAL_ONLY
         self.engine = llm_engine
         self.vocab_size = vocab_size
@@ -118,10 +119,17 @@ class VLLMEngine(Engine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
         kernels = sides(model_config.true_on_policy, "vllm", "cuda").generator
         os.environ.update(kernels.environment)  # read by vLLM's import
-        true_on_policy_args = {}
+        model_args = load_args(model_config.path)
+        mode_args = {}
         if kernels.engine_args is not None:
             kernels.register()
-            true_on_policy_args = kernels.engine_args(load_args(model_config.path))
+            mode_args = kernels.engine_args(model_args)
+        # In default mode vLLM's own MoE layers record each token's experts (for the trainer's
+        # expert-mismatch metric and routing replay); in true on-policy mode routing is the trainer's.
+        sparse_layers = None
+        if model_args.moe is not None and not model_config.true_on_policy:
+            mode_args["enable_return_routed_experts"] = True
+            sparse_layers = [i for i in range(model_args.num_hidden_layers) if model_args.is_sparse_layer(i)]
         from vllm import EngineArgs, LLMEngine
 
         g = generator_config
@@ -137,12 +145,12 @@ class VLLMEngine(Engine):
             logprobs_mode="raw_logprobs",
             disable_log_stats=True,
             disable_custom_all_reduce=not custom_all_reduce_works(g.tp, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")),
-            **true_on_policy_args,
+            **mode_args,
         )
         with one_start_per_gpu(g.tp):
             engine = LLMEngine.from_engine_args(args)
-        return cls(engine, load_args(model_config.path).vocab_size, g.max_model_len, g.tp,
-                   hot_swaps=g.update_mode == "hot_swap")
+        return cls(engine, model_args.vocab_size, g.max_model_len, g.tp, hot_swaps=g.update_mode == "hot_swap",
+                   sparse_layers=sparse_layers)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling: SamplingParams | Mapping[str, Any]) -> None:
@@ -174,7 +182,8 @@ class VLLMEngine(Engine):
             self.counters["generated_tokens"] += len(new)
             if output.finished:
                 del self.requests[output.request_id]
-                finished.append(self._completion(output.request_id, request, out.finish_reason))
+                finished.append(self._completion(output.request_id, request, out.finish_reason,
+                                                 self._routed_experts(request, out.routed_experts)))
                 self.counters["finished"] += 1
         self.counters["steps"] += 1
         return finished
@@ -219,12 +228,26 @@ class VLLMEngine(Engine):
         self.aborted = []
         self.engine.engine_core.shutdown()  # frees the GPU memory of the in-process engine core
 
-    def _completion(self, request_id: str, request: _Request, reason: str | None) -> Completion:
+    def _routed_experts(self, request: _Request, routed: Any) -> list[list[list[int]]] | None:
+        """Each sampled token's experts per MoE layer (``Completion.routed_experts``), from what
+        vLLM returns for a finished request: an array ``[prompt + generated - 1, num_hidden_layers,
+        k]`` whose row ``p`` holds the experts of position ``p``'s forward, the one that sampled
+        the token after it (rows of dense layers unused)."""
+        if self.sparse_layers is None:
+            return None
+        prompt, generated = len(request.prompt_token_ids), len(request.token_ids)
+        if routed is None or routed.shape[0] != prompt + generated - 1:
+            raise RuntimeError(f"vLLM returned routed experts of shape {getattr(routed, 'shape', None)} for "
+                               f"{prompt} prompt and {generated} generated tokens")
+        return routed[prompt - 1:, self.sparse_layers].tolist()
+
+    def _completion(self, request_id: str, request: _Request, reason: str | None,
+                    routed_experts: list[list[list[int]]] | None = None) -> Completion:
         now = time.perf_counter()
         first_token = request.first_token or request.arrival
         return Completion(
             request_id=request_id, prompt_token_ids=request.prompt_token_ids, token_ids=request.token_ids,
-            logprobs=request.logprobs, versions=request.versions,
+            logprobs=request.logprobs, versions=request.versions, routed_experts=routed_experts,
             finish_reason=reason if reason in ("stop", "length", "abort") else "error",
             # vLLM keeps its own queue/prefill split; here, arrival to first token is "prefill" (without
             # hot swaps the first token is not seen alone: all of it counts as decode).

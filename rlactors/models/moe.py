@@ -5,8 +5,9 @@ expert), a softmax, the top ``k`` experts per token (``route``), each chosen exp
 and the outputs summed weighted by the router's probabilities. The experts are held fused, as
 transformers 5 holds them in memory (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj
 [E, H, I]``), so dim 0 of every expert tensor is the expert: FSDP shards it by experts, and
-expert parallelism over a trainer mesh dim can place whole experts on ranks. Checkpoints on disk
-hold one tensor per expert (``rlactors.models.checkpoint`` converts).
+expert parallelism (``rlactors.trainer.expert_parallel``) places whole experts on ranks.
+Checkpoints on disk hold one tensor per expert (``rlactors.models.checkpoint`` converts).
+``RoutingReplay`` can force each token's experts (routing replay, R3).
 
 Tokens are sorted by expert and every expert multiplies its rows in one matmul
 (``grouped_linear``: ``torch._grouped_mm`` for bf16 on CUDA, a matmul per expert otherwise).
@@ -36,10 +37,17 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = args.moe.norm_topk_prob
         self.experts = Experts(args)
         self.gate = nn.Linear(args.hidden_size, args.moe.num_experts, bias=False)  # the router
+        self.replay = RoutingReplay()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = top_k_experts(self.gate(x).float().softmax(-1), self.top_k, self.norm_topk_prob)
-        return self.experts(x, expert_ids, weights.to(x.dtype))
+        return self.experts(x, *self.route(self.gate(x).float().softmax(-1), x.dtype))
+
+    def route(self, probs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(expert_ids, weights)`` of each token under the router's fp32 ``probs [T, E]``: its top
+        ``k``, or the experts ``replay`` forces on it; the weights in ``dtype``."""
+        weights, expert_ids = top_k_experts(probs, self.top_k, self.norm_topk_prob)
+        weights, expert_ids = self.replay(probs, weights, expert_ids, self.norm_topk_prob)
+        return expert_ids, weights.to(dtype)
 
 
 def top_k_experts(probs: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +62,28 @@ def top_k_experts(probs: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, expert_ids
 
 
+class RoutingReplay(nn.Module):
+    """Routing replay (R3): the experts another model (the generator) routed each token to, forced
+    on this forward in place of the router's own top-k; their weights are this router's
+    probabilities at those experts (renormalized as top-k's are). ``experts`` (int64 ``[T, k]``,
+    a row of -1 where unknown: that token keeps its own top-k) is set for a forward by its caller
+    (the trainer, which checks its shape); None replays nothing. A module, so hooks see the
+    router's choice (input) and the experts used (output)."""
+
+    experts: torch.Tensor | None = None
+
+    def forward(self, probs: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.experts is None:
+            return weights, expert_ids
+        known = (self.experts >= 0).all(-1, keepdim=True)
+        expert_ids = torch.where(known, self.experts, expert_ids)
+        weights = probs.gather(-1, expert_ids)
+        if renormalize:
+            weights = weights / _sum_in_order(weights.unbind(-1))[:, None]
+        return weights, expert_ids
+
+
 def _sum_in_order(terms) -> torch.Tensor:
     """``terms[0] + terms[1] + ...``, left to right: elementwise, so a row's sum never depends on
     the shape of the batch (a reduction kernel may pick its order by shape)."""
@@ -65,7 +95,12 @@ def _sum_in_order(terms) -> torch.Tensor:
 
 class Experts(nn.Module):
     """``num_experts`` SwiGLU MLPs in two fused parameters: ``gate_up_proj [E, 2I, H]`` (each
-    expert's gate rows, then its up rows) and ``down_proj [E, H, I]``."""
+    expert's gate rows, then its up rows) and ``down_proj [E, H, I]``.
+
+    With ``expert_parallel`` set (``rlactors.trainer.expert_parallel``), this rank holds some of
+    the experts and the rows grouped by expert go to the ranks that hold theirs and come back."""
+
+    expert_parallel: Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -81,11 +116,19 @@ class Experts(nn.Module):
         slots = expert_ids.reshape(-1)  # slot t * top_k + j: token t's j-th expert
         order = slots.argsort(stable=True)  # the slots grouped by expert, each group in token order
         counts = torch.bincount(slots, minlength=self.num_experts)
-        gate_up = self.grouped_linear(x[order // top_k], self.gate_up_proj, counts)
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = self.grouped_linear(self.activation(gate, up), self.down_proj, counts)
+        if self.expert_parallel is None:
+            out = self.mlp(x[order // top_k], counts, self.gate_up_proj, self.down_proj)
+        else:
+            out = self.expert_parallel(self, x[order // top_k], counts)
         out = out[order.argsort()].view(tokens, top_k, -1)  # back to slot order
         return _sum_in_order([out[:, j] * weights[:, j, None] for j in range(top_k)])
+
+    def mlp(self, rows: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,
+            down_proj: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU of ``rows`` grouped by expert, ``counts[e]`` rows for the ``e``-th expert of
+        ``gate_up_proj`` and ``down_proj``."""
+        gate, up = self.grouped_linear(rows, gate_up_proj, counts).chunk(2, dim=-1)
+        return self.grouped_linear(self.activation(gate, up), down_proj, counts)
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return grouped_linear(x, weight, counts)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from rlactors.models.decoder import MLP, Attention, DecoderLayer, LogSoftmax, RMSNorm, SelfAttention
-from rlactors.models.moe import Experts, SparseMoeBlock, linear_per_expert, top_k_experts
+from rlactors.models.moe import Experts, SparseMoeBlock, linear_per_expert
 from rlactors.on_policy import ops
 
 
@@ -153,8 +153,7 @@ class InvariantSparseMoeBlock(SparseMoeBlock):
     the weighted sum in rank order) is invariant as it is."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = top_k_experts(ops.softmax(self.gate(x)), self.top_k, self.norm_topk_prob)
-        return residual + self.experts(x, expert_ids, weights.to(x.dtype))
+        return residual + self.experts(x, *self.route(ops.softmax(self.gate(x)), x.dtype))
 
 
 class InvariantExperts(Experts):

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlactors.attention.varlen import cu_seqlens_from_positions
-from rlactors.config import LossConfig, ModelConfig, TrainerConfig
+from rlactors.config import LossConfig, ModelConfig, TrainerConfig, check_model_keys
 from rlactors.losses import LossNorm, LossStats, compute_loss, loss_tokens
 from rlactors.models.args import DTYPES
 from rlactors.models.checkpoint import (
@@ -116,6 +116,7 @@ class PolicyTrainerCore:
         if self.world_size != trainer.ranks:
             raise ValueError(f"trainer.ranks is {trainer.ranks} but the process group has {self.world_size} ranks")
         self.args = load_args(model.path)
+        check_model_keys(model, trainer, self.args)
         self.mesh = make_mesh(device)
         self.model = build_sharded_model(
             self.args, self.mesh, device,
@@ -123,21 +124,19 @@ class PolicyTrainerCore:
             activation_checkpointing=trainer.activation_checkpointing,
             compile_layers=trainer.compile_layers and device.type == "cuda" and not kernels.eager,
             convert=kernels.convert,
+            expert_parallel=trainer.expert_parallel > 1,
         )
         self._attention = kernels.attention
         self._load_hf_weights(model.path)
-        if trainer.router_aux_loss_coef > 0 and self.args.moe is None:
-            raise ValueError(f"trainer.router_aux_loss_coef is {trainer.router_aux_loss_coef}, but "
-                             f"{model.path} ({self.args.model_type}) has no experts")
-        # Per sparse layer, of the current forward: the expert ids [T, k] it chose, and (for the
-        # load-balancing loss) its router logits.
+        # Per sparse layer, of the current forward: the expert ids [T, k] its router chose (before
+        # any replay), and (for the load-balancing loss) its router logits.
         self._routing: list[torch.Tensor] = []
         self._router_logits: list[torch.Tensor] = []
-        for module in self.model.modules():
-            if isinstance(module, SparseMoeBlock):
-                module.experts.register_forward_hook(lambda _, inputs, out: self._routing.append(inputs[1]))
-                if trainer.router_aux_loss_coef > 0:
-                    module.gate.register_forward_hook(lambda _, inputs, logits: self._router_logits.append(logits))
+        self._sparse_blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
+        for module in self._sparse_blocks:
+            module.replay.register_forward_hook(lambda _, inputs, out: self._routing.append(inputs[2]))
+            if trainer.router_aux_loss_coef > 0:
+                module.gate.register_forward_hook(lambda _, inputs, logits: self._router_logits.append(logits))
         self.optimizer = self._new_optimizer()
         self.version = 0
         self._stats = LossStats()
@@ -212,6 +211,10 @@ class PolicyTrainerCore:
         return logprobs.reshape(mb.input_ids.shape).cpu()
 
     def _token_logprobs(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        replayed = mb.routed_experts if self.model_config.routing_replay else None
+        # Left set after the forward, so that activation checkpointing's recompute routes alike.
+        for i, block in enumerate(self._sparse_blocks):
+            block.replay.experts = None if replayed is None else replayed.flatten(0, 1)[:, i]
         positions = mb.positions.reshape(-1)
         hidden = self.model(mb.input_ids.reshape(-1), positions, self._attention(positions))
         targets, chunk = mb.target_ids.reshape(-1), self.config.logprob_chunk_tokens
@@ -221,14 +224,16 @@ class PolicyTrainerCore:
 
     def _routing_stats(self, mb: MicroBatch) -> LossStats:
         """Over the loss tokens of the current policy whose generator returned the experts it
-        routed them to: their count, and how many this forward routed to other experts in any
-        sparse layer (both 0 when the generator returned none)."""
+        routed them to: their count, and how many this forward's routers chose another set of
+        experts for in any sparse layer (before any routing replay; both 0 when the generator
+        returned none)."""
         routed = differ = torch.zeros((), dtype=torch.float64, device=self.device)
         if mb.routed_experts is not None:
-            generator = mb.routed_experts.reshape(-1, *mb.routed_experts.shape[2:])
+            generator = mb.routed_experts.flatten(0, 1).sort(-1).values
             current = mb.versions.reshape(-1) == self.version
             known = (generator >= 0).all(-1).all(-1) & mb.loss_mask.reshape(-1) & current
-            differs = (torch.stack(self._routing, dim=1) != generator).any(-1).any(-1) & known
+            ours = torch.stack(self._routing, dim=1).sort(-1).values
+            differs = (ours != generator).any(-1).any(-1) & known
             routed, differ = known.sum().double(), differs.sum().double()
         self._routing.clear()
         return LossStats(sums={"routed_tokens": routed, "expert_mismatch": differ})

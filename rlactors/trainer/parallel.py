@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlactors.models.args import ModelArgs
 from rlactors.models.decoder import DecoderForCausalLM
+from rlactors.trainer.expert_parallel import shard_experts
 
 
 def init_distributed(device_type: str) -> torch.device:
@@ -75,6 +76,7 @@ def build_sharded_model(
     activation_checkpointing: bool,
     compile_layers: bool,
     convert: Callable[[nn.Module], None] | None = None,
+    expert_parallel: bool = False,
 ) -> DecoderForCausalLM:
     """An FSDP2-sharded model with uninitialised fp32 shards on `device` (load weights next).
 
@@ -84,12 +86,14 @@ def build_sharded_model(
     With `mixed_precision`, parameters are all-gathered and computed in bf16 while the fp32
     shards stay the master weights and gradients are reduced in fp32. `compile_layers` compiles
     each decoder layer (CUDA: the eager layer is bound by its elementwise kernels). `convert`
-    (true on-policy's module swap) is applied to the plain model first.
+    (true on-policy's module swap) is applied to the plain model first. With `expert_parallel`,
+    the experts are sharded by expert over `mesh` outside FSDP (`rlactors.trainer.expert_parallel`).
     """
     with torch.device("meta"):
         model = DecoderForCausalLM(args)
     if convert is not None:
         convert(model)
+    experts = shard_experts(model, mesh) if expert_parallel else set()
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if mixed_precision else None,
         reduce_dtype=torch.float32 if mixed_precision else None,
@@ -99,8 +103,8 @@ def build_sharded_model(
             compile_layer(layer)
         if activation_checkpointing:
             checkpoint_activations(layer)
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=experts)
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=experts)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

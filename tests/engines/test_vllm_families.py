@@ -1,10 +1,10 @@
 """vLLM serves every model family from rlactors' checkpoints, and weight sync loads into it by the
 copy plan. Per family (Qwen3; Qwen2 with q/k/v biases and an untied head; Llama 3 with its RoPE
 scaling; Qwen3-MoE, served by vLLM's own FusedMoE, its experts synced in the trainer's fused
-layout): vLLM's raw logprobs of its own completions match our fp32 model's; the broadcast path's
-load (`rlactors.weight_sync.broadcast.worker_load_staged`) of a received buffer first goes through
-vLLM's `load_weights` and proves a copy plan, and the next weights, copied by that plan, serve the
-logprobs of our model with those weights. Skipped without CUDA and vLLM."""
+layout, each sampled token's routed experts returned): vLLM's raw logprobs of its own completions
+match our fp32 model's; the broadcast path's load (`rlactors.weight_sync.broadcast.worker_load_staged`)
+of a received buffer first goes through vLLM's `load_weights` and proves a copy plan, and the next
+weights, copied by that plan, serve the logprobs of our model with those weights. Skipped without CUDA and vLLM."""
 
 from __future__ import annotations
 
@@ -51,7 +51,17 @@ def test_vllm_serves_each_family_and_loads_weights_by_the_copy_plan(family, tie,
     engine = VLLMEngine.from_config(CONFIG, ModelConfig(path=str(ckpts[0]), dtype="bfloat16"))
     try:
         batch = prompts(16)
-        assert ckpt_logprob_error(ckpts[0], generate(engine, batch)) < LOGPROB_ATOL
+        first = generate(engine, batch)
+        assert ckpt_logprob_error(ckpts[0], first) < LOGPROB_ATOL
+        args = load_args(ckpts[0])
+        if args.moe is None:
+            assert all(c.routed_experts is None for c in first)
+        else:  # vLLM's experts for each sampled token, per sparse layer
+            sparse_layers = sum(map(args.is_sparse_layer, range(args.num_hidden_layers)))
+            for c in first:
+                experts = torch.tensor(c.routed_experts)
+                assert experts.shape == (len(c.token_ids), sparse_layers, args.moe.num_experts_per_tok)
+                assert 0 <= experts.min() and experts.max() < args.moe.num_experts
 
         # What the trainer sends: the model's parameters (a tied head only as the embedding; experts
         # fused, as FusedMoE holds them).

@@ -81,6 +81,8 @@ IMPOSSIBLE = [
     (["trainer.router_aux_loss_coef=inf"], "trainer.router_aux_loss_coef"),
     (["trainer.max_grad_norm=0"], "trainer.max_grad_norm"),
     (["trainer.logprob_chunk_tokens=0"], "trainer.logprob_chunk_tokens"),
+    (["trainer.expert_parallel=3"], "trainer.expert_parallel"),  # neither 1 nor trainer.ranks (2)
+    (["model.routing_replay=true", "model.true_on_policy=true"], "model.routing_replay"),
     (['generator.engine="sglang"'], "generator.engine"),
     (['generator.engine="vllm"'], "generator.engine"),  # vllm needs controller.device = "cuda"
     (["generator.replicas=0"], "generator.replicas"),
@@ -246,6 +248,27 @@ def test_bad_model_dirs_and_envs_are_named_before_any_proc_starts(capsys, tmp_pa
     fault_record("bad inputs", "model.path missing / not a checkpoint; a tokenizer without a chat template "
                  "under a chat env; an empty train split; env.name naming no module / no class / no TokenEnv", None,
                  "nothing starts: one line `error: ...` naming the input, exit code 2")
+
+
+def test_keys_the_checkpoint_cannot_take_are_named_before_any_proc_starts(capsys, tmp_path, tiny_ckpt, family_ckpt,
+                                                                         fault_record):
+    run_dir, moe = f'controller.run_dir="{tmp_path / "run"}"', family_ckpt("qwen3_moe")
+    cases = [
+        ([f'model.path="{tiny_ckpt}"', "model.routing_replay=true"],
+         f"error: model.routing_replay: is set, but {tiny_ckpt} (qwen3) has no experts"),
+        ([f'model.path="{tiny_ckpt}"', "trainer.expert_parallel=2"],
+         f"error: trainer.expert_parallel: is 2, but {tiny_ckpt} (qwen3) has no experts"),
+        ([f'model.path="{tiny_ckpt}"', "trainer.router_aux_loss_coef=0.01"],
+         f"error: trainer.router_aux_loss_coef: is 0.01, but {tiny_ckpt} (qwen3) has no experts"),
+        ([f'model.path="{moe}"', "trainer.ranks=3", "trainer.expert_parallel=3", "generator.replicas=1"],
+         "error: trainer.expert_parallel: 3 ranks cannot split the 8 experts evenly"),
+    ]
+    for overrides, expected in cases:
+        assert cli_error(capsys, run_dir, *overrides) == expected
+    assert not (tmp_path / "run").exists()
+    fault_record("bad config", "model.routing_replay, trainer.expert_parallel or trainer.router_aux_loss_coef for a "
+                 "model without experts; expert_parallel that does not divide the experts", None,
+                 "nothing starts: one line `error: <key>: ...`, exit code 2")
 
 
 def _broken_copies(tiny_ckpt, root):

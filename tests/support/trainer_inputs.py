@@ -39,7 +39,8 @@ def rows(seed, count=8, row_tokens=48, vocab=1024):
 
 
 def cat(mbs):
-    return MicroBatch(**{name: torch.cat([getattr(mb, name) for mb in mbs]) for name in MICROBATCH_FIELDS})
+    names = MICROBATCH_FIELDS + (("routed_experts",) if mbs[0].routed_experts is not None else ())
+    return MicroBatch(**{name: torch.cat([getattr(mb, name) for mb in mbs]) for name in names})
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import pytest
 import torch
 from support.trainer_inputs import cat, one_rank_process_group, rows
 
-from rlactors.config import LossConfig, ModelConfig, TrainerConfig
+from rlactors.config import ConfigError, LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm, compute_loss
 from rlactors.models.args import FAMILIES
 from rlactors.models.checkpoint import TIED_KEY, from_pretrained, fuse_experts, load_args, load_state_dict
@@ -34,10 +34,10 @@ def device():
         yield torch.device("cpu")
 
 
-def make_core(ckpt, device, **trainer):
+def make_core(ckpt, device, routing_replay=False, **trainer):
     config = dict(ranks=1, lr=1e-2, max_grad_norm=0.005, weight_decay=0.1, warmup_steps=1, logprob_chunk_tokens=50)
-    return PolicyTrainerCore(ModelConfig(path=str(ckpt)), TrainerConfig(**{**config, **trainer}), device,
-                             sides(False, "native", device).trainer)
+    return PolicyTrainerCore(ModelConfig(path=str(ckpt), routing_replay=routing_replay),
+                             TrainerConfig(**{**config, **trainer}), device, sides(False, "native", device).trainer)
 
 
 def step(core, batches, loss=LossConfig(name="dapo", clip_high=0.28)):
@@ -115,29 +115,38 @@ def test_router_aux_loss_is_off_by_default_and_adds_the_load_balancing_loss(fami
     assert "router_aux_loss" not in plain_metrics
     assert 1.0 <= balanced_metrics["router_aux_loss"] < 8  # 1 at an even load; at most num_experts
     assert balanced_metrics["loss"] == plain_metrics["loss"]  # the policy loss alone
-    with pytest.raises(ValueError, match=r"trainer.router_aux_loss_coef is 0.5, but .* \(qwen3\) has no experts"):
+    with pytest.raises(ConfigError, match=r"^trainer.router_aux_loss_coef: is 0.5, but .* \(qwen3\) has no experts$"):
         make_core(tiny_ckpt, device, router_aux_loss_coef=0.5)
+
+
+def experts_used(core, mb):
+    """``(expert ids, their weights, router probabilities)`` that ``core``'s sparse layers compute
+    ``mb`` with, each ``[rows, width, sparse layers, ...]``."""
+    from rlactors.models.moe import SparseMoeBlock
+
+    used, probs = [], []
+    blocks = [m for m in core.model.modules() if isinstance(m, SparseMoeBlock)]
+    hooks = [m.experts.register_forward_hook(lambda _, inputs, out: used.append(inputs[1:])) for m in blocks]
+    hooks += [m.gate.register_forward_hook(lambda _, inputs, logits: probs.append(logits.softmax(-1))) for m in blocks]
+    core.compute_logprobs([mb])
+    for hook in hooks:
+        hook.remove()
+    return tuple(torch.stack(t, dim=1).reshape(*mb.input_ids.shape, len(blocks), -1)
+                 for t in ([i for i, _ in used], [w for _, w in used], probs))
 
 
 def test_the_share_of_tokens_routed_to_other_experts_than_the_generators(family_ckpt, device):
     """Microbatches that carry the generator's routed experts: the trainer counts the current
-    policy's loss tokens it routes otherwise (in any sparse layer)."""
-    from rlactors.models.moe import SparseMoeBlock
-
+    policy's loss tokens its routers send to another set of experts (in any sparse layer)."""
     core, mb = make_core(family_ckpt("qwen3_moe"), device), cat(rows(6)[:2])
-    record = []
-    hooks = [m.experts.register_forward_hook(lambda _, inputs, out: record.append(inputs[1]))
-             for m in core.model.modules() if isinstance(m, SparseMoeBlock)]
-    core.compute_logprobs([mb])
-    for hook in hooks:
-        hook.remove()
-    ours = torch.stack(record, dim=1).reshape(*mb.input_ids.shape, 3, 2)  # 3 sparse layers, top 2
-    routed = ours.clone()
+    routed = experts_used(core, mb)[0].clone()  # 3 sparse layers, top 2
     routed[~mb.loss_mask] = -1  # prompt tokens: not returned
-    routed[0, 5, 1] = routed[0, 5, 1].flip(-1)  # one token: its second layer's experts swapped ...
+    routed[0, 5, 1] = routed[0, 5, 1].flip(-1)  # one token: its second layer's experts in another order (the same set)
+    routed[0, 6, 0, 1] = (routed[0, 6, 0, 1] + 1) % 8  # another: a first layer's second expert ...
     routed[1, 10, 2, 0] = (routed[1, 10, 2, 0] + 1) % 8  # ... another: a third layer's first expert
     routed[1, 11] = -1  # and one not known
-    assert mb.loss_mask[0, 5] and mb.loss_mask[1, 10] and mb.loss_mask[1, 11]
+    assert (routed[0, 6, 0, 0] != routed[0, 6, 0, 1]) and (routed[1, 10, 2, 0] != routed[1, 10, 2, 1])
+    assert mb.loss_mask[0, 5] and mb.loss_mask[0, 6] and mb.loss_mask[1, 10] and mb.loss_mask[1, 11]
     norm, loss = LossNorm.for_step([mb], "dapo"), LossConfig(name="dapo")
     core.forward_backward([MicroBatch(**{**vars(mb), "routed_experts": routed})], norm, loss)
     core.forward_backward([mb], norm, loss)  # no routed experts: counts nothing
@@ -148,6 +157,32 @@ def test_the_share_of_tokens_routed_to_other_experts_than_the_generators(family_
                                          r"\(2, 48, 3, 2\)"):
         core.forward_backward([MicroBatch(**{**vars(mb), "routed_experts": torch.zeros(2, 48, 3, 3).long()})],
                               norm, loss)
+
+
+def test_routing_replay_computes_each_returned_token_with_the_generators_experts(family_ckpt, device):
+    """With model.routing_replay, a token whose experts the generator returned goes to those
+    experts, weighted by the trainer's router probabilities there (renormalized, as the tiny MoE's
+    norm_topk_prob asks); the others keep their own top-k. The mismatch metric still counts the
+    routers' own choice."""
+    ckpt, mb = family_ckpt("qwen3_moe"), cat(rows(6)[:2])
+    own = experts_used(make_core(ckpt, device), mb)[0]
+    generator = (own + 3) % 8  # another set of experts in every layer (8 experts, top 2)
+    generator[~mb.loss_mask] = -1  # prompt tokens: not returned
+    replayed = MicroBatch(**{**vars(mb), "routed_experts": generator})
+    core = make_core(ckpt, device, routing_replay=True)
+    ids, weights, probs = experts_used(core, replayed)
+    returned = mb.loss_mask
+    assert torch.equal(ids[returned], generator[returned]) and torch.equal(ids[~returned], own[~returned])
+    chosen = probs.gather(-1, ids)
+    assert torch.equal(weights, chosen / (chosen[..., :1] + chosen[..., 1:]))
+    assert torch.equal(experts_used(core, mb)[0], own)  # a microbatch without routed experts: its own
+    norm, loss = LossNorm.for_step([mb], "dapo"), LossConfig(name="dapo")
+    core.forward_backward([replayed], norm, loss)
+    metrics = core.optim_step()
+    assert metrics["routed_tokens"] == mb.num_loss_tokens and metrics["expert_mismatch/share"] == 1.0
+    plain = make_core(ckpt, device)
+    plain.forward_backward([replayed], norm, loss)
+    assert plain.optim_step()["loss"] != metrics["loss"]
 
 
 def test_activation_checkpointing_gives_the_same_step(tiny_ckpt, device):

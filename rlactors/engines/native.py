@@ -25,7 +25,7 @@ from rlactors.engines.scheduler import ScheduledChunk, Scheduler, SeqState
 from rlactors.models.decoder import DecoderForCausalLM
 from rlactors.models.moe import SparseMoeBlock
 from rlactors.on_policy.sides import sides
-from rlactors.types import Completion, SamplingParams
+from rlactors.types import Completion, SamplingParams, TokenDelta
 from rlactors.weight_sync.broadcast import LocalReceiver
 
 
@@ -86,6 +86,12 @@ class NativeEngine(Engine):
         seq = SeqState(request_id, prompt, len(prompt), sampling, request_generator(sampling.seed))
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
+
+    def sampled(self, request_id: str, start: int = 0) -> TokenDelta | None:
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            return None
+        return TokenDelta(start, seq.token_ids[seq.prompt_len + start:], seq.logprobs[start:], seq.versions[start:])
 
     def abort(self, request_id: str) -> bool:
         seq = self.sequences.pop(request_id, None)

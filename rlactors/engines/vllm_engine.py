@@ -27,7 +27,7 @@ import torch
 
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.base import Engine, check_request
-from rlactors.types import Completion, SamplingParams
+from rlactors.types import Completion, SamplingParams, TokenDelta
 from rlactors.weight_sync.broadcast import VLLMReceiver
 
 
@@ -178,6 +178,13 @@ class VLLMEngine(Engine):
                 self.counters["finished"] += 1
         self.counters["steps"] += 1
         return finished
+
+    def sampled(self, request_id: str, start: int = 0) -> TokenDelta | None:
+        # Without hot swaps vLLM reports a request's tokens only once it finishes (FINAL_ONLY).
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        return TokenDelta(start, request.token_ids[start:], request.logprobs[start:], request.versions[start:])
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)

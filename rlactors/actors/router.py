@@ -14,7 +14,8 @@
   loop died is `dead`, for good: a restart is a new replica in its slot, which starts again.
 - Failover: a replica whose call fails because its proc or its engine loop died is marked dead
   and the request is retried on a serving replica; a request error (ValueError) goes back to the
-  caller. With `generator.restart_dead`, a dead replica that had served is replaced.
+  caller. With `generator.restart_dead`, a dead replica that had served is replaced. A streamed
+  request (`generate_streamed`) continues on the other replica from the tokens already sent.
 - Dead or slow (`rlactors.liveness`): a replica whose OS process exits is dead at once, its calls
   in flight failed over; one that stops answering is slow after a few seconds (new requests go to
   the others while any answers; its own calls wait), and dead only once unresponsive for

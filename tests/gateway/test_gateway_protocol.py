@@ -5,6 +5,7 @@ exactly. (Real Monarch procs and the native engine: test_gateway_agents.py.)"""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 
 import aiohttp
@@ -273,3 +274,13 @@ def test_a_generator_failure_mid_stream_ends_it_with_an_error_event(tiny_ckpt):
             assert r.status == 400 and (await r.json())["error"]["code"] == "truncated_turns"
 
     serve(tiny_ckpt, [None], test)
+
+
+def test_the_collector_is_tuned_while_the_gateway_serves_and_restored_after(tiny_ckpt):
+    before = gc.get_threshold(), gc.get_freeze_count()
+
+    async def test(gateway, info, http, model, tokenizer):
+        assert gc.get_threshold()[0] == 20_000 and gc.get_freeze_count() > before[1]
+
+    serve(tiny_ckpt, [], test)
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before

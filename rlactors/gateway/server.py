@@ -263,6 +263,9 @@ class Gateway:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
 
 
+_CLIENT_GONE = (ConnectionError, RuntimeError)  # aiohttp's RuntimeError: the client's transport closed
+
+
 class _SseReply:
     """A streamed reply as server-sent events: the role and content pieces as the tokens come
     (`tokens`, a turn's on_tokens), then the rest, the tool calls, the finish reason and the usage
@@ -308,7 +311,10 @@ class _SseReply:
     async def _start(self) -> None:
         if not self.started:
             self.started = True
-            await self.response.prepare(self.request)
+            try:
+                await self.response.prepare(self.request)
+            except _CLIENT_GONE:
+                self.gone = True
             await self._chunk({"role": "assistant", "content": ""})
 
     async def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> None:
@@ -322,12 +328,12 @@ class _SseReply:
             return
         try:
             await self.response.write(data)
-        except (ConnectionError, RuntimeError):  # the client went away (RuntimeError: its transport closed)
+        except _CLIENT_GONE:
             self.gone = True
 
     async def _done(self) -> web.StreamResponse:
         await self._send(b"data: [DONE]\n\n")
         if not self.gone:
-            with contextlib.suppress(ConnectionError, RuntimeError):
+            with contextlib.suppress(*_CLIENT_GONE):
                 await self.response.write_eof()
         return self.response

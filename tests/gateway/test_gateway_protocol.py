@@ -39,7 +39,7 @@ class ScriptedModel:
             if reply is None and i == 2:
                 break
             await on_tokens(TokenDelta(i, [token], [-0.5 - i], [3]))
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.005)  # a decode step
         if reply is None:
             raise TurnRefused(RolloutStatus.ERROR_GENERATOR, "every replica died")
         return Turn(list(prompt), ids, [-0.5 - i for i in range(len(ids))], [3] * len(ids), "stop")
@@ -274,6 +274,25 @@ def test_a_generator_failure_mid_stream_ends_it_with_an_error_event(tiny_ckpt):
             assert r.status == 400 and (await r.json())["error"]["code"] == "truncated_turns"
 
     serve(tiny_ckpt, [None], test)
+
+
+def test_a_client_that_leaves_mid_stream_loses_nothing_of_its_turn(tiny_ckpt):
+    reply = "Ada Ben Cleo Dora Emil Fay Gus"
+
+    async def test(gateway, info, http, model, tokenizer):
+        async with post(http, info, {**GOOD, "stream": True}) as r:
+            await r.content.readline()  # the role chunk, then gone
+            r.close()
+        history = gateway._sessions[info.session_id].history
+        while history.messages is None:
+            await asyncio.sleep(0.01)
+        async with post(http, info, {**GOOD, "messages": USER + [{"role": "assistant", "content": reply}, *USER]}) as r:
+            assert r.status == 200
+        completion = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+        assert model.prompts[1] == extend_with_messages(tokenizer, model.prompts[0] + completion, USER)
+        assert gateway.counters["branches"] == 0
+
+    serve(tiny_ckpt, [reply, reply], test)
 
 
 def test_the_collector_is_tuned_while_the_gateway_serves_and_restored_after(tiny_ckpt):

@@ -2,7 +2,8 @@
 
 `generate` queues a request and awaits its completion; the loop (a task on the caller's event
 loop) adds queued requests between steps and runs each `engine.step()` on a worker thread, so the
-event loop keeps accepting calls while the engine computes.
+event loop keeps accepting calls while the engine computes. A streamed request (`on_tokens`) is
+told its new tokens after every step (`Engine.sampled`).
 
 Weight updates (`updates`, rlactors.weight_sync.updates) are verified beside the running engine;
 the loop loads them between steps, and admits no new request while verified weights wait for

@@ -167,7 +167,8 @@ class AsyncEngine:
             if request.future.done():
                 continue  # cancelled by its caller before reaching the engine
             try:
-                self.engine.add_request(request.request_id, request.prompt_token_ids, request.sampling)
+                self.engine.add_request(request.request_id, request.prompt_token_ids, request.sampling,
+                                        streamed=request.on_tokens is not None)
             except ValueError as e:
                 self.counters["rejected"] += 1
                 request.future.set_exception(e)

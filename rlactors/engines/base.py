@@ -25,8 +25,10 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling: SamplingParams | Mapping[str, Any]) -> None:
-        """Queues a request; raises ValueError (and keeps nothing) when the request is invalid."""
+                    sampling: SamplingParams | Mapping[str, Any], streamed: bool = False) -> None:
+        """Queues a request; raises ValueError (and keeps nothing) when the request is invalid.
+        `streamed`: its tokens are read with `sampled` while it runs (an engine that otherwise
+        collects a request's tokens only when it finishes collects them every step)."""
 
     @abc.abstractmethod
     def step(self) -> list[Completion]:

@@ -79,7 +79,7 @@ class NativeEngine(Engine):
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling: SamplingParams | Mapping[str, Any]) -> None:
+                    sampling: SamplingParams | Mapping[str, Any], streamed: bool = False) -> None:
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         prompt, sampling = check_request(prompt_token_ids, sampling, self.vocab_size, self.max_model_len)

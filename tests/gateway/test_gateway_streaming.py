@@ -13,6 +13,11 @@ from rlactors.models import load_tokenizer
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
 
 
+@pytest.fixture(scope="module")
+def tokenizer(tiny_ckpt):
+    return load_tokenizer(tiny_ckpt)
+
+
 def stream(tokenizer, text: str, holds_tool_calls: bool = True) -> tuple[list[str], str]:
     """The pieces released token by token, and the rest `finish` releases."""
     content = ContentStream(tokenizer, holds_tool_calls, lambda t, lp: {"token": t, "logprob": lp})
@@ -40,8 +45,7 @@ def stream(tokenizer, text: str, holds_tool_calls: bool = True) -> tuple[list[st
     "<tool_call>not json</tool_call> kept whole",  # unparsable: the whole text is the content
     "héllo wörld",  # characters split across tokens come whole
 ])
-def test_released_content_is_a_prefix_of_the_final_one_and_never_markup(tiny_ckpt, text):
-    tokenizer = load_tokenizer(tiny_ckpt)
+def test_released_content_is_a_prefix_of_the_final_one_and_never_markup(tokenizer, text):
     pieces, rest = stream(tokenizer, text)
     assert "<tool_call>" not in "".join(pieces) and not "".join(pieces).endswith(("<", "<tool_c"))
     if text.startswith("Let me"):
@@ -50,15 +54,13 @@ def test_released_content_is_a_prefix_of_the_final_one_and_never_markup(tiny_ckp
         assert "".join(pieces) == "a <tool is not a call" and rest == " <tool_c"
 
 
-def test_without_tools_everything_streams_at_once(tiny_ckpt):
-    tokenizer = load_tokenizer(tiny_ckpt)
+def test_without_tools_everything_streams_at_once(tokenizer):
     text = "  " + CALL
     pieces, rest = stream(tokenizer, text, holds_tool_calls=False)
     assert "".join(pieces) == text and rest == ""
 
 
-def test_a_final_content_that_does_not_extend_what_was_sent_is_refused(tiny_ckpt):
-    tokenizer = load_tokenizer(tiny_ckpt)
+def test_a_final_content_that_does_not_extend_what_was_sent_is_refused(tokenizer):
     content = ContentStream(tokenizer, False, None)
     assert content.feed(tokenizer.encode("Ada", add_special_tokens=False), [0.0]) == ("Ada", None)
     with pytest.raises(StreamMismatch, match="streamed 'Ada'"):

@@ -91,8 +91,12 @@ class Gateway:
         self._gc_threshold: tuple[int, ...] = ()  # the collector's, before start
 
     async def start(self) -> None:
-        import httpx
-        import openai  # noqa: F401 - loaded now, for the sessions' clients, so that the freeze below holds it
+        try:  # loaded now, for the sessions' clients, so that the freeze below holds them
+            import httpx
+            import openai  # noqa: F401
+        except ImportError as e:
+            raise ImportError(f"the gateway hands each session an `openai` client: pip install 'rlactors[agents]' "
+                              f"({e})") from e
 
         self._tls = httpx.create_ssl_context()
         # Each turn leaves a few hundred container objects behind for a while (HTTP on both ends,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import sys
 
 import aiohttp
 import pytest
@@ -303,3 +304,11 @@ def test_the_collector_is_tuned_while_the_gateway_serves_and_restored_after(tiny
 
     serve(tiny_ckpt, [], test)
     assert (gc.get_threshold(), gc.get_freeze_count()) == before
+
+
+def test_without_the_openai_package_the_gateway_does_not_start(tiny_ckpt, monkeypatch):
+    monkeypatch.setitem(sys.modules, "openai", None)  # as if not installed
+    gateway = Gateway(GatewayConfig(), load_tokenizer(tiny_ckpt), max_tokens=16)
+    with pytest.raises(ImportError, match=r"pip install 'rlactors\[agents\]'"):
+        asyncio.run(gateway.start())
+    assert gateway.port is None

@@ -21,6 +21,11 @@ the Rollouter share it, and the replicas share the machine's cores with it). A d
 commit-stamped row is appended to benchmarks/results/gateway_overhead.md.
 
     python benchmarks/gateway_overhead.py                 # 64 sessions x 3 turns x 64 tokens, 2 replicas
+    python benchmarks/gateway_overhead.py --instant       # the controller's CPU per turn only
+
+With `--instant` no router runs: a generator that answers at once with a fixed completion stands in
+for it, and the figure is the controller process's CPU time per turn of each mode (median over the
+rounds): the gateway's and the harnesses' own cost, free of the replicas' share of the cores.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ MODES = ("direct", "gateway (HTTP)", "gateway (openai)")
 COLUMNS = ("sessions x turns x max tokens", "rounds", *(f"{m} tok/s" for m in MODES), "HTTP / direct (median)",
            "openai / direct (median)", *(f"{m} turn p50 / p99 s" for m in MODES),
            "controller CPU ms per turn (direct / HTTP / openai)")
+INSTANT_COLUMNS = ("sessions x turns x max tokens", "rounds", *(f"{m} CPU ms per turn" for m in MODES),
+                   "gateway (HTTP) - direct, ms")
 
 
 @dataclass
@@ -185,6 +192,45 @@ async def benchmark(args, ckpt: Path) -> dict[str, object]:
             "cpu_ms_per_turn": {m: 1000 * cpu_seconds[m] / turns[m] for m in MODES}}
 
 
+async def instant(args) -> dict[str, float]:
+    """Controller CPU ms per turn of each mode (median over rounds), with an instant generator."""
+    from rlactors.config import GatewayConfig, RolloutConfig
+    from rlactors.gateway import Gateway
+    from rlactors.models import load_tokenizer
+    from rlactors.rollout import Rollouter
+    from rlactors.types import Completion
+
+    tokenizer = load_tokenizer(WARM_CHECKPOINT)
+    reply = tokenizer.encode(" ".join(["sort the letters"] * 32), add_special_tokens=False)[:args.max_tokens - 1]
+    reply.append(tokenizer.eos_token_id)
+
+    async def generate(prompt, sampling, request_id, session_id=None):
+        await asyncio.sleep(0)  # a turn in flight, as a router call is
+        return Completion(request_id, list(prompt), list(reply), [-1.0] * len(reply), [0] * len(reply), "stop")
+
+    rollout = RolloutConfig(group_size=args.sessions, prompts_per_step=1, max_turns=args.turns,
+                            max_tokens_per_turn=args.max_tokens, max_total_tokens=4096, keep_zero_variance_groups=True,
+                            step_timeout_s=600.0)
+    gateway = Gateway(GatewayConfig(), tokenizer, rollout.max_tokens_per_turn)
+    await gateway.start()
+    envs, http = make_envs(tokenizer, {mode: [] for mode in MODES})
+    for env in envs.values():
+        env.gateway = gateway
+    ms_per_turn: dict[str, list[float]] = {mode: [] for mode in MODES}
+    try:
+        for round_ in range(args.repeats + 1):  # the first round is unmeasured
+            for mode in MODES[round_ % 3:] + MODES[:round_ % 3]:
+                cpu = time.process_time()
+                batch = await Rollouter(envs[mode], generate, rollout).collect([{"id": 0}])
+                cpu = time.process_time() - cpu
+                if round_:
+                    ms_per_turn[mode].append(1000 * cpu / sum(len(r.turns) for r in batch.groups[0].rollouts))
+    finally:
+        await http.close()
+        await gateway.stop()
+    return {mode: statistics.median(ms) for mode, ms in ms_per_turn.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=64)
@@ -193,7 +239,19 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=6, help="rounds of the three modes")
     parser.add_argument("--no-write", action="store_true", help="print the row without appending it")
+    parser.add_argument("--instant", action="store_true",
+                        help="no router: an instant generator; report the controller's CPU per turn only")
     args = parser.parse_args()
+    if args.instant:
+        cpu = asyncio.run(instant(args))
+        figures = [f"{args.sessions} x {args.turns} x {args.max_tokens}", args.repeats,
+                   *(f"{cpu[m]:.2f}" for m in MODES), f"{cpu['gateway (HTTP)'] - cpu['direct']:.2f}"]
+        print(dict(zip(INSTANT_COLUMNS, figures)))
+        if not args.no_write:
+            append_row(RESULTS, "Controller CPU per turn with an instant generator (--instant)", INSTANT_COLUMNS,
+                       figures, device="cpu")
+            print(f"added a row to {RESULTS}")
+        return
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # replica procs inherit it: one thread each on a small box
     from rlactors.supervision import use_fast_supervision
 

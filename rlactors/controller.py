@@ -42,7 +42,7 @@ from rlactors.metrics import (
 )
 from rlactors.placement import first_value, placement_line
 from rlactors.rollout.batcher import Batcher
-from rlactors.rollout.env import SampleStream, load_env
+from rlactors.rollout.env import OnTokens, SampleStream, load_env
 from rlactors.rollout.producer import RolloutProducer, fresh_episodes
 from rlactors.rollout.rollouter import Rollouter, group_number, prompts_too_long_line
 from rlactors.rollout.types import Episode, RolloutGroup
@@ -128,9 +128,10 @@ class Controller:
         await self.meshes.stop(self.router)
 
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str,
-                       session_id: str | None = None) -> Completion:
-        """One completion from the router: what the rollouts and evaluations call."""
-        return await generate(self.router, prompt_token_ids, sampling, request_id, session_id)
+                       session_id: str | None = None, on_tokens: OnTokens | None = None) -> Completion:
+        """One completion from the router: what the rollouts and evaluations call (`on_tokens`
+        for a gateway's streamed turn)."""
+        return await generate(self.router, prompt_token_ids, sampling, request_id, session_id, on_tokens=on_tokens)
 
     async def push_weights(self) -> dict[str, float]:
         """The trainer's current policy to every replica (`WeightSync.push`); its timings."""

@@ -5,11 +5,13 @@ gateway of an AgentEnv's harnesses, and the generate call the Rollouter makes.""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlactors.config import Config
 from rlactors.placement import gpu_layout
-from rlactors.types import Completion, SamplingParams
+from rlactors.token_stream import stream_tokens
+from rlactors.types import Completion, SamplingParams, TokenDelta
 
 
 def spawn_router(config: Config, hosts: Any = None) -> tuple[Any, Any]:
@@ -36,11 +38,28 @@ async def serve_gateway(env: Any, config: Config, tokenizer: Any) -> Any:
 
 
 async def generate(router: Any, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str,
-                   session_id: str | None = None, base_version: int = 0) -> Completion:
+                   session_id: str | None = None, base_version: int = 0,
+                   on_tokens: Callable[[TokenDelta], Awaitable[None]] | None = None) -> Completion:
     """One completion from the router. The replicas number the weights they loaded from
-    model.path 0: `base_version` is the policy version those weights are (a checkpoint's)."""
-    completion = await router.generate.call_one(prompt_token_ids, sampling, request_id, session_id)
+    model.path 0: `base_version` is the policy version those weights are (a checkpoint's).
+    Given `on_tokens`, it is awaited with each TokenDelta of the completion, in order, as they are
+    sampled: together they are exactly the completion's tokens, the last of them before it returns."""
+    if on_tokens is None:
+        completion = await router.generate.call_one(prompt_token_ids, sampling, request_id, session_id)
+    else:
+        completion = await stream_tokens(
+            lambda port: router.generate_streamed.call_one(prompt_token_ids, sampling, request_id, port, session_id),
+            lambda delta: on_tokens(_shifted(delta, base_version)))
     if not base_version:
         return completion
-    versions = [base_version + v if v >= 0 else v for v in completion.versions]
-    return dataclasses.replace(completion, versions=versions)
+    return dataclasses.replace(completion, versions=_shifted_versions(completion.versions, base_version))
+
+
+def _shifted_versions(versions: list[int], base_version: int) -> list[int]:
+    return [base_version + v if v >= 0 else v for v in versions]
+
+
+def _shifted(delta: TokenDelta, base_version: int) -> TokenDelta:
+    if not base_version:
+        return delta
+    return dataclasses.replace(delta, versions=_shifted_versions(delta.versions, base_version))

@@ -77,3 +77,18 @@ class Completion:
                 "Completion token_ids, logprobs and versions must have equal lengths, got "
                 f"{len(self.token_ids)}, {len(self.logprobs)}, {len(self.versions)}"
             )
+
+
+@dataclass
+class TokenDelta:
+    """Tokens a streamed request has sampled since the last delta: `token_ids[i]` is token
+    `start + i` of its completion, with its logprob and policy version as in Completion."""
+
+    start: int
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from monarch.actor import Actor, concurrent_endpoint
+from monarch.actor import Actor, Port, concurrent_endpoint
 
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines import create_engine
@@ -34,6 +34,15 @@ class Generator(Actor):
                        request_id: str, session_id: str | None = None) -> Completion:
         # session_id only matters to the router (sticky routing); the engine's prefix cache does the rest.
         completion = await self.engine.generate(prompt_token_ids, sampling, request_id)
+        completion.replica = self.replica
+        return completion
+
+    @concurrent_endpoint
+    async def generate_streamed(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | Mapping[str, Any],
+                                request_id: str, tokens: Port, session_id: str | None = None) -> Completion:
+        """`generate`, sending each engine step's new tokens (a TokenDelta) to `tokens` as they
+        are sampled; the completion holds them all."""
+        completion = await self.engine.generate(prompt_token_ids, sampling, request_id, tokens.send)
         completion.replica = self.replica
         return completion
 

@@ -14,7 +14,8 @@
   loop died is `dead`, for good: a restart is a new replica in its slot, which starts again.
 - Failover: a replica whose call fails because its proc or its engine loop died is marked dead
   and the request is retried on a serving replica; a request error (ValueError) goes back to the
-  caller. With `generator.restart_dead`, a dead replica that had served is replaced.
+  caller. With `generator.restart_dead`, a dead replica that had served is replaced. A streamed
+  request (`generate_streamed`) continues on the other replica from the tokens already sent.
 - Dead or slow (`rlactors.liveness`): a replica whose OS process exits is dead at once, its calls
   in flight failed over; one that stops answering is slow after a few seconds (new requests go to
   the others while any answers; its own calls wait), and dead only once unresponsive for
@@ -31,12 +32,21 @@ import asyncio
 import enum
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from monarch.actor import Actor, ActorError, concurrent_endpoint, default_bootstrap_cmd, this_host
+from monarch.actor import (
+    Actor,
+    ActorError,
+    Channel,
+    Port,
+    PortReceiver,
+    concurrent_endpoint,
+    default_bootstrap_cmd,
+    this_host,
+)
 
 from rlactors.actors.generator import Generator
 from rlactors.actors.liveness import watch_procs
@@ -44,6 +54,7 @@ from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.async_engine import EngineDeadError
 from rlactors.liveness import UNRESPONSIVE_TIMEOUT_S, ProcLost, ProcWatcher, WatchedProc
 from rlactors.placement import cuda_visible_devices, host_of, num_hosts
+from rlactors.token_stream import StreamedAttempts
 from rlactors.types import Completion, SamplingParams
 from rlactors.weight_sync.replicas import ReplicaWeights
 
@@ -257,6 +268,43 @@ class GeneratorRouter(Actor):
                        request_id: str, session_id: str | None = None) -> Completion:
         """The replica's completion; retried on another replica when one fails (counted in stats)."""
         await self._ensure_started()
+        return await self._route(request_id, session_id, lambda actor: actor.generate.call_one(
+            prompt_token_ids, sampling, request_id, session_id))
+
+    @concurrent_endpoint
+    async def generate_streamed(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | Mapping[str, Any],
+                                request_id: str, tokens: Port, session_id: str | None = None) -> Completion:
+        """`generate`, sending TokenDeltas to `tokens` as the replica samples them. When the replica
+        fails mid-stream, another continues from the prompt + the tokens sent
+        (rlactors.token_stream): the completion is always those tokens + the rest."""
+        await self._ensure_started()
+        if not isinstance(sampling, SamplingParams):
+            sampling = SamplingParams.from_dict(dict(sampling))
+        attempts = StreamedAttempts(prompt_token_ids, sampling)
+
+        async def relay(receiver: PortReceiver) -> None:
+            while True:
+                delta = attempts.forward(await receiver.recv())
+                if delta is not None:
+                    tokens.send(delta)
+
+        async def attempt(actor: Any) -> Completion:
+            request = attempts.next_request()
+            if request is None:
+                return attempts.ended(request_id)
+            port, receiver = Channel.open()
+            relaying = asyncio.create_task(relay(receiver))
+            try:
+                completion = await actor.generate_streamed.call_one(*request, request_id, port, session_id)
+            finally:
+                relaying.cancel()
+            return attempts.completed(completion)
+
+        return await self._route(request_id, session_id, attempt)
+
+    async def _route(self, request_id: str, session_id: str | None,
+                     call: Callable[[Any], Awaitable[Completion]]) -> Completion:
+        """`call` on a replica's actor, picked for the session; on another when the replica fails."""
         failed: set[int] = set()
         last_error: BaseException | None = None
         # Bounded, so that a request that kills every engine it reaches cannot loop forever.
@@ -279,8 +327,7 @@ class GeneratorRouter(Actor):
             replica.in_flight += 1
             replica.routed += 1
             try:
-                completion = await replica.actor.generate.call_one(prompt_token_ids, sampling, request_id,
-                                                                   session_id)
+                completion = await call(replica.actor)
             except ActorError as e:
                 if not isinstance(e.exception, EngineDeadError):
                     raise e.exception from None  # the request is bad (ValueError), not the replica

@@ -2,7 +2,8 @@
 
 `generate` queues a request and awaits its completion; the loop (a task on the caller's event
 loop) adds queued requests between steps and runs each `engine.step()` on a worker thread, so the
-event loop keeps accepting calls while the engine computes.
+event loop keeps accepting calls while the engine computes. A streamed request (`on_tokens`) is
+told its new tokens after every step (`Engine.sampled`).
 
 Weight updates (`updates`, rlactors.weight_sync.updates) are verified beside the running engine;
 the loop loads them between steps, and admits no new request while verified weights wait for
@@ -18,13 +19,13 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlactors.config import UpdateMode
 from rlactors.engines.base import Engine
-from rlactors.types import Completion, SamplingParams
+from rlactors.types import Completion, SamplingParams, TokenDelta
 from rlactors.weight_sync.updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class _Request:
     prompt_token_ids: Sequence[int]
     sampling: SamplingParams | Mapping[str, Any]
     future: asyncio.Future
+    on_tokens: Callable[[TokenDelta], None] | None = None  # streamed: told each step's new tokens
+    streamed: int = 0  # tokens told to on_tokens so far
     queued_at: float = field(default_factory=time.perf_counter)
     added_at: float = 0.0
 
@@ -49,6 +52,7 @@ class AsyncEngine:
         self.engine = engine
         self._incoming: list[_Request] = []
         self._in_engine: dict[str, _Request] = {}
+        self._streamed: dict[str, _Request] = {}  # those of _in_engine with on_tokens
         self._aborts: list[str] = []
         self._wake = asyncio.Event()
         self._step_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
@@ -66,10 +70,13 @@ class AsyncEngine:
     # -- calls ------------------------------------------------------------------------------
 
     async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | Mapping[str, Any],
-                       request_id: str) -> Completion:
-        """The completion of one request; ValueError for a bad request (others are unaffected)."""
+                       request_id: str, on_tokens: Callable[[TokenDelta], None] | None = None) -> Completion:
+        """The completion of one request; ValueError for a bad request (others are unaffected).
+        Given `on_tokens`, it is called after each engine step that sampled tokens for the request
+        (but not its last: those come with the completion)."""
         self._check_alive()
-        request = _Request(request_id, prompt_token_ids, sampling, asyncio.get_running_loop().create_future())
+        request = _Request(request_id, prompt_token_ids, sampling, asyncio.get_running_loop().create_future(),
+                           on_tokens)
         self._incoming.append(request)
         self.counters["requests"] += 1
         self._kick()
@@ -147,6 +154,7 @@ class AsyncEngine:
                 self.busy_s += time.perf_counter() - start
                 for completion in completions:
                     self._finish(completion)
+                self._stream()
             elif self._closed:
                 return
             elif not self.updates.loadable:
@@ -159,20 +167,37 @@ class AsyncEngine:
             if request.future.done():
                 continue  # cancelled by its caller before reaching the engine
             try:
-                self.engine.add_request(request.request_id, request.prompt_token_ids, request.sampling)
+                self.engine.add_request(request.request_id, request.prompt_token_ids, request.sampling,
+                                        streamed=request.on_tokens is not None)
             except ValueError as e:
                 self.counters["rejected"] += 1
                 request.future.set_exception(e)
                 continue
             request.added_at = time.perf_counter()
             self._in_engine[request.request_id] = request
+            if request.on_tokens is not None:
+                self._streamed[request.request_id] = request
 
     def _apply_aborts(self) -> None:
         aborts, self._aborts = self._aborts, []
         for request_id in aborts:
             self.engine.abort(request_id)
 
+    def _stream(self) -> None:
+        for request in list(self._streamed.values()):
+            delta = self.engine.sampled(request.request_id, request.streamed)
+            if delta is None or not delta.token_ids:
+                continue
+            request.streamed = delta.end
+            try:
+                request.on_tokens(delta)
+            except Exception:  # noqa: BLE001 - one listener's failure must not stop the engine loop
+                logger.exception("streaming the tokens of request %r failed; it completes unstreamed",
+                                 request.request_id)
+                del self._streamed[request.request_id]
+
     def _finish(self, completion: Completion) -> None:
+        self._streamed.pop(completion.request_id, None)
         request = self._in_engine.pop(completion.request_id, None)
         if request is None:
             return
@@ -191,7 +216,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: EngineDeadError) -> None:
         pending = self._incoming + list(self._in_engine.values())
-        self._incoming, self._in_engine = [], {}
+        self._incoming, self._in_engine, self._streamed = [], {}, {}
         for request in pending:
             if not request.future.done():
                 request.future.set_exception(error)

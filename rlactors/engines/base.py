@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rlactors.types import Completion, SamplingParams
+from rlactors.types import Completion, SamplingParams, TokenDelta
 from rlactors.weight_sync.broadcast import BroadcastReceiver
 
 
@@ -25,12 +25,19 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling: SamplingParams | Mapping[str, Any]) -> None:
-        """Queues a request; raises ValueError (and keeps nothing) when the request is invalid."""
+                    sampling: SamplingParams | Mapping[str, Any], streamed: bool = False) -> None:
+        """Queues a request; raises ValueError (and keeps nothing) when the request is invalid.
+        `streamed`: its tokens are read with `sampled` while it runs (an engine that otherwise
+        collects a request's tokens only when it finishes collects them every step)."""
 
     @abc.abstractmethod
     def step(self) -> list[Completion]:
         """Runs one batched forward over the scheduled requests; returns those that finished."""
+
+    @abc.abstractmethod
+    def sampled(self, request_id: str, start: int = 0) -> TokenDelta | None:
+        """The tokens an unfinished request has sampled so far, from its token `start` on; None
+        when the request is not (or no longer) in the engine."""
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> bool:

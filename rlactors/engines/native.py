@@ -25,7 +25,7 @@ from rlactors.engines.scheduler import ScheduledChunk, Scheduler, SeqState
 from rlactors.models.decoder import DecoderForCausalLM
 from rlactors.models.moe import SparseMoeBlock
 from rlactors.on_policy.sides import sides
-from rlactors.types import Completion, SamplingParams
+from rlactors.types import Completion, SamplingParams, TokenDelta
 from rlactors.weight_sync.broadcast import LocalReceiver
 
 
@@ -79,13 +79,19 @@ class NativeEngine(Engine):
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling: SamplingParams | Mapping[str, Any]) -> None:
+                    sampling: SamplingParams | Mapping[str, Any], streamed: bool = False) -> None:
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         prompt, sampling = check_request(prompt_token_ids, sampling, self.vocab_size, self.max_model_len)
         seq = SeqState(request_id, prompt, len(prompt), sampling, request_generator(sampling.seed))
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
+
+    def sampled(self, request_id: str, start: int = 0) -> TokenDelta | None:
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            return None
+        return TokenDelta(start, seq.token_ids[seq.prompt_len + start:], seq.logprobs[start:], seq.versions[start:])
 
     def abort(self, request_id: str) -> bool:
         seq = self.sequences.pop(request_id, None)

@@ -27,7 +27,7 @@ import torch
 
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.base import Engine, check_request
-from rlactors.types import Completion, SamplingParams
+from rlactors.types import Completion, SamplingParams, TokenDelta
 from rlactors.weight_sync.broadcast import VLLMReceiver
 
 
@@ -85,7 +85,8 @@ class VLLMEngine(Engine):
     so a token sampled after a mid-request weight load carries the new version. Without, weights
     load only between requests (drain) and vLLM reports a request once, when it finishes (as its
     own `LLM.generate` does): building an output for every running request at every step costs
-    the replica several milliseconds a step at a few hundred requests.
+    the replica several milliseconds a step at a few hundred requests. A streamed request
+    (`add_request(streamed=True)`) is reported every step either way.
     """
 
     def __init__(self, llm_engine: Any, vocab_size: int, max_model_len: int, tp: int = 1, version: int = 0,
@@ -97,6 +98,7 @@ class VLLMEngine(Engine):
         self.hot_swaps = hot_swaps
         self.sparse_layers = sparse_layers  # the MoE layers whose routed experts vLLM returns, or None
         self._output_kind = RequestOutputKind.DELTA if hot_swaps else RequestOutputKind.FINAL_ONLY
+        self._streamed_output_kind = RequestOutputKind.DELTA
         self.engine = llm_engine
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -153,7 +155,7 @@ class VLLMEngine(Engine):
                    sparse_layers=sparse_layers)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling: SamplingParams | Mapping[str, Any]) -> None:
+                    sampling: SamplingParams | Mapping[str, Any], streamed: bool = False) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         prompt, sampling = check_request(prompt_token_ids, sampling, self.vocab_size, self.max_model_len)
@@ -161,7 +163,8 @@ class VLLMEngine(Engine):
             n=1, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids),
             ignore_eos=True,  # only stop_token_ids end a completion early, as in the native engine
-            logprobs=0, detokenize=False, output_kind=self._output_kind)
+            logprobs=0, detokenize=False,
+            output_kind=self._streamed_output_kind if streamed else self._output_kind)
         self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
         self.requests[request_id] = _Request(prompt, self.version)
 
@@ -187,6 +190,12 @@ class VLLMEngine(Engine):
                 self.counters["finished"] += 1
         self.counters["steps"] += 1
         return finished
+
+    def sampled(self, request_id: str, start: int = 0) -> TokenDelta | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        return TokenDelta(start, request.token_ids[start:], request.logprobs[start:], request.versions[start:])
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)

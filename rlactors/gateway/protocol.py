@@ -232,24 +232,17 @@ def completion_body(completion_id: str, model: str, message: Message, finish_rea
             "choices": [choice], "usage": usage}
 
 
-def stream_chunks(completion_id: str, model: str, message: Message, finish_reason: str, usage: dict[str, int],
-                  pieces: list[tuple[str, list[dict[str, Any]] | None]], include_usage: bool) -> list[dict]:
-    """The chunks of a streamed reply: the role, the content `pieces` (text, and its tokens'
-    logprobs when asked), the tool calls, the finish reason, and the usage when asked."""
-    created = int(time.time())
+def stream_chunk(completion_id: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None = None,
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One `chat.completion.chunk` of a streamed reply: a delta of its message (role, content
+    piece or tool calls), with the logprobs of the tokens it adds when asked for."""
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
+              "logprobs": None if logprobs is None else {"content": logprobs}}
+    return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [choice]}
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, token_logprobs: Any = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish,
-                  "logprobs": None if token_logprobs is None else {"content": token_logprobs}}
-        return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [choice]}
 
-    chunks = [chunk({"role": "assistant", "content": ""})]
-    chunks += [chunk({"content": text}, token_logprobs=logprobs) for text, logprobs in pieces]
-    for j, call in enumerate(message.get("tool_calls", [])):
-        chunks.append(chunk({"tool_calls": [{"index": j, **call}]}))
-    chunks.append(chunk({}, finish_reason))
-    if include_usage:
-        chunks.append({"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [], "usage": usage})
-    return chunks
+def usage_chunk(completion_id: str, model: str, created: int, usage: dict[str, int]) -> dict[str, Any]:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
+    return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [], "usage": usage}

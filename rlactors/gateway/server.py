@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
-import json
 import logging
 import secrets
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from rlactors.config import GatewayConfig
@@ -32,13 +34,16 @@ from rlactors.gateway.protocol import (
     canonical_message,
     completion_body,
     parse_chat_request,
-    stream_chunks,
+    stream_chunk,
+    usage_chunk,
 )
 from rlactors.gateway.sessions import TokenHistory
+from rlactors.gateway.streaming import ContentStream, StreamMismatch
 from rlactors.gateway.tool_calls import parse_tool_calls
 from rlactors.models.tokenizer import render_text
 from rlactors.rollout.env import ModelTurns, TurnRefused
 from rlactors.rollout.types import Turn
+from rlactors.types import TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +88,27 @@ class Gateway:
         self._renders_tools = renders_tools(tokenizer)
         self._runner: web.AppRunner | None = None
         self._tls: Any = None  # the TLS context of every session's client (unused on http://, built all the same)
+        self._gc_threshold: tuple[int, ...] = ()  # the collector's, before start
 
     async def start(self) -> None:
+        try:  # loaded now, for the sessions' clients, so that the freeze below holds them
+            import httpx
+            import openai  # noqa: F401
+        except ImportError as e:
+            raise ImportError(f"the gateway hands each session an `openai` client: pip install 'rlactors[agents]' "
+                              f"({e})") from e
+
+        self._tls = httpx.create_ssl_context()
+        # Each turn leaves a few hundred container objects behind for a while (HTTP on both ends,
+        # messages, token lists), which kept Python's collector busy: a young collection every
+        # couple of turns, and every few hundred turns one that walks the whole heap (torch,
+        # transformers, Monarch, the clients: ~0.25 s a time on a 2-core CPU), together ~0.4 ms a
+        # turn. What exists now lives as long as the process: frozen, collections skip it; and
+        # young collections wait for 20,000 new objects instead of 700. `stop` undoes both.
+        gc.collect()
+        gc.freeze()
+        self._gc_threshold = gc.get_threshold()
+        gc.set_threshold(20_000, *self._gc_threshold[1:])
         app = web.Application(client_max_size=self.config.max_request_bytes, middlewares=[self._errors, self._auth])
         app.router.add_post("/sessions/{session}/v1/chat/completions", self._chat)
         app.router.add_get("/sessions/{session}/v1/models", self._models)
@@ -98,6 +122,8 @@ class Gateway:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+            gc.set_threshold(*self._gc_threshold)
+            gc.unfreeze()
 
     @property
     def url(self) -> str:
@@ -127,8 +153,6 @@ class Gateway:
         import httpx
         from openai import AsyncOpenAI
 
-        if self._tls is None:
-            self._tls = httpx.create_ssl_context()
         async with httpx.AsyncClient(verify=self._tls, timeout=None, trust_env=False) as http:
             yield AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0, http_client=http)
 
@@ -180,11 +204,22 @@ class Gateway:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}", "body") from None
         chat = parse_chat_request(body, self.limits, self.tokenizer, self._renders_tools)
         self.counters["requests"] += 1
+        stream = _SseReply(request, chat, self.tokenizer, self._token_logprob) if chat.stream else None
+        try:
+            return await self._answer(session, chat, stream)
+        except Exception as e:
+            if stream is None or not stream.started:
+                raise  # answered as JSON by _errors
+            logger.exception("gateway stream failed")  # a bug: the headers are out, the stream ends with the error
+            return await stream.fail(ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+
+    async def _answer(self, session: _Session, chat: ChatRequest, stream: _SseReply | None) -> web.StreamResponse:
+        """One turn of the session: its reply as JSON, or streamed (`stream`)."""
         async with session.lock:
             try:
                 prompt, extends = session.history.prompt_for(chat.messages, chat.tools)
@@ -193,29 +228,27 @@ class Gateway:
             if session.history.messages is not None and not extends:
                 self.counters["branches"] += 1
             try:
-                turn = await session.model(prompt, chat.max_tokens, chat.stop_token_ids)
+                turn = await session.model(prompt, chat.max_tokens, chat.stop_token_ids,
+                                           on_tokens=None if stream is None else stream.tokens)
             except TurnRefused as e:
-                raise (ApiError(500, f"the generator failed: {e}", kind="server_error") if e.status.is_error else
-                       ApiError(400, f"the rollout takes no more turns: {e}", code=e.status.value)) from None
-            reply, finish_reason, pieces = self._reply(chat, turn)
+                error = ApiError(500, f"the generator failed: {e}", kind="server_error") if e.status.is_error \
+                    else ApiError(400, f"the rollout takes no more turns: {e}", code=e.status.value)
+                if stream is None or not stream.started:
+                    raise error from None
+                return await stream.fail(error)  # the client has tokens already: the stream ends with the error
+            reply, finish_reason, logprobs = self._reply(chat, turn)
             session.history.record(chat.messages, chat.tools, prompt, turn.token_ids, canonical_message(reply, 0))
-        completion_id = f"chatcmpl-{secrets.token_hex(12)}"
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(turn.token_ids),
                  "total_tokens": len(prompt) + len(turn.token_ids)}
-        if not chat.stream:
-            logprobs = [lp for _, lps in pieces for lp in lps or ()] if chat.logprobs else None
-            return web.json_response(completion_body(completion_id, chat.model, reply, finish_reason, usage, logprobs))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        for chunk in stream_chunks(completion_id, chat.model, reply, finish_reason, usage, pieces, chat.include_usage):
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        if stream is not None:
+            return await stream.finish(reply, finish_reason, usage)
+        return web.Response(body=orjson.dumps(completion_body(f"chatcmpl-{secrets.token_hex(12)}", chat.model, reply,
+                                                              finish_reason, usage, logprobs)),
+                            content_type="application/json")
 
-    def _reply(self, chat: ChatRequest, turn: Turn) -> tuple[dict[str, Any], str, list[tuple[str, Any]]]:
-        """The assistant message, its finish reason, and its content in pieces (per token when
-        streamed, unless it holds tool calls), each with its tokens' logprobs when asked for."""
+    def _reply(self, chat: ChatRequest, turn: Turn) -> tuple[dict[str, Any], str, list[dict[str, Any]] | None]:
+        """The assistant message, its finish reason, and its tokens' logprob entries when asked
+        for (unstreamed: a stream sends its own as the tokens come)."""
         text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
         parsed = parse_tool_calls(text) if chat.parse_tool_calls and chat.tools else None
         if parsed is not None and parsed.unparsable:
@@ -223,29 +256,88 @@ class Gateway:
         tool_calls = parsed.tool_calls if parsed is not None else []
         self.counters["tool_calls"] += len(tool_calls)
         logprobs = [self._token_logprob(t, lp) for t, lp in zip(turn.token_ids, turn.logprobs)] \
-            if chat.logprobs else None
+            if chat.logprobs and not chat.stream else None
         if tool_calls:
-            reply = {"role": "assistant", "content": parsed.content or None, "tool_calls": tool_calls}
-            return reply, "tool_calls", [(parsed.content, logprobs)]
-        finish_reason = "length" if turn.finish_reason == "length" else "stop"
-        pieces = self._pieces(turn.token_ids, logprobs) if chat.stream else [(text, logprobs)]
-        return {"role": "assistant", "content": text}, finish_reason, pieces
-
-    def _pieces(self, token_ids: list[int], logprobs: list[dict[str, Any]] | None) -> list[tuple[str, Any]]:
-        """One piece of text per token: what decoding up to it adds (a character split across tokens
-        comes with its last one)."""
-        pieces, emitted = [], ""
-        for i in range(len(token_ids)):
-            text = self.tokenizer.decode(token_ids[:i + 1], skip_special_tokens=True)
-            piece = ""
-            if text.startswith(emitted) and not text.endswith("\ufffd"):
-                piece, emitted = text[len(emitted):], text
-            pieces.append((piece, None if logprobs is None else [logprobs[i]]))
-        whole = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        if pieces and whole != emitted:  # the text ends in an incomplete character: as decoded
-            pieces[-1] = (pieces[-1][0] + whole[len(emitted):], pieces[-1][1])
-        return pieces
+            return {"role": "assistant", "content": parsed.content or None, "tool_calls": tool_calls}, "tool_calls", \
+                logprobs
+        return {"role": "assistant", "content": text}, "length" if turn.finish_reason == "length" else "stop", logprobs
 
     def _token_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.tokenizer.decode([token_id])
         return {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
+
+
+_CLIENT_GONE = (ConnectionError, RuntimeError)  # aiohttp's RuntimeError: the client's transport closed
+
+
+class _SseReply:
+    """A streamed reply as server-sent events: the role and content pieces as the tokens come
+    (`tokens`, a turn's on_tokens), then the rest, the tool calls, the finish reason and the usage
+    (`finish`), or an error event (`fail`). The response starts with the first tokens; a client
+    that went away is no longer written to, and its turn is recorded all the same."""
+
+    def __init__(self, request: web.Request, chat: ChatRequest, tokenizer: Any, token_logprob: Any) -> None:
+        self.request, self.chat = request, chat
+        self.content = ContentStream(tokenizer, bool(chat.tools) and chat.parse_tool_calls,
+                                     token_logprob if chat.logprobs else None)
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self.id, self.created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        self.started = False
+        self.gone = False
+
+    async def tokens(self, delta: TokenDelta) -> None:
+        piece = self.content.feed(delta.token_ids, delta.logprobs)
+        await self._start()  # with the first token, even when its text is held back
+        if piece is not None:
+            await self._chunk({"content": piece[0]}, logprobs=piece[1])
+
+    async def finish(self, reply: dict[str, Any], finish_reason: str, usage: dict[str, int]) -> web.StreamResponse:
+        try:
+            rest, logprobs = self.content.finish(reply["content"] or "")
+        except StreamMismatch as e:
+            logger.error("gateway stream: %s", e)
+            return await self.fail(ApiError(500, str(e), kind="server_error"))
+        await self._start()
+        if rest or logprobs:
+            await self._chunk({"content": rest}, logprobs=logprobs)
+        for j, call in enumerate(reply.get("tool_calls", ())):
+            await self._chunk({"tool_calls": [{"index": j, **call}]})
+        await self._chunk({}, finish_reason)
+        if self.chat.include_usage:
+            await self._write(usage_chunk(self.id, self.chat.model, self.created, usage))
+        return await self._done()
+
+    async def fail(self, error: ApiError) -> web.StreamResponse:
+        await self._start()
+        await self._write(error.body())
+        return await self._done()
+
+    async def _start(self) -> None:
+        if not self.started:
+            self.started = True
+            try:
+                await self.response.prepare(self.request)
+            except _CLIENT_GONE:
+                self.gone = True
+            await self._chunk({"role": "assistant", "content": ""})
+
+    async def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> None:
+        await self._write(stream_chunk(self.id, self.chat.model, self.created, delta, finish_reason, logprobs))
+
+    async def _write(self, event: Any) -> None:
+        await self._send(b"data: " + orjson.dumps(event) + b"\n\n")
+
+    async def _send(self, data: bytes) -> None:
+        if self.gone:
+            return
+        try:
+            await self.response.write(data)
+        except _CLIENT_GONE:
+            self.gone = True
+
+    async def _done(self) -> web.StreamResponse:
+        await self._send(b"data: [DONE]\n\n")
+        if not self.gone:
+            with contextlib.suppress(*_CLIENT_GONE):
+                await self.response.write_eof()
+        return self.response

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -101,18 +103,35 @@ def extend_with_messages(tok: PreTrainedTokenizerBase, prompt_ids: list[int], me
     """
     if not messages:
         raise ValueError("messages must not be empty")
-    alone = render_text(tok, _DUMMY_HISTORY, add_generation_prompt=False, tools=tools)
+    closing, closing_ids = _closing(tok, tools)
     followed = render_text(tok, _DUMMY_HISTORY + list(messages), add_generation_prompt, tools)
     if followed.count(_ASSISTANT_MARKER) != 1:
         raise ValueError("the chat template does not render an earlier assistant turn once new "
                          "messages follow, so new messages cannot be appended token by token")
-    closing = alone[alone.rindex(_ASSISTANT_MARKER) + len(_ASSISTANT_MARKER):]
     after_assistant = followed[followed.index(_ASSISTANT_MARKER) + len(_ASSISTANT_MARKER):]
     if not after_assistant.startswith(closing):
         raise ValueError(f"the chat template closes an assistant turn with {closing!r} when it is last "
                          "but differently when messages follow, so the delta is ambiguous")
-    closing_ids = encode(tok, closing)
     already_closed = next(k for k in range(len(closing_ids), -1, -1)
                           if k == 0 or list(prompt_ids[-k:]) == closing_ids[:k])
     delta = closing_ids[already_closed:] + encode(tok, after_assistant[len(closing):])
     return list(prompt_ids) + delta
+
+
+# tokenizer -> {(chat template, tools as JSON): (closing, its ids)}: one render per turn, not two
+_CLOSINGS: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], tuple[str, list[int]]]] = weakref.WeakKeyDictionary()
+_MAX_CLOSINGS = 64  # distinct tool sets remembered per tokenizer
+
+
+def _closing(tok: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None) -> tuple[str, list[int]]:
+    """The text (and tokens) the chat template closes an assistant turn with when it is last."""
+    key = (str(tok.chat_template), json.dumps(tools, sort_keys=True, default=str) if tools else "")
+    known = _CLOSINGS.setdefault(tok, {})
+    if key not in known:
+        if len(known) >= _MAX_CLOSINGS:
+            known.clear()
+        alone = render_text(tok, _DUMMY_HISTORY, add_generation_prompt=False, tools=tools)
+        closing = alone[alone.rindex(_ASSISTANT_MARKER) + len(_ASSISTANT_MARKER):]
+        known[key] = closing, encode(tok, closing)
+    closing, ids = known[key]
+    return closing, list(ids)

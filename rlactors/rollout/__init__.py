@@ -6,6 +6,7 @@ from rlactors.rollout.env import (
     MessageEnv,
     MessageStep,
     ModelTurns,
+    OnTokens,
     RewardFunc,
     Rubric,
     SampleStream,
@@ -27,7 +28,7 @@ from rlactors.rollout.types import (
 )
 
 __all__ = [
-    "Batcher", "Episode", "HarnessEnv", "MessageEnv", "MessageStep", "ModelTurns", "Observation",
+    "Batcher", "Episode", "HarnessEnv", "MessageEnv", "MessageStep", "ModelTurns", "Observation", "OnTokens",
     "RewardFunc", "Rollout", "RolloutBatch", "RolloutGroup", "RolloutStatus", "Rollouter", "Rubric",
     "SampleStream", "StepResult", "TokenEnv", "Turn", "TurnRefused", "load_env", "rollout_to_episodes", "summarize",
 ]

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from rlactors.config import ConfigError, EnvConfig, build_dataclass
 from rlactors.models.tokenizer import extend_with_messages, render_messages
 from rlactors.rollout.types import Observation, Rollout, RolloutStatus, StepResult, Turn
-from rlactors.types import Completion
+from rlactors.types import Completion, TokenDelta
 
 TURN_REWARD = "reward"  # the component name of a per-turn reward given as a plain number
 
@@ -192,11 +192,15 @@ def _described(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
 
 
+# Awaited with each TokenDelta of a streamed turn as the tokens are sampled: together exactly the turn's tokens.
+OnTokens = Callable[[TokenDelta], Awaitable[None]]
+
+
 class ModelTurns(Protocol):
     """What a HarnessEnv calls once per model turn of its rollout (the Rollouter provides it)."""
 
     async def __call__(self, prompt_token_ids: list[int], max_tokens: int | None = None,
-                       stop_token_ids: Sequence[int] = ()) -> Turn: ...
+                       stop_token_ids: Sequence[int] = (), on_tokens: OnTokens | None = None) -> Turn: ...
 
 
 class TurnRefused(Exception):
@@ -213,7 +217,8 @@ class HarnessEnv(TokenEnv):
     `play(sample, model)`, which calls `await model(prompt_token_ids)` once per turn and returns
     the rollout's reward (a number or named components).
 
-    `model(prompt, max_tokens=None, stop_token_ids=())` samples one completion under the rollout's
+    `model(prompt, max_tokens=None, stop_token_ids=(), on_tokens=None)` samples one completion
+    (awaiting `on_tokens` with its tokens as they are sampled, when given) under the rollout's
     limits, seeds and ids, records it as the rollout's next turn and returns that `Turn`; past a
     limit (max_turns, max_total_tokens) or when the generator fails it raises `TurnRefused`, and
     the rollout ends with that status whatever `play` does next. Calls made at once run one after

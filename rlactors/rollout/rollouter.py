@@ -23,6 +23,7 @@ from rlactors.rollout.advantages import group_advantages, is_zero_variance
 from rlactors.rollout.env import (
     EnvOutputError,
     HarnessEnv,
+    OnTokens,
     TokenEnv,
     TurnRefused,
     _check_token_ids,
@@ -39,7 +40,9 @@ from rlactors.types import Completion, SamplingParams
 # finite there: |reward - group mean| <= 2 * MAX_ABS_REWARD (GRPO's are smaller still).
 MAX_ABS_REWARD = 3.4028234663852886e38 / 2
 
-GenerateFn = Callable[[list[int], SamplingParams, str, "str | None"], Awaitable[Completion]]
+# generate(prompt_token_ids, sampling, request_id, session_id); a HarnessEnv's streamed turn also
+# passes on_tokens= (rlactors.generation.generate's), which only a generate that streams must take.
+GenerateFn = Callable[..., Awaitable[Completion]]
 
 
 @dataclass(frozen=True)
@@ -252,9 +255,12 @@ class Rollouter:
         return RolloutStatus.COMPLETED
 
     async def _generate(self, prompt: list[int], sampling: SamplingParams, request_id: str,
-                        session_id: str) -> Completion:
+                        session_id: str, on_tokens: OnTokens | None = None) -> Completion:
         try:
-            completion = await self.generate(prompt, sampling, request_id, session_id)
+            if on_tokens is None:
+                completion = await self.generate(prompt, sampling, request_id, session_id)
+            else:
+                completion = await self.generate(prompt, sampling, request_id, session_id, on_tokens=on_tokens)
         except Exception as e:  # noqa: BLE001 - the generator side failed, not this rollout's env
             raise _RolloutEnded(RolloutStatus.ERROR_GENERATOR, f"{type(e).__name__}: {e}") from e
         if completion.finish_reason in ("error", "abort"):
@@ -297,11 +303,12 @@ class _HarnessTurns:
         self.idle_since = asyncio.get_running_loop().time()
 
     async def __call__(self, prompt_token_ids: list[int], max_tokens: int | None = None,
-                       stop_token_ids: Sequence[int] = ()) -> Turn:
+                       stop_token_ids: Sequence[int] = (), on_tokens: OnTokens | None = None) -> Turn:
         async with self.one_at_a_time:  # turn k's id and seed are taken from the turns recorded before it
-            return await self._turn(prompt_token_ids, max_tokens, stop_token_ids)
+            return await self._turn(prompt_token_ids, max_tokens, stop_token_ids, on_tokens)
 
-    async def _turn(self, prompt_token_ids: list[int], max_tokens: int | None, stop_token_ids: Sequence[int]) -> Turn:
+    async def _turn(self, prompt_token_ids: list[int], max_tokens: int | None, stop_token_ids: Sequence[int],
+                    on_tokens: OnTokens | None) -> Turn:
         cfg, rollout = self.rollouter.config, self.rollout
         if self.ended is not None:
             raise self.ended
@@ -321,7 +328,7 @@ class _HarnessTurns:
         self.generating += 1
         try:
             completion = await self.rollouter._generate(list(prompt_token_ids), sampling,
-                                                        f"{rollout.session_id}/t{k}", rollout.session_id)
+                                                        f"{rollout.session_id}/t{k}", rollout.session_id, on_tokens)
         except _RolloutEnded as e:
             self._end(e.status, e.error or e.status.value)
         finally:

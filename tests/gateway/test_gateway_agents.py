@@ -10,6 +10,7 @@ from monarch.actor import this_host
 from support.agent_envs import AgentsSdkToolAgent, LangChainToolAgent, ToolAgent, ToolAgentConfig, ToolMessageEnv
 from support.tool_policy import ANSWER, CALL
 
+from rlactors import generation
 from rlactors.actors.router import GeneratorRouter
 from rlactors.config import GatewayConfig, GeneratorConfig, ModelConfig, RolloutConfig
 from rlactors.gateway import Gateway
@@ -34,8 +35,8 @@ async def serving(ckpt, rollout_config=ROLLOUT):
     gateway = Gateway(GatewayConfig(), tokenizer, rollout_config.max_tokens_per_turn)
     await gateway.start()
 
-    async def generate(prompt, sampling, request_id, session_id=None):
-        return await router.generate.call_one(prompt, sampling, request_id, session_id)
+    async def generate(prompt, sampling, request_id, session_id=None, on_tokens=None):
+        return await generation.generate(router, prompt, sampling, request_id, session_id, on_tokens=on_tokens)
 
     def rollouter(env, config=rollout_config):
         env.gateway = gateway
@@ -59,9 +60,11 @@ def test_openai_tool_calling_is_exact_streams_the_same_and_branches_on_edits(too
         tokenizer, gateway, rollouter, close = await serving(tool_policy_ckpt)
         try:
             sample = [{"id": 0}]
-            agent = await rollouter(ToolAgent(ToolAgentConfig(), tokenizer)).collect(sample)
+            replies, streamed_replies = [], []
+            agent = await rollouter(ToolAgent(ToolAgentConfig(replies=replies), tokenizer)).collect(sample)
             reference = await rollouter(ToolMessageEnv(None, tokenizer)).collect(sample)
-            streamed = await rollouter(ToolAgent(ToolAgentConfig(stream=True), tokenizer)).collect(sample)
+            streamed = await rollouter(ToolAgent(ToolAgentConfig(stream=True, replies=streamed_replies),
+                                                 tokenizer)).collect(sample)
             edited = await rollouter(ToolAgent(ToolAgentConfig(edit_history=True), tokenizer)).collect(sample)
             langchain = await rollouter(LangChainToolAgent(None, tokenizer)).collect(sample)
             agents_sdk = await rollouter(AgentsSdkToolAgent(None, tokenizer)).collect(sample)
@@ -84,8 +87,14 @@ def test_openai_tool_calling_is_exact_streams_the_same_and_branches_on_edits(too
             sampled = [tok for t in rollout.turns for tok in t.token_ids]
             assert [tok for tok, m in zip(episode.token_ids, episode.loss_mask) if m] == sampled
         assert agent.metrics["rollout/branch_episodes"] == 0 and len(agent.episodes) == 2
-        # Streaming returns the same tokens (and so the same text and tool calls).
+        # Streaming samples the same tokens, and the client gets the same text, tool calls and logprobs:
+        # the answer token by token, the tool call never as content.
         assert turns_of(streamed) == turns_of(agent) and streamed.metrics["rollout/reward_mean"] == 1.0
+        assert sorted((r[:3] for r in streamed_replies), key=repr) == sorted((r[:3] for r in replies), key=repr)
+        assert len(replies) == 4
+        for content, calls, logprobs, pieces in streamed_replies:
+            assert (content, pieces) == (None, []) if calls else len(pieces) > 3 and "".join(pieces) == ANSWER
+            assert len(logprobs) == len(tokenizer.encode(CALL if calls else ANSWER, add_special_tokens=False)) + 1
         # LangChain's ChatOpenAI, with its own client and message conversion: the same tokens, no branch.
         assert turns_of(langchain) == turns_of(agent) and langchain.metrics["rollout/reward_mean"] == 1.0
         assert langchain.metrics["rollout/branch_episodes"] == 0

@@ -5,7 +5,9 @@ exactly. (Real Monarch procs and the native engine: test_gateway_agents.py.)"""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import sys
 
 import aiohttp
 import pytest
@@ -15,23 +17,33 @@ from rlactors.gateway import Gateway
 from rlactors.gateway.tool_calls import parse_tool_calls
 from rlactors.models import extend_with_messages, load_tokenizer, render_messages
 from rlactors.rollout import RolloutStatus, Turn, TurnRefused
+from rlactors.types import TokenDelta
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
 
 
 class ScriptedModel:
-    """A rollout's `model` that replies with the given texts in turn (then refuses, as at max_turns)."""
+    """A rollout's `model` that replies with the given texts in turn (then refuses, as at max_turns),
+    streamed one token at a time when asked. A reply None: the generator fails after two tokens."""
 
-    def __init__(self, tokenizer, replies: list[str]):
+    def __init__(self, tokenizer, replies: list[str | None]):
         self.tokenizer, self.replies, self.prompts = tokenizer, list(replies), []
 
-    async def __call__(self, prompt, max_tokens=None, stop_token_ids=()):
+    async def __call__(self, prompt, max_tokens=None, stop_token_ids=(), on_tokens=None):
         if not self.replies:
             raise TurnRefused(RolloutStatus.TRUNCATED_TURNS, "the rollout has had its rollout.max_turns=2 turns")
         self.prompts.append(list(prompt))
-        ids = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        return Turn(list(prompt), ids, [-0.5] * len(ids), [3] * len(ids), "stop")
+        reply = self.replies.pop(0)
+        ids = self.tokenizer.encode(reply or "Ada Ben", add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        for i, token in enumerate(ids if on_tokens else ()):
+            if reply is None and i == 2:
+                break
+            await on_tokens(TokenDelta(i, [token], [-0.5 - i], [3]))
+            await asyncio.sleep(0.005)  # a decode step
+        if reply is None:
+            raise TurnRefused(RolloutStatus.ERROR_GENERATOR, "every replica died")
+        return Turn(list(prompt), ids, [-0.5 - i for i in range(len(ids))], [3] * len(ids), "stop")
 
 
 def serve(tiny_ckpt, replies, test, **config):
@@ -137,7 +149,7 @@ def test_tools_are_parsed_and_a_conversation_extends_its_exact_tokens(tiny_ckpt)
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
         assert call["function"] == {"name": "calculator", "arguments": '{"expression": "2 + 3"}'}
         completion = tokenizer.encode(CALL, add_special_tokens=False) + [tokenizer.eos_token_id]
-        assert [t["logprob"] for t in choice["logprobs"]["content"]] == [-0.5] * len(completion)
+        assert [t["logprob"] for t in choice["logprobs"]["content"]] == [-0.5 - i for i in range(len(completion))]
         assert body["usage"] == {"prompt_tokens": len(model.prompts[0]), "completion_tokens": len(completion),
                                  "total_tokens": len(model.prompts[0]) + len(completion)}
         # The harness echoes the reply (with fields of its own) and adds the tool's result.
@@ -197,7 +209,14 @@ def test_tools_need_a_template_that_renders_them(tmp_path, tiny_ckpt):
     serve(tmp_path, [], test)
 
 
-def test_a_stream_carries_the_same_reply_as_sse_chunks_with_usage(tiny_ckpt):
+def events_of(text: str) -> list:
+    """The JSON events of an SSE body, which must end with [DONE]."""
+    events = [line[len("data: "):] for line in text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_a_stream_sends_each_token_as_it_comes_with_the_same_reply_and_usage(tiny_ckpt):
     reply = "Ada Ben Cleo é"  # a two-byte character: pieces split only between whole characters
 
     async def test(gateway, info, http, model, tokenizer):
@@ -207,18 +226,89 @@ def test_a_stream_carries_the_same_reply_as_sse_chunks_with_usage(tiny_ckpt):
                    "stream_options": {"include_usage": True}}
         async with post(http, info, request) as r:
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-            events = [line[len("data: "):] for line in (await r.text()).split("\n\n") if line]
-        assert events[-1] == "[DONE]"
-        chunks = [json.loads(e) for e in events[:-1]]
+            chunks = events_of(await r.text())
         deltas = [c["choices"][0] for c in chunks if c["choices"]]
         assert deltas[0]["delta"] == {"role": "assistant", "content": ""}
-        assert "".join(d["delta"].get("content", "") for d in deltas) == reply == whole["message"]["content"]
+        pieces = [d["delta"]["content"] for d in deltas[1:] if d["delta"].get("content")]
+        assert "".join(pieces) == reply == whole["message"]["content"]
         completion = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+        assert len(pieces) >= len(completion) - 2  # token by token (a split character comes whole)
         logprobs = [lp for d in deltas if d["logprobs"] for lp in d["logprobs"]["content"]]
-        assert [lp["logprob"] for lp in logprobs] == [-0.5] * len(completion) == \
-            [lp["logprob"] for lp in whole["logprobs"]["content"]]
+        assert logprobs == whole["logprobs"]["content"]
+        assert [lp["logprob"] for lp in logprobs] == [-0.5 - i for i in range(len(completion))]
         assert deltas[-1]["finish_reason"] == "stop" and chunks[-1]["choices"] == []
         assert chunks[-1]["usage"]["completion_tokens"] == len(completion)
         assert model.prompts[1] == extend_with_messages(tokenizer, model.prompts[0] + completion, USER)
 
     serve(tiny_ckpt, [reply, reply], test)
+
+
+def test_a_streamed_tool_call_is_never_sent_as_content(tiny_ckpt):
+    text = "Let me compute.\n" + CALL
+
+    async def test(gateway, info, http, model, tokenizer):
+        async with post(http, info, {**GOOD, "tools": TOOLS}) as r:
+            whole = (await r.json())["choices"][0]
+        async with post(http, info, {**GOOD, "tools": TOOLS, "stream": True}) as r:
+            deltas = [c["choices"][0] for c in events_of(await r.text())]
+        pieces = [d["delta"]["content"] for d in deltas if d["delta"].get("content")]
+        assert len(pieces) > 2 and "".join(pieces) == whole["message"]["content"] == "Let me compute."
+        calls = [d["delta"]["tool_calls"] for d in deltas if "tool_calls" in d["delta"]]
+        assert [c[0]["function"] for c in calls] == [whole["message"]["tool_calls"][0]["function"]]
+        assert calls[0][0]["index"] == 0 and calls[0][0]["id"].startswith("call_")
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+
+    serve(tiny_ckpt, [text, text], test)
+
+
+def test_a_generator_failure_mid_stream_ends_it_with_an_error_event(tiny_ckpt):
+    async def test(gateway, info, http, model, tokenizer):
+        async with post(http, info, {**GOOD, "stream": True}) as r:
+            assert r.status == 200
+            chunks = events_of(await r.text())
+        assert [c["choices"][0]["delta"] for c in chunks[:-1]][0] == {"role": "assistant", "content": ""}
+        sent = tokenizer.decode(tokenizer.encode("Ada Ben", add_special_tokens=False)[:2])
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == sent
+        assert chunks[-1]["error"]["type"] == "server_error" and "every replica died" in chunks[-1]["error"]["message"]
+        # Refused before any token: a plain JSON error.
+        async with post(http, info, {**GOOD, "stream": True}) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "truncated_turns"
+
+    serve(tiny_ckpt, [None], test)
+
+
+def test_a_client_that_leaves_mid_stream_loses_nothing_of_its_turn(tiny_ckpt):
+    reply = "Ada Ben Cleo Dora Emil Fay Gus"
+
+    async def test(gateway, info, http, model, tokenizer):
+        async with post(http, info, {**GOOD, "stream": True}) as r:
+            await r.content.readline()  # the role chunk, then gone
+            r.close()
+        history = gateway._sessions[info.session_id].history
+        while history.messages is None:
+            await asyncio.sleep(0.01)
+        async with post(http, info, {**GOOD, "messages": USER + [{"role": "assistant", "content": reply}, *USER]}) as r:
+            assert r.status == 200
+        completion = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+        assert model.prompts[1] == extend_with_messages(tokenizer, model.prompts[0] + completion, USER)
+        assert gateway.counters["branches"] == 0
+
+    serve(tiny_ckpt, [reply, reply], test)
+
+
+def test_the_collector_is_tuned_while_the_gateway_serves_and_restored_after(tiny_ckpt):
+    before = gc.get_threshold(), gc.get_freeze_count()
+
+    async def test(gateway, info, http, model, tokenizer):
+        assert gc.get_threshold()[0] == 20_000 and gc.get_freeze_count() > before[1]
+
+    serve(tiny_ckpt, [], test)
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before
+
+
+def test_without_the_openai_package_the_gateway_does_not_start(tiny_ckpt, monkeypatch):
+    monkeypatch.setitem(sys.modules, "openai", None)  # as if not installed
+    gateway = Gateway(GatewayConfig(), load_tokenizer(tiny_ckpt), max_tokens=16)
+    with pytest.raises(ImportError, match=r"pip install 'rlactors\[agents\]'"):
+        asyncio.run(gateway.start())
+    assert gateway.port is None

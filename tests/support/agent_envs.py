@@ -21,6 +21,8 @@ class ToolAgentConfig:
     edit_history: bool = False  # drop the system message from the second request on
     fail: str = ""  # "raise" or "hang" after the first turn
     max_calls: int = 3
+    # Given a list, each reply as the client got it is appended: (content, tool calls, logprobs, pieces of content)
+    replies: list | None = None
 
 
 class ToolAgent(AgentEnv):
@@ -49,18 +51,31 @@ class ToolAgent(AgentEnv):
 
     async def _create(self, client, messages):
         if not self.config.stream:
-            response = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
-            return response.choices[0].message.model_dump(exclude_none=True)
-        content, calls = "", []
-        stream = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, stream=True)
+            response = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                            logprobs=True)
+            choice = response.choices[0]
+            message = choice.message.model_dump(exclude_none=True)
+            self._record(message, [(lp.token, lp.logprob) for lp in choice.logprobs.content], [message.get("content")])
+            return message
+        pieces, calls, logprobs = [], [], []
+        stream = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, stream=True,
+                                                      logprobs=True)
         async for chunk in stream:
-            delta = chunk.choices[0].delta if chunk.choices else None
-            if delta is not None:
-                content += delta.content or ""
+            choice = chunk.choices[0] if chunk.choices else None
+            if choice is not None:
+                pieces += [choice.delta.content] if choice.delta.content else []
                 calls += [{"id": c.id, "type": "function", "function": {"name": c.function.name,
                                                                         "arguments": c.function.arguments}}
-                          for c in delta.tool_calls or ()]
-        return {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
+                          for c in choice.delta.tool_calls or ()]
+                logprobs += [(lp.token, lp.logprob) for lp in choice.logprobs.content] if choice.logprobs else []
+        message = {"role": "assistant", "content": "".join(pieces) or None, **({"tool_calls": calls} if calls else {})}
+        self._record(message, logprobs, pieces)
+        return message
+
+    def _record(self, message, logprobs, pieces):
+        if self.config.replies is not None:
+            calls = [c["function"] for c in message.get("tool_calls", ())]
+            self.config.replies.append((message.get("content"), calls, logprobs, pieces))
 
 
 class ToolMessageEnv(MessageEnv):

@@ -30,9 +30,20 @@ def _run(config, resume=False):
     return asyncio.run(Controller(config, resume=resume).run())
 
 
+@pytest.fixture(scope="module")
+def straight(tiny_ckpt, tmp_path_factory):
+    """One uninterrupted 3-step run of the default config (sync mode, weights by messages): its
+    run dir and step metrics, the reference of the tests below that only read them."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    return run_dir, _run(_config(tiny_ckpt, run_dir))
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_training_steps_update_the_policy_and_the_generators(tiny_ckpt, tmp_path, mode):
-    history = _run(_config(tiny_ckpt, tmp_path, f"controller.mode={mode}", "controller.max_staleness=1"))
+def test_training_steps_update_the_policy_and_the_generators(tiny_ckpt, tmp_path, straight, mode):
+    if mode == "sync":  # the default config's mode (max_staleness 1 too): the shared run
+        tmp_path, history = straight
+    else:
+        history = _run(_config(tiny_ckpt, tmp_path, f"controller.mode={mode}", "controller.max_staleness=1"))
     assert [m["policy/version"] for m in history] == [1.0, 2.0, 3.0]
     for m in history:
         assert m["rollout/rollouts"] == 8 and m["generator/serving_replicas"] == 2
@@ -76,10 +87,10 @@ def test_true_on_policy_async_training_has_no_mismatch_on_any_step(tmp_path):
     assert any(m["policy/age_max"] > 0 for m in history)  # async: some tokens came from the older policy
 
 
-def test_weights_by_broadcast_train_like_weights_by_messages(tiny_ckpt, tmp_path):
+def test_weights_by_broadcast_train_like_weights_by_messages(tiny_ckpt, tmp_path, straight):
     """generator.weight_sync = 'broadcast' on CPU: trainer rank 0 sends one packed buffer over a
     gloo group to both replicas, which verify it beside their engines and load it between steps."""
-    messages = _run(_config(tiny_ckpt, tmp_path / "messages", "controller.steps=2", 'generator.weight_sync="messages"'))
+    messages = straight[1][:2]  # weights by messages: the default on CPU
     broadcast = _run(_config(tiny_ckpt, tmp_path / "broadcast", "controller.steps=2",
                              'generator.weight_sync="broadcast"'))
     assert [m["policy/version"] for m in broadcast] == [1.0, 2.0]
@@ -92,21 +103,20 @@ def test_weights_by_broadcast_train_like_weights_by_messages(tiny_ckpt, tmp_path
             assert by_broadcast[key] == pytest.approx(by_message[key], rel=1e-5, abs=1e-7), key
 
 
-def test_resume_continues_exactly_like_an_uninterrupted_run(tiny_ckpt, tmp_path):
-    straight = _run(_config(tiny_ckpt, tmp_path / "straight"))
+def test_resume_continues_exactly_like_an_uninterrupted_run(tiny_ckpt, tmp_path, straight):
     interrupted = tmp_path / "interrupted"
     _run(_config(tiny_ckpt, interrupted, "controller.steps=2"))
     resumed = _run(_config(tiny_ckpt, interrupted), resume=True)
     assert len(resumed) == 1
     for key in ("loss/loss", "rollout/reward_mean", "loss/tokens", "train/grad_norm"):
-        assert resumed[0][key] == pytest.approx(straight[2][key], rel=1e-5, abs=1e-7), key
+        assert resumed[0][key] == pytest.approx(straight[1][2][key], rel=1e-5, abs=1e-7), key
     assert [r["step"] for r in read_metrics(interrupted)] == [1, 2, 3]
 
 
-def test_meshes_on_the_hosts_of_a_process_job_train_like_one_host(tiny_ckpt, tmp_path, capsys):
+def test_meshes_on_the_hosts_of_a_process_job_train_like_one_host(tiny_ckpt, tmp_path, straight, capsys):
     """job.scheduler = 'process': 2 trainer hosts (one FSDP rank each) and 2 generator hosts (one
     replica each), each host a Monarch worker process; the run is the same as on one host."""
-    one_host = _run(_config(tiny_ckpt, tmp_path / "local", "controller.steps=2"))
+    one_host = straight[1][:2]
     hosts = ('job.scheduler="process"', "job.trainer_hosts=2", "job.generator_hosts=2")
     on_hosts = _run(_config(tiny_ckpt, tmp_path / "hosts", "controller.steps=2", *hosts))
     out = capsys.readouterr().out

@@ -23,4 +23,4 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=20 $(ARGS)

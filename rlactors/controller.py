@@ -7,7 +7,8 @@ versions (counted), trains, checkpoints when due, and pushes the new weights to 
 verified by checksum (rlactors.weight_sync.sync). A step with nothing to train on (every group's
 rewards equal) is a whole step all the same; its policy is the previous step's. The run dir's
 layout and rules are rlactors.run_dir's, evaluation's schedule rlactors.evaluation's. Ctrl-C lets
-a step whose update has begun complete, then saves the last completed step unless it is saved.
+a step whose update has begun complete, then saves the last completed step unless it is saved. A
+step after which every generator replica is dead for good (none restarting) stops the run, saved.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from monarch.actor import ActorError
 
 from rlactors.config import Config, check_model_keys
 from rlactors.evaluation import EvalSchedule, Evaluator, training_evaluator
-from rlactors.generation import generate, serve_gateway
+from rlactors.generation import generate, replicas_lost, serve_gateway
 from rlactors.liveness import ProcLost
 from rlactors.losses import LossNorm
 from rlactors.meshes import HostsLost, Meshes
@@ -281,13 +282,17 @@ class Controller:
         metrics = step_metrics(groups, train_metrics, trained=trained, policy_version=self.policy_version, ages=ages,
                                stale=stale, step_s=step_s, rollout_wait_s=rollout_wait, train_s=train_s, sync=sync,
                                sync_s=sync_s, checkpoint_s=checkpoint_s)
-        metrics.update(self._generator_metrics.read(await self.meshes.router_stats(self.router)))
+        generators = await self.meshes.router_stats(self.router)
+        metrics.update(self._generator_metrics.read(generators))
         if self.gateway is not None:
             metrics.update(self.gateway.step_metrics())
         untrained = None if trained else untrained_reason(groups, episodes, stale, c.controller.max_staleness)
         metrics_log.log_step(step, metrics, groups, untrained)
         if c.controller.log_samples:
             metrics_log.log_samples(step, sample_records(groups, self.tokenizer))
+        if step < c.controller.steps and (lost := replicas_lost(generators, c.generator.restart_dead)):
+            # Every later rollout would fail: the later steps would train nothing.
+            raise TrainingError(f"step {step}: {lost}; {await self._save_step_once()}; continue with --resume")
         return metrics
 
     async def _train_on(self, episodes: list[Episode], step: int) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """The generator side of a run, as training (rlactors.controller) and evaluation
 (rlactors.evaluate) start and call it: the router and its replicas on a proc of this host, the
-gateway of an AgentEnv's harnesses, and the generate call the Rollouter makes."""
+gateway of an AgentEnv's harnesses, the generate call the Rollouter makes, and whether any
+replica is left to make it."""
 
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ def spawn_router(config: Config, hosts: Any = None) -> tuple[Any, Any]:
     router = procs.spawn("router", GeneratorRouter, config.generator, config.model, replica_gpus, hosts,
                          config.controller.unresponsive_timeout_s)
     return procs, router
+
+
+def replicas_lost(stats: dict[str, Any], restart_dead: bool) -> str | None:
+    """Why no rollout can be generated any more, from the router's `stats`: every replica is dead
+    and none is restarting (`restart_dead` off, or the restarts failed); None while one may serve."""
+    if stats["states"]["dead"] < len(stats["replicas"]) or stats["restarting"]:
+        return None
+    why = "their restarts failed" if restart_dead else "generator.restart_dead = false"
+    return f"every generator replica is dead ({why}): no rollout can be generated"
 
 
 async def serve_gateway(env: Any, config: Config, tokenizer: Any) -> Any:

@@ -112,19 +112,22 @@ class Meshes:
         return self.watcher.lost(*watched) or " ".join(str(error).split())
 
     async def stop(self, router: Any) -> None:
-        """Closes `router` (if any) and stops the procs; once the job's hosts are lost, only the
-        procs on this host (the router's): nothing on the lost hosts answers, and a call there
-        would wait for Monarch's timeouts."""
+        """Closes `router` (if any) and stops the procs, the trainer's and the router's at once;
+        once the job's hosts are lost, only the procs on this host (the router's): nothing on the
+        lost hosts answers, and a call there would wait for Monarch's timeouts."""
         if router is not None and not self.hosts_lost:
             try:
                 await router.close.call_one()
             except Exception as e:  # noqa: BLE001 - shutting down: report and go on
                 logger.warning("router close failed: %s", e)
-        for procs in self._procs[-1:] if self.hosts_lost else self._procs:
+
+        async def stop_procs(procs: Any) -> None:
             try:
                 await procs.stop()
             except Exception as e:  # noqa: BLE001
                 logger.warning("stopping procs failed: %s", e)
+
+        await asyncio.gather(*(stop_procs(procs) for procs in (self._procs[-1:] if self.hosts_lost else self._procs)))
 
     async def shutdown(self, stop: Callable[[], Awaitable[None]]) -> None:
         """Runs `stop` (what stops the gateway, the router and the procs). A proc still inside a

@@ -1,5 +1,6 @@
-"""Shared fixtures: random-init tiny checkpoints of each model family, built once per test session;
-on a GPU machine, every test module gives back the GPU memory it took."""
+"""Shared fixtures: random-init tiny checkpoints of each model family, built once per test session,
+and the short whole run the whole-run tests compare against; on a GPU machine, every test module
+gives back the GPU memory it took."""
 
 import gc
 import os
@@ -87,3 +88,19 @@ def tool_policy_ckpt(tiny_ckpt, tmp_path_factory) -> Path:
     from support.tool_policy import train_tool_policy
 
     return train_tool_policy(tiny_ckpt, tmp_path_factory.mktemp("tool_policy"))
+
+
+@pytest.fixture(scope="session")
+def short_run(tmp_path_factory) -> tuple[Path, list[dict[str, float]]]:
+    """One uninterrupted short run on this host (support.demo_runs, the default sync mode and
+    weights by messages): its run dir and step metrics, the reference of the whole-run tests that
+    only read them."""
+    import asyncio
+
+    from support.demo_runs import WARM_CHECKPOINT, short_run_overrides
+
+    from rlactors.config import load_config
+    from rlactors.controller import Controller
+
+    run_dir = tmp_path_factory.mktemp("short_run")
+    return run_dir, asyncio.run(Controller(load_config(None, short_run_overrides(WARM_CHECKPOINT, run_dir))).run())

@@ -1,11 +1,12 @@
-"""End to end on CPU: real Monarch procs, 2 trainer ranks (FSDP2, gloo), 2 native replicas."""
+"""End to end on CPU: real Monarch procs, 2 trainer ranks (FSDP2, gloo), 2 native replicas (the short
+run of support.demo_runs, whose reference run the `short_run` fixture shares with tests/test_slurm.py)."""
 
 import asyncio
 import json
 import math
-from pathlib import Path
 
 import pytest
+from support.demo_runs import WARM_CHECKPOINT, short_run_overrides
 
 from rlactors.config import load_config
 from rlactors.controller import Controller
@@ -13,17 +14,9 @@ from rlactors.metrics import read_metrics, sample_records
 from rlactors.models import load_tokenizer
 from rlactors.rollout.types import Rollout, RolloutGroup, RolloutStatus, Turn
 
-WARM_CHECKPOINT = Path(__file__).resolve().parents[1] / "examples" / "alphabet_sort" / "warm_checkpoint"
-
 
 def _config(ckpt, run_dir, *extra):
-    return load_config(None, [
-        f'model.path="{ckpt}"', f'controller.run_dir="{run_dir}"', "controller.steps=3",
-        "trainer.ranks=2", "trainer.lr=1e-3", "generator.replicas=2", "generator.max_model_len=512",
-        "generator.kv_cache_tokens=8192", "rollout.prompts_per_step=2", "rollout.group_size=4",
-        "rollout.max_turns=2", "rollout.max_tokens_per_turn=24", "rollout.max_total_tokens=384",
-        "rollout.keep_zero_variance_groups=true", "batcher.row_tokens=512",
-        "env.args={ max_turns = 2, max_names_per_turn = 2 }", *extra])
+    return load_config(None, short_run_overrides(ckpt, run_dir, *extra))
 
 
 def _run(config, resume=False):
@@ -31,8 +24,11 @@ def _run(config, resume=False):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_training_steps_update_the_policy_and_the_generators(tiny_ckpt, tmp_path, mode):
-    history = _run(_config(tiny_ckpt, tmp_path, f"controller.mode={mode}", "controller.max_staleness=1"))
+def test_training_steps_update_the_policy_and_the_generators(tmp_path, short_run, mode):
+    if mode == "sync":  # the default mode (max_staleness 1 too): the shared run
+        tmp_path, history = short_run
+    else:
+        history = _run(_config(WARM_CHECKPOINT, tmp_path, f"controller.mode={mode}", "controller.max_staleness=1"))
     assert [m["policy/version"] for m in history] == [1.0, 2.0, 3.0]
     for m in history:
         assert m["rollout/rollouts"] == 8 and m["generator/serving_replicas"] == 2
@@ -76,11 +72,11 @@ def test_true_on_policy_async_training_has_no_mismatch_on_any_step(tmp_path):
     assert any(m["policy/age_max"] > 0 for m in history)  # async: some tokens came from the older policy
 
 
-def test_weights_by_broadcast_train_like_weights_by_messages(tiny_ckpt, tmp_path):
+def test_weights_by_broadcast_train_like_weights_by_messages(tmp_path, short_run):
     """generator.weight_sync = 'broadcast' on CPU: trainer rank 0 sends one packed buffer over a
     gloo group to both replicas, which verify it beside their engines and load it between steps."""
-    messages = _run(_config(tiny_ckpt, tmp_path / "messages", "controller.steps=2", 'generator.weight_sync="messages"'))
-    broadcast = _run(_config(tiny_ckpt, tmp_path / "broadcast", "controller.steps=2",
+    messages = short_run[1][:2]  # weights by messages: the default on CPU
+    broadcast = _run(_config(WARM_CHECKPOINT, tmp_path / "broadcast", "controller.steps=2",
                              'generator.weight_sync="broadcast"'))
     assert [m["policy/version"] for m in broadcast] == [1.0, 2.0]
     for by_message, by_broadcast in zip(messages, broadcast):
@@ -92,23 +88,22 @@ def test_weights_by_broadcast_train_like_weights_by_messages(tiny_ckpt, tmp_path
             assert by_broadcast[key] == pytest.approx(by_message[key], rel=1e-5, abs=1e-7), key
 
 
-def test_resume_continues_exactly_like_an_uninterrupted_run(tiny_ckpt, tmp_path):
-    straight = _run(_config(tiny_ckpt, tmp_path / "straight"))
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, short_run):
     interrupted = tmp_path / "interrupted"
-    _run(_config(tiny_ckpt, interrupted, "controller.steps=2"))
-    resumed = _run(_config(tiny_ckpt, interrupted), resume=True)
+    _run(_config(WARM_CHECKPOINT, interrupted, "controller.steps=2"))
+    resumed = _run(_config(WARM_CHECKPOINT, interrupted), resume=True)
     assert len(resumed) == 1
     for key in ("loss/loss", "rollout/reward_mean", "loss/tokens", "train/grad_norm"):
-        assert resumed[0][key] == pytest.approx(straight[2][key], rel=1e-5, abs=1e-7), key
+        assert resumed[0][key] == pytest.approx(short_run[1][2][key], rel=1e-5, abs=1e-7), key
     assert [r["step"] for r in read_metrics(interrupted)] == [1, 2, 3]
 
 
-def test_meshes_on_the_hosts_of_a_process_job_train_like_one_host(tiny_ckpt, tmp_path, capsys):
+def test_meshes_on_the_hosts_of_a_process_job_train_like_one_host(tmp_path, short_run, capsys):
     """job.scheduler = 'process': 2 trainer hosts (one FSDP rank each) and 2 generator hosts (one
     replica each), each host a Monarch worker process; the run is the same as on one host."""
-    one_host = _run(_config(tiny_ckpt, tmp_path / "local", "controller.steps=2"))
+    one_host = short_run[1][:2]
     hosts = ('job.scheduler="process"', "job.trainer_hosts=2", "job.generator_hosts=2")
-    on_hosts = _run(_config(tiny_ckpt, tmp_path / "hosts", "controller.steps=2", *hosts))
+    on_hosts = _run(_config(WARM_CHECKPOINT, tmp_path / "hosts", "controller.steps=2", *hosts))
     out = capsys.readouterr().out
     assert "trainer ranks on trainers_0, trainers_1; generator replicas on generators_0, generators_1" in out
     assert [m["policy/version"] for m in on_hosts] == [1.0, 2.0]

@@ -8,7 +8,6 @@ apt-get)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import shutil
@@ -20,28 +19,21 @@ import time
 from pathlib import Path
 
 import pytest
+from support.demo_runs import WARM_CHECKPOINT, short_run_overrides
 
-from rlactors.config import load_config
-from rlactors.controller import Controller
 from rlactors.metrics import read_metrics
 from rlactors.trainer.checkpoint import latest_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "slurm_cluster.sh"
 CANNOT_INSTALL = 3  # the script's exit code where this machine cannot have Slurm
-WARM_CHECKPOINT = REPO / "examples" / "alphabet_sort" / "warm_checkpoint"
 ON_SLURM = ('job.scheduler="slurm"', "job.generator_hosts=0")
 COMPARED = ("loss/loss", "rollout/reward_mean", "loss/tokens", "train/grad_norm")
 
 
 def _overrides(run_dir: Path, *extra: str) -> list[str]:
-    """2 trainer ranks and 2 replicas of the demo's warm checkpoint (rewards vary), 3 short steps."""
-    return [f'model.path="{WARM_CHECKPOINT}"', f'controller.run_dir="{run_dir}"', "controller.steps=3",
-            "controller.checkpoint_every=1", "trainer.ranks=2", "trainer.lr=1e-3", "generator.replicas=2",
-            "generator.max_model_len=512", "generator.kv_cache_tokens=8192", "rollout.prompts_per_step=2",
-            "rollout.group_size=4", "rollout.max_turns=2", "rollout.max_tokens_per_turn=24",
-            "rollout.max_total_tokens=384", "rollout.keep_zero_variance_groups=true", "batcher.row_tokens=512",
-            "env.args={ max_turns = 2, max_names_per_turn = 2 }", *extra]
+    """The short run of support.demo_runs (rewards vary), checkpointed at every step."""
+    return short_run_overrides(WARM_CHECKPOINT, run_dir, "controller.checkpoint_every=1", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +72,6 @@ def cli(slurm):
         if run.proc.poll() is None:
             run.proc.kill()
             run.proc.wait()
-
-
-@pytest.fixture(scope="module")
-def one_host(tmp_path_factory):
-    """The step metrics of the same 3 steps on this host (job.scheduler = 'local')."""
-    run_dir = tmp_path_factory.mktemp("one_host")
-    asyncio.run(Controller(load_config(None, _overrides(run_dir))).run())
-    return read_metrics(run_dir)
 
 
 class Cli:
@@ -163,7 +147,7 @@ def _assert_same_steps(history: list[dict], reference: list[dict]) -> None:
 
 
 def test_a_run_on_slurm_trains_like_one_host_a_scancel_stops_it_and_resume_continues_in_a_new_allocation(
-        cli, one_host, tmp_path):
+        cli, short_run, tmp_path):
     overrides = _overrides(tmp_path / "run", *ON_SLURM)
     run = cli(*overrides)
     job = run.job_id()
@@ -187,7 +171,7 @@ def test_a_run_on_slurm_trains_like_one_host_a_scancel_stops_it_and_resume_conti
     assert f"resumed from {last} at step {done}" in out
     assert resumed.job_id() != job
     _assert_released(resumed.job_id())  # the run ended: its allocation with it
-    _assert_same_steps(read_metrics(run.run_dir), one_host)
+    _assert_same_steps(read_metrics(run.run_dir), read_metrics(short_run[0]))  # the same run on this host
     for slurm_job in (job, resumed.job_id()):  # the workers' output
         assert list((run.run_dir / "slurm").glob(f"slurm_{slurm_job}_rlactors_*.out"))
 

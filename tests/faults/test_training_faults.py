@@ -4,8 +4,9 @@ reported with their tracebacks, Ctrl-C saving the last completed step, the
 trainer proc SIGKILLed mid-run then `--resume` matching an uninterrupted run, a half-written
 checkpoint never picked, non-finite generator logprobs excluded, a non-finite loss that stops
 the run with its state saved, corrupted weights on their way to the replicas, and with weights by
-broadcast, a version the replicas refuse and a dead replica, between syncs or during a broadcast (restarted
-into a new group; the run goes on)."""
+broadcast, a version the replicas refuse and a dead replica, between syncs or during a broadcast
+(restarted into a new group; the run goes on); by messages, the last replica dead for good (the
+run stops)."""
 
 from __future__ import annotations
 
@@ -569,6 +570,35 @@ def test_a_broadcast_run_with_no_replica_left_stops_with_the_step_saved(tiny_ckp
                                  f"is saved in {tmp_path / 'checkpoints'}")
     assert (checkpoint_dir(tmp_path / "checkpoints", 1) / COMPLETE_FILE).is_file()
     assert read_metrics(tmp_path) == []  # step 1 stopped at its weight sync
+
+
+class OnlyReplicaKilledInStep2(Controller):
+    """SIGKILLs the only replica as step 2's first request goes out."""
+
+    killed_at = None
+
+    async def generate(self, prompt_token_ids, sampling, request_id, session_id=None):
+        if self.killed_at is None and request_id.startswith("g2/"):
+            self.killed_at = await kill_replica(self.router, 0)
+        return await super().generate(prompt_token_ids, sampling, request_id, session_id)
+
+
+def test_a_messages_run_whose_last_replica_died_stops_with_the_step_saved(tiny_ckpt, tmp_path, fault_record):
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, 'generator.weight_sync="messages"',
+                                                   "generator.restart_dead=false", "controller.checkpoint_every=0"))
+    controller = OnlyReplicaKilledInStep2(config)
+    with pytest.raises(TrainingError) as raised:  # before: steps 2 and 3 trained nothing, and the run "completed"
+        asyncio.run(asyncio.wait_for(controller.run(), 120))
+    assert str(raised.value) == ("step 2: every generator replica is dead (generator.restart_dead = false): no "
+                                 f"rollout can be generated; the state after step 2 is saved in "
+                                 f"{tmp_path / 'checkpoints'}; continue with --resume")
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[1]["generator/serving_replicas"] == 0 and records[1]["rollout/status/error_generator"] > 0
+    assert (checkpoint_dir(tmp_path / "checkpoints", 2) / COMPLETE_FILE).is_file()
+    fault_record("last generator replica SIGKILLed mid-rollout (messages, no generator.restart_dead)",
+                 "the only replica's proc, at step 2's first request", None,
+                 f"step 2's rollouts; the run stopped after step 2, saved: `{str(raised.value).split(';')[0]}`")
 
 
 class _StuckBroadcast:

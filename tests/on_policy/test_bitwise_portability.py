@@ -3,10 +3,10 @@
 CPU true on-policy runs no BLAS in any op that shapes a logprob: its matmuls and attention are
 fixed-order C kernels (``rlactors/on_policy/cpu_kernels.c``), so no setting of the BLAS may change a
 bit (tests/on_policy/test_cpu_kernels.py builds those kernels for other instruction sets). Each
-setting below runs the bitwise tests in a fresh process (MKL
-reads its settings once, at its first call): MKL's AVX2 and AVX-512 code paths (what differs
-between CPUs), its conditional-reproducibility modes, 2 threads instead of 1, and torch's own
-kernels compiled for AVX2 instead of this CPU's best. Then a generator and a trainer that run
+setting below runs the bitwise tests in a fresh process (MKL reads its settings once, at its first
+call), two processes at a time: MKL's AVX2 and AVX-512 code paths (what differs between CPUs),
+its conditional-reproducibility modes, 2 threads instead of 1, and torch's own kernels compiled
+for AVX2 instead of this CPU's best. Then a generator and a trainer that run
 under different MKL settings and thread counts still agree bit for bit.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,9 @@ SETTINGS = {
     "2-threads": {"OMP_NUM_THREADS": "2"},
     "torch-avx2-kernels": {"ATEN_CPU_CAPABILITY": "avx2"},
 }
+# Settings run at once: each run is one process of one thread (but "2-threads"), and the 2-core CI
+# box would leave a core idle while the suite's own process only waits.
+PARALLEL = 2
 
 
 def environment(setting: dict[str, str]) -> dict[str, str]:
@@ -39,11 +43,42 @@ def environment(setting: dict[str, str]) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", **setting}
 
 
+@pytest.fixture(scope="module")
+def bitwise_runs(request):
+    """The bitwise tests under each selected setting, each in a fresh process, PARALLEL processes at
+    once: name -> a future of its CompletedProcess (killed after 600 s: exit code -9). A process
+    still running when the module ends is killed."""
+    selected = [item.callspec.params["name"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_bitwise_tests_pass_under"]
+    started: list[subprocess.Popen] = []
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *BITWISE_TESTS],
+                                cwd=TESTS, env=environment(SETTINGS[name]), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        started.append(proc)
+        try:
+            out, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        runs = {name: pool.submit(run, name) for name in selected}
+        try:
+            yield runs
+        finally:
+            for future in runs.values():
+                future.cancel()
+            for proc in started:
+                if proc.poll() is None:
+                    proc.kill()
+
+
 @pytest.mark.parametrize("name", SETTINGS)
-def test_bitwise_tests_pass_under(name):
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *BITWISE_TESTS],
-                          cwd=TESTS, env=environment(SETTINGS[name]), capture_output=True, text=True,
-                          timeout=600)
+def test_bitwise_tests_pass_under(name, bitwise_runs):
+    done = bitwise_runs[name].result()
     assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
     assert " passed" in done.stdout and "failed" not in done.stdout
 

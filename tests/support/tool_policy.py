@@ -50,12 +50,19 @@ def train_tool_policy(base: Path, out: Path, steps: int = 200, lr: float = 5e-3)
     inputs, targets = torch.tensor(ids[:-1]), torch.tensor(ids[1:])
     trained = torch.tensor(mask[1:])
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    for _ in range(steps):
-        logprobs = model.token_logprobs(model.forward_packed(inputs, torch.arange(len(inputs))), targets)
-        loss = -logprobs[trained].mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    # One intra-op thread: as fast on these tiny matrices, and two threads that contend with other
+    # processes for a 2-core box's cores make each step 10-25x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            logprobs = model.token_logprobs(model.forward_packed(inputs, torch.arange(len(inputs))), targets)
+            loss = -logprobs[trained].mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(threads)
     out.mkdir(parents=True, exist_ok=True)
     save_pretrained(model, model.args, out)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):

@@ -10,10 +10,9 @@ import signal
 
 import pytest
 import torch
-from monarch.actor import ActorError, this_host
+from monarch.actor import ActorError
+from support.router_procs import spawn_router
 
-from rlactors.actors.router import GeneratorRouter
-from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.models.checkpoint import from_pretrained
 from rlactors.types import SamplingParams
 from rlactors.weight_sync.checksum import state_checksum
@@ -24,14 +23,6 @@ VOCAB = 1024
 def prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(4, 40, (n,), generator=g)]
-
-
-def spawn_router(ckpt, restart_dead: bool, replicas: int = 2):
-    os.environ["OMP_NUM_THREADS"] = "1"  # replica procs inherit the controller's environment
-    config = GeneratorConfig(replicas=replicas, max_num_seqs=32, max_num_tokens=512, kv_cache_tokens=4096,
-                             max_model_len=512, restart_dead=restart_dead)
-    procs = this_host().spawn_procs(per_host={"gpus": 1})
-    return procs, procs.spawn("router", GeneratorRouter, config, ModelConfig(path=str(ckpt)))
 
 
 async def wait_for(router, condition, timeout: float = 60.0) -> dict:

@@ -221,6 +221,10 @@ class ControllerConfig(_Section):
         _check(bool(self.run_dir), f"{key}.run_dir", "must not be empty")
         _check(self.seed >= 0, f"{key}.seed", f"must be >= 0, got {self.seed}")
 
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether the run checkpoints after `step`: every `checkpoint_every` steps, and the last."""
+        return (self.checkpoint_every > 0 and step % self.checkpoint_every == 0) or step == self.steps
+
 
 @dataclass
 class EvalConfig(_Section):

@@ -37,6 +37,7 @@ from rlactors.metrics import (
     MetricsLogger,
     WandbSink,
     check_wandb,
+    optimizer_metrics,
     sample_records,
     step_metrics,
     untrained_reason,
@@ -103,8 +104,6 @@ class Controller:
         self.trainer, self.router, ranks = await self.meshes.spawn(self.run_dir.path / SLURM_DIR)
         print(placement_line(ranks, await self.meshes.router_stats(self.router)), flush=True)
         self.gateway = await serve_gateway(env, c, self.tokenizer)
-        if self.gateway is not None:
-            print(f"gateway for {type(env).__name__} harnesses at {self.gateway.url}", flush=True)
 
         self.weight_sync = create_weight_sync(c, self.trainer, self.router)
         await self._sync_call(self.weight_sync.start())
@@ -130,8 +129,7 @@ class Controller:
 
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str,
                        session_id: str | None = None, on_tokens: OnTokens | None = None) -> Completion:
-        """One completion from the router: what the rollouts and evaluations call (`on_tokens`
-        for a gateway's streamed turn)."""
+        """One completion from the router: what rollouts (`on_tokens`: streamed) and evaluations call."""
         return await generate(self.router, prompt_token_ids, sampling, request_id, session_id, on_tokens=on_tokens)
 
     async def push_weights(self) -> dict[str, float]:
@@ -188,8 +186,7 @@ class Controller:
 
     async def train(self) -> list[dict[str, float]]:
         c = self.config
-        wandb = (WandbSink(self.run_dir.path, c.metrics.wandb_project, c.metrics.wandb_run, c.to_dict(), self.resume)
-                 if c.metrics.wandb_project else None)
+        wandb = WandbSink.for_run(self.run_dir.path, c, self.resume) if c.metrics.wandb_project else None
         metrics_log = MetricsLogger(self.run_dir.path, c.controller.steps, resume_step=self.step, wandb=wandb)
         self._env_errors = EnvErrorLog(self.run_dir.path, resume_step=self.step)
         evals = EvalSchedule(self.evaluator, c.controller, metrics_log.log_eval, lambda: self.weight_sync.version)
@@ -267,8 +264,7 @@ class Controller:
 
         self.step = step
         checkpoint_s = 0.0
-        every = c.controller.checkpoint_every
-        if (every and step % every == 0) or step == c.controller.steps:
+        if c.controller.checkpoint_due(step):
             checkpoint_start = time.perf_counter()
             await self.save_checkpoint()
             checkpoint_s = time.perf_counter() - checkpoint_start
@@ -291,7 +287,6 @@ class Controller:
         if c.controller.log_samples:
             metrics_log.log_samples(step, sample_records(groups, self.tokenizer))
         if step < c.controller.steps and (lost := replicas_lost(generators, c.generator.restart_dead)):
-            # Every later rollout would fail: the later steps would train nothing.
             raise TrainingError(f"step {step}: {lost}; {await self._save_step_once()}; continue with --resume")
         return metrics
 
@@ -313,10 +308,7 @@ class Controller:
             raise TrainingError(f"step {step}: the loss is {optim['loss']} (gradient norm {optim['grad_norm']}); "
                                 f"{saved}")
         self.policy_version = int(optim.pop("policy_version"))
-        train_keys = ("grad_norm", "lr", "update_skipped")
-        metrics = {(f"train/{k}" if k in train_keys else f"loss/{k}"): float(v) for k, v in optim.items()}
-        metrics.update(packed.metrics)
-        return metrics
+        return {**optimizer_metrics(optim), **packed.metrics}
 
     async def _save_step_once(self) -> str:
         """Saves the current step before the run stops, unless its checkpoint is complete already

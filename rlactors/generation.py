@@ -41,10 +41,13 @@ def replicas_lost(stats: dict[str, Any], restart_dead: bool) -> str | None:
 
 async def serve_gateway(env: Any, config: Config, tokenizer: Any) -> Any:
     """An AgentEnv's harnesses reach the policy through the gateway, served from this process
-    (on the router's host); None for any other env. The caller stops it."""
+    (on the router's host), whose address it prints; None for any other env. The caller stops it."""
     from rlactors.gateway import serve_agent_env
 
-    return await serve_agent_env(env, config.gateway, config.rollout.max_tokens_per_turn, tokenizer)
+    gateway = await serve_agent_env(env, config.gateway, config.rollout.max_tokens_per_turn, tokenizer)
+    if gateway is not None:
+        print(f"gateway for {type(env).__name__} harnesses at {gateway.url}", flush=True)
+    return gateway
 
 
 async def generate(router: Any, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str,

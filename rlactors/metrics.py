@@ -172,6 +172,11 @@ class WandbSink:
     later steps' records in async mode. `WANDB_MODE=offline` writes the run under run_dir/wandb for
     `wandb sync`, with no network. A resumed run logs into the W&B run it started."""
 
+    @classmethod
+    def for_run(cls, run_dir: str | Path, config: Any, resume: bool) -> WandbSink:
+        """The sink of a run with `config` (metrics.wandb_project set)."""
+        return cls(run_dir, config.metrics.wandb_project, config.metrics.wandb_run, config.to_dict(), resume)
+
     def __init__(self, run_dir: str | Path, project: str, name: str, config: dict[str, Any], resume: bool):
         import wandb
 
@@ -237,6 +242,12 @@ class EnvErrorLog:
     @staticmethod
     def _describe(step: int, rollout: Rollout) -> str:
         return f"env error in step {step}, rollout {rollout.session_id} ({rollout.status.value}): {rollout.error}"
+
+
+def optimizer_metrics(optim: dict[str, float]) -> dict[str, float]:
+    """The trainer's step results under their names: `train/` for the update, `loss/` for the rest."""
+    train_keys = ("grad_norm", "lr", "update_skipped")
+    return {(f"train/{k}" if k in train_keys else f"loss/{k}"): float(v) for k, v in optim.items()}
 
 
 def step_metrics(groups: Sequence[RolloutGroup], train_metrics: dict[str, float], *, trained: bool,

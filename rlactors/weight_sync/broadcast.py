@@ -112,8 +112,8 @@ class WeightSender:
                 sums, pack_s = await self._send_cuda(version, pack)
             else:
                 sums, pack_s = self._send_cpu(version, pack)
-        except BroadcastBroken:
-            self.group = None  # closes its connections: the members still waiting on it fail
+        except BaseException:  # a member left, or the packing failed halfway through the broadcast
+            self.group = None  # over gloo this closes its connections: the members waiting on it fail
             raise
         return {"version": version, "checksum": self.layout.digest(*sums), "bytes": float(self.layout.total_bytes),
                 "send_s": time.perf_counter() - start, "pack_s": pack_s}

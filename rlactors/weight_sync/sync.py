@@ -53,11 +53,13 @@ died or a restarted replica is up:
    - with `generator.restart_dead`, the push plans again (waiting up to `RESTART_WAIT_S` for a
      restart under way when no replica is up), forms a new group and broadcasts the same version
      again, at most `BROADCAST_TRIES` times. A stuck trainer is freed first by
-     `trainer.abort_weight_broadcast()` (NCCL: `ncclCommAbort`; written, not yet run on a GPU);
-     one still stuck `ABORT_WAIT_S` later raises `BroadcastStuck`.
+     `trainer.abort_weight_broadcast()` (NCCL: `ncclCommAbort`); one still stuck `ABORT_WAIT_S`
+     later raises `BroadcastStuck`.
    - without it, the push raises: `BroadcastStuck` (NCCL: the trainer is stuck in the
      collective, so nothing more can be saved), `NoReplicaUp` when every member died (the trainer
      is not stuck, so its step can still be saved), `MembersDied` otherwise.
+   A send that fails on the trainer's side (its packing, say) ends the push at once with
+   `WeightSyncError`, without waiting for the members, which may wait for the rest for ever.
 
 A replica that rejects the weights (checksum, names, shapes) keeps serving its previous version,
 and the push raises `WeightSyncError` naming it, with or without `restart_dead`.
@@ -220,11 +222,20 @@ class BroadcastSync(WeightSync):
         """The trainer's send together with every member's receive, watched for members that
         die meanwhile (step 4 of the protocol). MembersDied when a member died and the broadcast
         did not reach every member still up."""
+        sending = asyncio.ensure_future(self.trainer.send_weights.call())
         transfer = asyncio.ensure_future(asyncio.gather(
-            self.trainer.send_weights.call(),
-            self.router.receive_weights.call_one(version, self.update_mode), return_exceptions=True))
+            sending, self.router.receive_weights.call_one(version, self.update_mode), return_exceptions=True))
         dead_since = None
         while not (await asyncio.wait([transfer], timeout=BROADCAST_WATCH_S))[0]:
+            failure = sending.done() and sending.exception()
+            if failure and not (isinstance(failure, ActorError) and isinstance(failure.exception, BroadcastBroken)):
+                # The trainer failed on its own side, or is lost: the members may wait for the rest
+                # of the broadcast for ever (NCCL does).
+                _let_go(transfer)
+                if not isinstance(failure, ActorError):
+                    raise failure
+                raise WeightSyncError(f"weight sync of policy version {version} failed: the trainer's send failed: "
+                                      f"{failure.exception!r}")
             dead = await self.router.dead_weight_group_members.call_one()
             if not dead:
                 continue
@@ -261,8 +272,7 @@ class BroadcastSync(WeightSync):
             if (await asyncio.wait([transfer], timeout=ABORT_WAIT_S))[0]:
                 raise MembersDied(f"weight sync of policy version {version}: generator replica(s) {dead} died "
                                   "during the broadcast, which was aborted")
-        transfer.add_done_callback(lambda f: f.cancelled() or f.exception())  # abandoned: its outcome is not needed
-        transfer.cancel()
+        _let_go(transfer)
         raise BroadcastStuck(f"weight sync of policy version {version}: generator replica(s) {dead} died "
                              "during the broadcast, which waits for every member")
 
@@ -274,6 +284,12 @@ class BroadcastSync(WeightSync):
         except ActorError:
             return False
         return True
+
+
+def _let_go(transfer: asyncio.Future) -> None:
+    """Stops waiting for an abandoned broadcast; its outcome is not needed (nor reported)."""
+    transfer.add_done_callback(lambda f: f.cancelled() or f.exception())
+    transfer.cancel()
 
 
 def create_weight_sync(config: Config, trainer: Any, router: Any) -> WeightSync:

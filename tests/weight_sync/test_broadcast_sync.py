@@ -6,6 +6,7 @@ tests/faults/test_training_faults.py on CPU, tests/faults/test_nccl_faults.py on
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from monarch.actor import ActorError
@@ -221,3 +222,15 @@ def test_a_push_is_due_for_a_new_version_or_for_a_replica_that_waits_for_weights
     weights = BroadcastSync(Trainer(), router, "bfloat16", "hot_swap", restart_dead=True)
     assert asyncio.run(weights.due(1))  # version 0 was pushed last
     assert asyncio.run(weights.due(0)) == stale  # a restarted member, or a dead one, makes the group stale
+
+
+def test_a_send_that_fails_on_the_trainers_side_stops_the_push_without_waiting_for_the_members(fast_watch):
+    """The packing failed halfway (an out-of-memory, say): the members still wait for the rest of
+    the broadcast, for ever over NCCL, so the push gives up on them at once."""
+    trainer = Trainer(ActorError(RuntimeError("CUDA out of memory")))
+    router = Router(receives=[received(0)])
+    router.receive_weights.seconds = 30.0  # the members' receive that would never end
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"the trainer's send failed: RuntimeError\('CUDA out of memory'\)"):
+        push(trainer, router)
+    assert time.monotonic() - start < 20  # not the 30 s of the receive

@@ -307,12 +307,11 @@ class PolicyTrainerCore:
         buffer has the same layout, and rank 0 copies each rank's rows into place. Bytes are
         gathered, so any dtype works on gloo.
         """
-        params = dict(self.model.named_parameters())
         if self.world_size == 1:
             if destination is not None:
-                torch._foreach_copy_([destination(i) for i in range(len(parts))],
-                                     [local_rows(params[name])[0][first:first + rows] for name, first, rows in parts])
+                torch._foreach_copy_([destination(i) for i in range(len(parts))], self._one_rank_rows(parts))
             return
+        params = dict(self.model.named_parameters())
         shares, slots, offset = [], [], 0  # per part: this rank's rows of it; its slot in `flat`
         for name, first, rows in parts:
             p = params[name]
@@ -391,14 +390,15 @@ class PolicyTrainerCore:
         """On one rank, packing a chunk is one copy of parameter rows into the send buffer: the
         views are made once (per parameter they cost more host time than the copy takes on a
         GPU), and stay valid as the optimizer and checkpoint loads write the parameters in place."""
+        return {chunk.start: ([self._sync_layout.piece_view(self.sender.buffer, p) for p in chunk.pieces],
+                              self._one_rank_rows([(p.name, p.first_row, p.rows) for p in chunk.pieces]))
+                for chunk in self._sync_layout.chunks}
+
+    def _one_rank_rows(self, parts: Sequence[tuple[str, int, int]]) -> list[torch.Tensor]:
+        """On one rank (which holds every row), views of rows `first` to `first + rows` of each
+        part's parameter (name, first, rows)."""
         params = dict(self.model.named_parameters())
-        copies = {}
-        for chunk in self._sync_layout.chunks:
-            sources = [local_rows(params[name])[0].detach()[first:first + rows]
-                       for name, first, rows in self._parts(chunk)]
-            copies[chunk.start] = ([self._sync_layout.piece_view(self.sender.buffer, p) for p in chunk.pieces],
-                                   sources)
-        return copies
+        return [local_rows(params[name])[0].detach()[first:first + rows] for name, first, rows in parts]
 
     async def send_weights(self) -> dict[str, Any] | None:
         """Gathers the policy into rank 0's send buffer chunk by chunk (a collective: all ranks
@@ -418,15 +418,8 @@ class PolicyTrainerCore:
             torch._foreach_copy_(*self._chunk_copies[chunk.start])
             return
         layout = self._sync_layout
-        self._gather_rows(self._sync_dtype, self._parts(chunk),
+        self._gather_rows(self._sync_dtype, [(p.name, p.first_row, p.rows) for p in chunk.pieces],
                           None if buffer is None else lambda i: layout.piece_view(buffer, chunk.pieces[i]))
-
-    def _parts(self, chunk: Chunk) -> list[tuple[str, int, int]]:
-        """`chunk`'s pieces as parameter rows: a tensor of one dimension is one piece in the
-        layout, and all of its (FSDP-sharded) rows here."""
-        shape = {piece.name: self._sync_layout.spec(piece.name).shape for piece in chunk.pieces}
-        return [(piece.name, piece.first_row, piece.rows) if len(shape[piece.name]) > 1
-                else (piece.name, 0, shape[piece.name][0]) for piece in chunk.pieces]
 
     def abort_weight_broadcast(self) -> None:
         """Rank 0 gives up a broadcast that waits for a dead member (`WeightSender.abort`)."""

@@ -15,8 +15,9 @@ chunk while the last one is on the wire, then a trailer: the version and the che
 sender computed as it packed. A receiver stages the chunks in its own buffer (on GPU, on a side
 stream), checksums each as it lands, and compares the whole with the trailer before loading
 anything: on a mismatch, or another version than it was told to expect, the replica keeps serving
-its current weights and the error names the version. The load follows between engine steps; in vLLM, loads after the
-first are plain copies from the buffer where a copy plan was proven equal to vLLM's loader.
+its current weights and the error names the version. The load follows between engine steps; in
+vLLM, loads after the first are plain copies from the buffer where a copy plan was proven equal to
+vLLM's loader.
 
 Each engine names its receiving end (`Engine.broadcast_receiver()`, a `BroadcastReceiver`): the
 native engine a `LocalReceiver` in its own process, the vLLM engine a `VLLMReceiver` over its TP

@@ -43,7 +43,8 @@ class TensorSpec:
 
     @property
     def rows(self) -> int:
-        return self.shape[0] if len(self.shape) > 1 else 1
+        """Along dim 0, as FSDP shards it; a tensor of no dimension is one row."""
+        return self.shape[0] if self.shape else 1
 
     @property
     def row_bytes(self) -> int:
@@ -52,8 +53,7 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows `first_row` to `first_row + rows` of the tensor named `name` (a tensor of one
-    dimension or none is one row)."""
+    """Rows `first_row` to `first_row + rows` (along dim 0) of the tensor named `name`."""
 
     name: str
     first_row: int
@@ -119,7 +119,7 @@ class PackedLayout:
         spec = self.spec(piece.name)
         start = spec.offset + piece.first_row * spec.row_bytes
         view = buffer[start:start + piece.rows * spec.row_bytes].view(spec.torch_dtype)
-        return view.view(piece.rows, *spec.shape[1:]) if len(spec.shape) > 1 else view.view(spec.shape)
+        return view.view(piece.rows, *spec.shape[1:]) if spec.shape else view.view(())
 
     def spec(self, name: str) -> TensorSpec:
         return self._by_name[name]

@@ -44,9 +44,7 @@ def _pack_from(weights: dict[str, torch.Tensor], layout: PackedLayout):
     """A trainer's `pack` for WeightSender.send: each chunk's pieces from `weights`."""
     def pack(chunk, buffer):
         for piece in chunk.pieces:
-            rows = weights[piece.name] if weights[piece.name].dim() < 2 else \
-                weights[piece.name][piece.first_row:piece.first_row + piece.rows]
-            layout.piece_view(buffer, piece).copy_(rows)
+            layout.piece_view(buffer, piece).copy_(weights[piece.name][piece.first_row:piece.first_row + piece.rows])
     return pack
 
 

@@ -55,13 +55,15 @@ def test_chunks_cover_the_buffer_in_order_cut_between_rows_and_every_row_is_in_o
     assert chunks[0].start == 0 and chunks[-1].end == layout.total_bytes
     assert all(a.end == b.start for a, b in zip(chunks, chunks[1:])) and all(c.start % 64 == 0 for c in chunks)
     # At most 1024 bytes of rows each (plus padding); the 64-byte rows of the embedding are cut
-    # across chunks, the 6-byte rows of `odd` (not a multiple of the alignment) are not.
+    # across chunks, the 6-byte rows of `odd` and the 4-byte rows of `norm` (not multiples of the
+    # alignment) are not.
     assert all(sum(layout.piece_view(buffer, p).nbytes for p in c.pieces) <= 1024 for c in chunks)
     assert [(p.first_row, p.rows) for c in chunks for p in c.pieces if p.name == "embed"] == \
         [(0, 15), (15, 16), (31, 16), (47, 16), (63, 16), (79, 16), (95, 5)]
     assert [(p.first_row, p.rows) for c in chunks for p in c.pieces if p.name == "odd"] == [(0, 9)]
+    assert [(p.first_row, p.rows) for c in chunks for p in c.pieces if p.name == "norm"] == [(0, 5)]
     for name, tensor in w.items():
         pieces = [p for c in chunks for p in c.pieces if p.name == name]
         rows = [layout.piece_view(buffer, p) for p in pieces]
-        assert torch.equal(torch.cat(rows) if tensor.dim() > 1 else rows[0], tensor)
+        assert torch.equal(torch.cat(rows), tensor)
     assert len(PackedLayout.of(w).chunks) == 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import queue
 import re
 import subprocess
 import sys
@@ -129,9 +130,19 @@ def main() -> None:
     devices = visible.split(",") if visible else [str(i) for i in range(len(names))]
     start = time.monotonic()
     if args.mode == "1gpu":
-        slots = [devices[i % len(devices)] for i in range(len(groups))]
-        with ThreadPoolExecutor(max_workers=max(1, len(devices))) as pool:  # one group per GPU at a time
-            list(pool.map(lambda g, d: run_group(g, d, args.log, args.timeout), groups, slots))
+        free: queue.Queue[str] = queue.Queue()
+        for d in devices:
+            free.put(d)
+
+        def on_a_free_gpu(group: Group) -> Group:  # one group per GPU at a time
+            device = free.get()
+            try:
+                return run_group(group, device, args.log, args.timeout)
+            finally:
+                free.put(device)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(devices))) as pool:
+            list(pool.map(on_a_free_gpu, groups))
     else:
         if len(devices) < 2:
             sys.exit(f"error: 2gpu needs two visible GPUs, found {len(devices)}")

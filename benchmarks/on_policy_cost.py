@@ -132,8 +132,9 @@ def vllm_generate(args, ckpt: Path, mode: str, prompts) -> tuple[list[dict], flo
                    *(["--dummy-weights"] if args.dummy_weights else [])]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
-            last_line = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
-            return f"vLLM {mode} failed: {last_line}"
+            lines = done.stderr.strip().splitlines()
+            print("\n".join(lines[-40:]), file=sys.stderr, flush=True)  # the cause, for a GPU visit's log
+            return f"vLLM {mode} failed: {lines[-1] if lines else f'exit {done.returncode}'}"
         result = json.loads(out_json.read_text())
         return result["completions"], result["seconds"]
 
@@ -237,8 +238,8 @@ def shape_name(args) -> str:
     return args.size if args.family == "qwen3" else f"{args.family} {args.size}"
 
 
-def run(args) -> tuple[str, list[list]]:
-    """The report, and the figures of a results row per generator."""
+def run(args) -> tuple[str, list[list], bool]:
+    """The report, the figures of a results row per generator, and whether a generator failed."""
     from rlactors.models.checkpoint import load_args
     from rlactors.models.tiny import make_tiny_checkpoint
 
@@ -250,7 +251,7 @@ def run(args) -> tuple[str, list[list]]:
     prompts = make_prompts(args.num_prompts, args.min_prompt, args.max_prompt, model_args.vocab_size)
     init_one_rank(args.device)
 
-    rows, notes = [], []
+    rows, notes, failed = [], [], False
     tokens = args.num_prompts * args.max_tokens  # every request runs to max_tokens (no stop tokens)
     if "native" in args.engines:
         for mode, tp in (("default", False), ("true_on_policy", True)):
@@ -271,6 +272,7 @@ def run(args) -> tuple[str, list[list]]:
                 result = vllm_generate(args, ckpt, mode, prompts)
                 if isinstance(result, str):
                     notes.append(result)
+                    failed = True
                     continue
                 completions, seconds = result
                 print(f"vLLM {mode}: {seconds:.2f} s", flush=True)
@@ -282,7 +284,7 @@ def run(args) -> tuple[str, list[list]]:
                 rows.append(("vLLM", mode, tokens / seconds, seconds, scored))
                 print(f"  trainer {mode}: diff max {scored['diff_max']:.3g} mean {scored['diff_mean']:.3g}, "
                       f"step {scored['train_s']:.2f} s", flush=True)
-    return report(args, model_args, prompts, tokens, rows, notes), table_rows(args, rows)
+    return report(args, model_args, prompts, tokens, rows, notes), table_rows(args, rows), failed
 
 
 def table_rows(args, rows) -> list[list]:
@@ -300,14 +302,14 @@ def table_rows(args, rows) -> list[list]:
         out.append([engine, shape_name(args), workload, f"{gen_d:,.0f} / {gen_t:,.0f}", f"**{sec_t / sec_d:.2f}x**",
                     f"{figure(d['train_tokens'] / d['train_s'], ',.0f')} / "
                     f"{figure(t['train_tokens'] / t['train_s'], ',.0f')}",
-                    f"**{figure(t['train_s'] / d['train_s'], '.2f')}x**",
+                    f"**{figure(t['train_s'] / d['train_s'], '.2f', 'x')}**",
                     f"{figure(d['diff_max'], '.3g')} / {figure(t['diff_max'], '.3g')}"])
     return out
 
 
-def figure(value: float, spec: str) -> str:
-    """``value`` formatted, or "-" where it was not measured (NaN)."""
-    return "-" if value != value else format(value, spec)
+def figure(value: float, spec: str, unit: str = "") -> str:
+    """``value`` formatted with its unit, or "-" where it was not measured (NaN)."""
+    return "-" if value != value else format(value, spec) + unit
 
 
 def experts_of(model_args) -> str:
@@ -327,7 +329,7 @@ def report(args, model_args, prompts, tokens, rows, notes) -> str:
         train_tps = s["train_tokens"] / s["train_s"] if s["train_s"] == s["train_s"] else float("nan")
         base_train = b[4]["train_s"]
         table.append(f"| {engine} | {mode} | {throughput:,.0f} | {seconds / b[3]:.2f}x | {figure(train_tps, ',.0f')} | "
-                     f"{figure(s['train_s'] / base_train, '.2f')}x | {figure(s['diff_max'], '.3g')} | "
+                     f"{figure(s['train_s'] / base_train, '.2f', 'x')} | {figure(s['diff_max'], '.3g')} | "
                      f"{figure(s['diff_mean'], '.3g')} |")
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"{cpu_model()}, {os.cpu_count()} cores"
     lines = [
@@ -405,12 +407,13 @@ def main() -> None:
     if args.dummy_weights and (args.engines != ["vllm"] or args.train_steps):
         parser.error("--dummy-weights: generation by vLLM only (--engines vllm --train-steps 0): no weights "
                      "on disk to score or train")
-    text, rows = run(args)
+    text, rows, failed = run(args)
     print(text)
     out = Path(args.out) if args.out else RESULTS / f"on_policy_cost_{'gpu' if gpu else 'cpu'}.md"
     for row in rows:
         append_row(out, f"True on-policy cost ({args.device.upper()})", COLUMNS, row, device=args.device)
     print(f"added {len(rows)} row(s) to {out}")
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

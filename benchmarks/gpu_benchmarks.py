@@ -102,9 +102,11 @@ def moe(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
     runs = Path(tempfile.gettempdir()) / f"rlactors_moe_{time.strftime('%Y%m%d_%H%M%S')}"
     demo = [PY, "examples/alphabet_sort/run.py", "--config", "configs/moe_1gpu.toml"]
     # (name, seconds, overrides): true on-policy, and a short default-mode run, where vLLM returns
-    # each token's experts and the trainer reports the share it routes otherwise
+    # each token's experts and the trainer reports the share it routes otherwise; sync, so that every
+    # step trains on tokens of its current policy, the ones both mismatch metrics cover
     demos = [("onpolicy", 270, ["model.true_on_policy=true", "controller.steps=40"]),
-             ("default", 150, ["controller.steps=10", "controller.eval_every=0", "controller.checkpoint_every=0"])]
+             ("default", 150, ["controller.steps=10", 'controller.mode="sync"', "controller.eval_every=0",
+                               "controller.checkpoint_every=0"])]
     steps = [
         ("30b-a3b generation, dummy weights", within(300, [
             *MOE_COST, "--size", "30b-a3b", "--dummy-weights", "--train-steps", "0", "--num-prompts", "64",

@@ -21,7 +21,7 @@ from results_table import commit, machine
 
 from rlactors.metrics import EVAL_REWARD_MEAN, REWARD_MEAN, read_metrics
 
-LOGPROB_DIFF_MAX = "loss/logprob_diff/max"
+LOGPROB_DIFF_MAX, CURRENT_TOKENS = "loss/logprob_diff/max", "loss/current_policy_tokens"
 EXPERT_MISMATCH, ROUTED_TOKENS = "loss/expert_mismatch/share", "loss/routed_tokens"
 
 
@@ -65,10 +65,13 @@ def mismatch_lines(steps: list[dict]) -> list[str]:
     """The trainer-minus-generator logprob difference over the steps, and of a mixture of experts
     the share of tokens routed to other experts (over the tokens whose experts the generator returned)."""
     lines = []
-    diffs = [r[LOGPROB_DIFF_MAX] for r in steps if LOGPROB_DIFF_MAX in r]
-    if diffs:
-        above = sum(d > 0 for d in diffs)
-        lines.append(f"`{LOGPROB_DIFF_MAX}`: max {max(diffs):.3g} over {len(diffs)} steps, above 0 at {above}.")
+    # The difference covers the tokens of the trainer's current policy: in async mode some steps have none.
+    measured = [r for r in steps if r.get(CURRENT_TOKENS)]
+    if measured:
+        diffs = [r[LOGPROB_DIFF_MAX] for r in measured]
+        lines.append(f"`{LOGPROB_DIFF_MAX}`: max {max(diffs):.3g} over the {len(measured)} of {len(steps)} steps with "
+                     f"tokens of the trainer's current policy ({sum(r[CURRENT_TOKENS] for r in measured):.0f} "
+                     f"tokens), above 0 at {sum(d > 0 for d in diffs)}.")
     routed = [r for r in steps if r.get(ROUTED_TOKENS)]
     if any(ROUTED_TOKENS in r for r in steps):
         if routed:

@@ -245,8 +245,13 @@ def run(args) -> tuple[str, list[list], bool]:
 
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    ckpt = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / args.size, size=args.size, seed=0,
-                                dtype=args.dtype, family=args.family, weights=not args.dummy_weights)
+    if args.ckpt_root and not args.dummy_weights:  # trainer_throughput.py's names: the same weights
+        ckpt = args.ckpt_root / (args.size if args.family == "qwen3" else f"{args.family}_{args.size}")
+    else:
+        ckpt = Path(tempfile.mkdtemp()) / args.size
+    if not (ckpt / "config.json").is_file():
+        make_tiny_checkpoint(ckpt, size=args.size, seed=0, dtype=args.dtype, family=args.family,
+                             weights=not args.dummy_weights)
     model_args = load_args(ckpt)
     prompts = make_prompts(args.num_prompts, args.min_prompt, args.max_prompt, model_args.vocab_size)
     init_one_rank(args.device)
@@ -386,6 +391,8 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vLLM's")
     parser.add_argument("--dummy-weights", action="store_true",
                         help="vLLM only, generation only: no weights on disk, vLLM's random ones (load_format dummy)")
+    parser.add_argument("--ckpt-root", type=Path, default=None,
+                        help="where the random checkpoint is kept and found again (default: a new temp dir)")
     parser.add_argument("--out", default=None)
     # internal: one vLLM generation in a subprocess
     parser.add_argument("--vllm-worker", choices=("default", "true_on_policy"), help=argparse.SUPPRESS)

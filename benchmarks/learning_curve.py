@@ -79,7 +79,8 @@ def mismatch_lines(steps: list[dict]) -> list[str]:
             lines.append(f"`{EXPERT_MISMATCH}`: {share:.3g} of {sum(r[ROUTED_TOKENS] for r in routed):.0f} tokens "
                          f"over {len(routed)} steps; max {max(r[EXPERT_MISMATCH] for r in routed):.3g} in a step.")
         else:
-            lines.append(f"`{EXPERT_MISMATCH}`: not measured (`{ROUTED_TOKENS}` 0: the generator returned no experts).")
+            lines.append(f"`{EXPERT_MISMATCH}`: not measured (`{ROUTED_TOKENS}` 0 at every step: no experts "
+                         "from the generator for tokens of the trainer's current policy).")
     return [*lines, ""] if lines else []
 
 

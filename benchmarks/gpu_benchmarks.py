@@ -8,6 +8,7 @@ own table in benchmarks/results/ (index: benchmarks/results/README.md).
     python benchmarks/gpu_benchmarks.py end-to-end [--gpus 2|4]  # sync vs async, configs/alphabet_sort_<N>gpu.toml
     python benchmarks/gpu_benchmarks.py on-policy-cost           # 1 GPU: true on-policy cost, matmul vs cuBLAS
     python benchmarks/gpu_benchmarks.py learning-curve [--gpus 2] [--true-on-policy]  # the GPU demo, 100 steps
+    python benchmarks/gpu_benchmarks.py moe                      # 1 GPU: Qwen3-MoE generation, training, a run
 
 Which GPUs a mode may use and what each runs: `MODES` below. Needs vLLM and Monarch importable
 (README, "GPU setup"); the GPU test suite is benchmarks/gpu_suite.py. The tools' output streams to the
@@ -80,6 +81,54 @@ def on_policy_cost(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
             ("matmul vs cuBLAS", [PY, "benchmarks/batch_invariant_matmul.py"])]
 
 
+def within(seconds: int, command: list[str]) -> list[str]:
+    """``command`` stopped after ``seconds`` (exit code 124), with everything it started: coreutils
+    timeout signals its whole process group (vLLM's and Monarch's processes too)."""
+    return ["timeout", "--kill-after", "30", str(seconds), *command]
+
+
+MOE_COST = [*COST[:COST.index("--repeats")], "--family", "qwen3_moe", "--repeats", "1"]
+
+
+def moe(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
+    """Issue #34 on one 80 GB GPU, about 13 minutes in all (at most 21: each step's limit in
+    seconds below):
+    generation default vs true on-policy at the Qwen3-30B-A3B shape (tied embeddings: 30.2B
+    parameters, 56.3 GiB in bf16) on vLLM's dummy weights, 0.9 of the GPU leaving ~13 GiB of KV cache
+    (~140k tokens) for 64 sequences; trainer MFU on active parameters, and the default vs true
+    on-policy cost of generation and training, at 4 of its 48 layers (2.8B parameters, 0.54B active:
+    ~45 GB of fp32 weights, gradients and AdamW state); 40 async true on-policy steps of the tiny MoE
+    demo (configs/moe_1gpu.toml), and 10 in the default mode."""
+    runs = Path(tempfile.gettempdir()) / f"rlactors_moe_{time.strftime('%Y%m%d_%H%M%S')}"
+    checkpoints = runs / "checkpoints"  # the 4-layer one made once (5.2 GiB), for both of its steps
+    demo = [PY, "examples/alphabet_sort/run.py", "--config", "configs/moe_1gpu.toml"]
+    # (name, seconds, overrides): true on-policy, and a short default-mode run, where vLLM returns
+    # each token's experts and the trainer reports the share it routes otherwise; sync, so that every
+    # step trains on tokens of its current policy, the ones both mismatch metrics cover
+    demos = [("onpolicy", 270, ["model.true_on_policy=true", "controller.steps=40"]),
+             ("default", 150, ["controller.steps=10", 'controller.mode="sync"', "controller.eval_every=0",
+                               "controller.checkpoint_every=0"])]
+    steps = [
+        ("30b-a3b generation, dummy weights", within(360, [
+            *MOE_COST, "--size", "30b-a3b", "--dummy-weights", "--train-steps", "0", "--num-prompts", "64",
+            "--max-prompt", "256", "--max-tokens", "64", "--gpu-memory-utilization", "0.9"])),
+        ("30b-a3b-4l trainer MFU", within(180, [
+            *TRAINER, "--family", "qwen3_moe", "--sizes", "30b-a3b-4l", "--row-tokens", "8192", "--microbatches", "4",
+            "--steps", "3", "--warmup", "2", "--ckpt-root", str(checkpoints)])),
+        ("30b-a3b-4l generation and training cost", within(300, [
+            *MOE_COST, "--size", "30b-a3b-4l", "--train-steps", "1", "--num-prompts", "64", "--max-prompt", "256",
+            "--max-tokens", "64", "--ckpt-root", str(checkpoints)])),
+    ]
+    for mode, seconds, overrides in demos:
+        run_dir, name = runs / f"moe_1gpu_{mode}", f"moe_1gpu_{mode}"
+        command = [*demo, *overrides]
+        steps += [(f"moe_1gpu demo, {mode}", within(seconds, [*command, f'controller.run_dir="{run_dir}"'])),
+                  (f"{mode} curve", [PY, "benchmarks/learning_curve.py", str(run_dir), "--command", shlex.join(command),
+                                     "--out", str(RESULTS / "moe_1gpu_learning.md")]),
+                  (f"{mode} metrics", ["cp", str(run_dir / "metrics.jsonl"), str(RESULTS / f"{name}_metrics.jsonl")])]
+    return steps
+
+
 def learning_curve(gpus: int, true_on_policy: bool) -> list[tuple[str, list[str]]]:
     """The demo as a user runs it, in a new run dir under the temp dir; its curve appended to the
     demo's results file, its metrics and drawn curve copied beside it."""
@@ -102,6 +151,7 @@ MODES = {
     "end-to-end": Mode((1, 2, 4), end_to_end),
     "on-policy-cost": Mode((1,), on_policy_cost),
     "learning-curve": Mode((1, 2), learning_curve),
+    "moe": Mode((1,), moe),
 }
 
 
@@ -138,8 +188,8 @@ def main() -> None:
     for name, command in mode.steps(gpus, args.true_on_policy):
         print(f"\n===== {args.mode}: {name}: {shlex.join(command)}", flush=True)
         start = time.monotonic()
-        code = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, env=env).returncode if command[0] == PY \
-            else subprocess.run(command, cwd=ROOT, env=env).returncode
+        code = subprocess.run([sys.executable if part == PY else part for part in command], cwd=ROOT,
+                              env=env).returncode
         done.append((name, code, time.monotonic() - start))
         if code != 0 and args.mode == "learning-curve":
             break  # the later steps read the demo's run dir

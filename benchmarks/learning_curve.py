@@ -1,5 +1,6 @@
-"""A run's learning curve as Markdown: every held-out eval, and the training reward in windows of
-steps, from its metrics.jsonl; appended to a results file with the machine, date, commit and command.
+"""A run's learning curve as Markdown: every held-out eval, the training reward in windows of steps,
+and the trainer-minus-generator mismatch (logprobs; experts), from its metrics.jsonl; appended to
+a results file with the machine, date, commit and command.
 
     python benchmarks/learning_curve.py runs/alphabet_sort_1gpu \\
         --command "python examples/alphabet_sort/run.py --config configs/alphabet_sort_1gpu.toml" \\
@@ -19,6 +20,9 @@ from pathlib import Path
 from results_table import commit, machine
 
 from rlactors.metrics import EVAL_REWARD_MEAN, REWARD_MEAN, read_metrics
+
+LOGPROB_DIFF_MAX, CURRENT_TOKENS = "loss/logprob_diff/max", "loss/current_policy_tokens"
+EXPERT_MISMATCH, ROUTED_TOKENS = "loss/expert_mismatch/share", "loss/routed_tokens"
 
 
 def learning_curve(run_dir: Path, machine: str, command: str, window: int) -> str:
@@ -53,8 +57,31 @@ def learning_curve(run_dir: Path, machine: str, command: str, window: int) -> st
             chunk = steps[i:i + window]
             mean = statistics.fmean(r[REWARD_MEAN] for r in chunk)
             lines.append(f"| {chunk[0]['step']}-{chunk[-1]['step']} | {mean:.3f} |")
-        lines.append("")
+        lines += ["", *mismatch_lines(steps)]
     return "\n".join(lines) + "\n"
+
+
+def mismatch_lines(steps: list[dict]) -> list[str]:
+    """The trainer-minus-generator logprob difference over the steps, and of a mixture of experts
+    the share of tokens routed to other experts (over the tokens whose experts the generator returned)."""
+    lines = []
+    # The difference covers the tokens of the trainer's current policy: in async mode some steps have none.
+    measured = [r for r in steps if r.get(CURRENT_TOKENS)]
+    if measured:
+        diffs = [r[LOGPROB_DIFF_MAX] for r in measured]
+        lines.append(f"`{LOGPROB_DIFF_MAX}`: max {max(diffs):.3g} over the {len(measured)} of {len(steps)} steps with "
+                     f"tokens of the trainer's current policy ({sum(r[CURRENT_TOKENS] for r in measured):.0f} "
+                     f"tokens), above 0 at {sum(d > 0 for d in diffs)}.")
+    routed = [r for r in steps if r.get(ROUTED_TOKENS)]
+    if any(ROUTED_TOKENS in r for r in steps):
+        if routed:
+            share = sum(r[EXPERT_MISMATCH] * r[ROUTED_TOKENS] for r in routed) / sum(r[ROUTED_TOKENS] for r in routed)
+            lines.append(f"`{EXPERT_MISMATCH}`: {share:.3g} of {sum(r[ROUTED_TOKENS] for r in routed):.0f} tokens "
+                         f"over {len(routed)} steps; max {max(r[EXPERT_MISMATCH] for r in routed):.3g} in a step.")
+        else:
+            lines.append(f"`{EXPERT_MISMATCH}`: not measured (`{ROUTED_TOKENS}` 0 at every step: no experts "
+                         "from the generator for tokens of the trainer's current policy).")
+    return [*lines, ""] if lines else []
 
 
 def main() -> None:

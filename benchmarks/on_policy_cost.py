@@ -9,12 +9,17 @@ over `--train-steps` full steps (forward_backward over every microbatch + optim_
 
     python benchmarks/on_policy_cost.py                    # CPU, native: rows in results/on_policy_cost_cpu.md
     python benchmarks/on_policy_cost.py --device cuda      # GPU, native (+ vLLM): rows in results/on_policy_cost_gpu.md
+    python benchmarks/on_policy_cost.py --device cuda --engines vllm --family qwen3_moe --size 30b-a3b-4l
+    python benchmarks/on_policy_cost.py --device cuda --engines vllm --family qwen3_moe --size 30b-a3b \
+        --dummy-weights --train-steps 0 --gpu-memory-utilization 0.9   # generation only, vLLM's dummy weights
 
 Prints the full report and adds a row per generator to the results table (results_table.py).
 
 vLLM runs in a subprocess per mode (VLLM_BATCH_INVARIANT=1 or 0 must be set before vLLM is
-imported); its completions are scored by our trainer in both modes, and, when vLLM's own
-batch-invariant aten overrides can be enabled here, by a default-mode trainer running them.
+imported); its completions are scored by our trainer in both modes. With `--dummy-weights` the
+checkpoint dir holds config and tokenizer only and vLLM fills its weights at random
+(`load_format="dummy"`, in both modes alike): the shapes whose weights exceed the disk (Qwen3-30B-A3B:
+61 GB in bf16) measure generation only, as nothing else holds those weights to score or train.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ from pathlib import Path
 
 import torch
 from results_table import RESULTS, append_row, cpu_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlactors.models.args import FAMILIES  # noqa: E402
 
 COLUMNS = ("generator", "shape", "workload", "gen tokens/s default / true", "gen cost",
            "train tokens/s default / true", "train cost", "logprob diff max default / true")
@@ -90,9 +99,10 @@ def vllm_worker(args) -> None:
 
     prompts = json.loads(Path(args.prompts_file).read_text())
     generator = GeneratorConfig(engine="vllm", max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens,
-                                max_model_len=args.max_model_len, gpu_memory_utilization=0.4)
+                                max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
     engine = VLLMEngine.from_config(generator, ModelConfig(path=args.ckpt, dtype=args.dtype,
-                                                           true_on_policy=args.vllm_worker == "true_on_policy"))
+                                                           true_on_policy=args.vllm_worker == "true_on_policy"),
+                                    load_format="dummy" if args.dummy_weights else "auto")
     best, completions = float("inf"), None
     for repeat in range(args.repeats + 1):
         for i, p in enumerate(prompts):
@@ -117,11 +127,14 @@ def vllm_generate(args, ckpt: Path, mode: str, prompts) -> tuple[list[dict], flo
                    str(prompts_file), "--out-json", str(out_json), "--device", "cuda", "--dtype", args.dtype,
                    "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
                    "--max-num-seqs", str(args.max_num_seqs), "--max-num-tokens", str(args.max_num_tokens),
-                   "--max-model-len", str(args.max_model_len)]
+                   "--max-model-len", str(args.max_model_len),
+                   "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+                   *(["--dummy-weights"] if args.dummy_weights else [])]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
-            last_line = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
-            return f"vLLM {mode} failed: {last_line}"
+            lines = done.stderr.strip().splitlines()
+            print("\n".join(lines[-40:]), file=sys.stderr, flush=True)  # the cause, for a GPU visit's log
+            return f"vLLM {mode} failed: {lines[-1] if lines else f'exit {done.returncode}'}"
         result = json.loads(out_json.read_text())
         return result["completions"], result["seconds"]
 
@@ -217,20 +230,33 @@ def score_and_train(args, ckpt: Path, completions: list[dict], trainer_modes: di
 # -- report --------------------------------------------------------------------------------------
 
 
-def run(args) -> tuple[str, list[list]]:
-    """The report, and the figures of a results row per generator."""
+# The trainer's figures of a generator's completions that were not scored (--dummy-weights).
+UNSCORED = {"diff_max": float("nan"), "diff_mean": float("nan"), "train_s": float("nan"), "train_tokens": 0}
+
+
+def shape_name(args) -> str:
+    return args.size if args.family == "qwen3" else f"{args.family} {args.size}"
+
+
+def run(args) -> tuple[str, list[list], bool]:
+    """The report, the figures of a results row per generator, and whether a generator failed."""
     from rlactors.models.checkpoint import load_args
     from rlactors.models.tiny import make_tiny_checkpoint
 
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    ckpt = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / args.size, size=args.size, seed=0,
-                                dtype=args.dtype)
+    if args.ckpt_root and not args.dummy_weights:  # trainer_throughput.py's names: the same weights
+        ckpt = args.ckpt_root / (args.size if args.family == "qwen3" else f"{args.family}_{args.size}")
+    else:
+        ckpt = Path(tempfile.mkdtemp()) / args.size
+    if not (ckpt / "config.json").is_file():
+        make_tiny_checkpoint(ckpt, size=args.size, seed=0, dtype=args.dtype, family=args.family,
+                             weights=not args.dummy_weights)
     model_args = load_args(ckpt)
     prompts = make_prompts(args.num_prompts, args.min_prompt, args.max_prompt, model_args.vocab_size)
     init_one_rank(args.device)
 
-    rows, notes = [], []
+    rows, notes, failed = [], [], False
     tokens = args.num_prompts * args.max_tokens  # every request runs to max_tokens (no stop tokens)
     if "native" in args.engines:
         for mode, tp in (("default", False), ("true_on_policy", True)):
@@ -251,15 +277,19 @@ def run(args) -> tuple[str, list[list]]:
                 result = vllm_generate(args, ckpt, mode, prompts)
                 if isinstance(result, str):
                     notes.append(result)
+                    failed = True
                     continue
                 completions, seconds = result
                 print(f"vLLM {mode}: {seconds:.2f} s", flush=True)
+                if args.dummy_weights:  # no weights on disk: nothing to score or train
+                    rows.append(("vLLM", mode, tokens / seconds, seconds, UNSCORED))
+                    continue
                 scored = score_and_train(args, ckpt, completions,
                                          {mode: lambda tp=tp: make_core(args, ckpt, tp, "vllm")})[mode]
                 rows.append(("vLLM", mode, tokens / seconds, seconds, scored))
                 print(f"  trainer {mode}: diff max {scored['diff_max']:.3g} mean {scored['diff_mean']:.3g}, "
                       f"step {scored['train_s']:.2f} s", flush=True)
-    return report(args, model_args, prompts, tokens, rows, notes), table_rows(args, rows)
+    return report(args, model_args, prompts, tokens, rows, notes), table_rows(args, rows), failed
 
 
 def table_rows(args, rows) -> list[list]:
@@ -270,12 +300,28 @@ def table_rows(args, rows) -> list[list]:
         if {"default", "true_on_policy"} - modes.keys():
             continue
         (_, _, gen_d, sec_d, d), (_, _, gen_t, sec_t, t) = modes["default"], modes["true_on_policy"]
-        out.append([engine, args.size, f"{args.num_prompts} prompts of {args.min_prompt}-{args.max_prompt} tokens, "
-                    f"{args.max_tokens} sampled; {args.dtype}; gen best of {args.repeats}, train best of "
-                    f"{args.train_steps}", f"{gen_d:,.0f} / {gen_t:,.0f}", f"**{sec_t / sec_d:.2f}x**",
-                    f"{d['train_tokens'] / d['train_s']:,.0f} / {t['train_tokens'] / t['train_s']:,.0f}",
-                    f"**{t['train_s'] / d['train_s']:.2f}x**", f"{d['diff_max']:.3g} / {t['diff_max']:.3g}"])
+        workload = (f"{args.num_prompts} prompts of {args.min_prompt}-{args.max_prompt} tokens, {args.max_tokens} "
+                    f"sampled; {args.dtype}; gen best of {args.repeats}, "
+                    + ("vLLM's dummy weights, not scored or trained" if args.dummy_weights
+                       else f"train best of {args.train_steps}"))
+        out.append([engine, shape_name(args), workload, f"{gen_d:,.0f} / {gen_t:,.0f}", f"**{sec_t / sec_d:.2f}x**",
+                    f"{figure(d['train_tokens'] / d['train_s'], ',.0f')} / "
+                    f"{figure(t['train_tokens'] / t['train_s'], ',.0f')}",
+                    f"**{figure(t['train_s'] / d['train_s'], '.2f', 'x')}**",
+                    f"{figure(d['diff_max'], '.3g')} / {figure(t['diff_max'], '.3g')}"])
     return out
+
+
+def figure(value: float, spec: str, unit: str = "") -> str:
+    """``value`` formatted with its unit, or "-" where it was not measured (NaN)."""
+    return "-" if value != value else format(value, spec) + unit
+
+
+def experts_of(model_args) -> str:
+    moe = model_args.moe
+    if moe is None:
+        return ""
+    return f", {moe.num_experts} experts, top {moe.num_experts_per_tok} of width {moe.moe_intermediate_size}"
 
 
 def report(args, model_args, prompts, tokens, rows, notes) -> str:
@@ -287,8 +333,9 @@ def report(args, model_args, prompts, tokens, rows, notes) -> str:
         b = base(engine)
         train_tps = s["train_tokens"] / s["train_s"] if s["train_s"] == s["train_s"] else float("nan")
         base_train = b[4]["train_s"]
-        table.append(f"| {engine} | {mode} | {throughput:,.0f} | {seconds / b[3]:.2f}x | {train_tps:,.0f} | "
-                     f"{s['train_s'] / base_train:.2f}x | {s['diff_max']:.3g} | {s['diff_mean']:.3g} |")
+        table.append(f"| {engine} | {mode} | {throughput:,.0f} | {seconds / b[3]:.2f}x | {figure(train_tps, ',.0f')} | "
+                     f"{figure(s['train_s'] / base_train, '.2f', 'x')} | {figure(s['diff_max'], '.3g')} | "
+                     f"{figure(s['diff_mean'], '.3g')} |")
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"{cpu_model()}, {os.cpu_count()} cores"
     lines = [
         f"# True on-policy cost ({args.device.upper()})",
@@ -299,8 +346,9 @@ def report(args, model_args, prompts, tokens, rows, notes) -> str:
         + ".",
         f"Command: `{' '.join(['python benchmarks/on_policy_cost.py', *sys.argv[1:]])}`",
         "",
-        f"Model: random-init Qwen3 '{args.size}' ({args.dtype}, {model_args.num_hidden_layers} layers, hidden "
-        f"{model_args.hidden_size}, vocab {model_args.vocab_size}). {len(prompts)} prompts of {args.min_prompt}-"
+        f"Model: random-init {args.family} '{args.size}' ({args.dtype}, {model_args.num_hidden_layers} layers, hidden "
+        f"{model_args.hidden_size}, vocab {model_args.vocab_size}{experts_of(model_args)})"
+        + (", vLLM's dummy weights" if args.dummy_weights else "") + f". {len(prompts)} prompts of {args.min_prompt}-"
         f"{args.max_prompt} tokens, {args.max_tokens} sampled tokens each ({tokens} generated tokens), temperature 1. "
         f"Generation: best of {args.repeats} runs after a warm-up. Training: GRPO steps over the same episodes "
         f"(rows of {args.row_tokens} tokens, {args.rows_per_microbatch} rows per microbatch), best of "
@@ -320,7 +368,10 @@ def report(args, model_args, prompts, tokens, rows, notes) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--size", default=None, help="tiny (CPU default) or 0.6b (GPU default)")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3",
+                        help="model family of the random checkpoint (rlactors.models.tiny)")
+    parser.add_argument("--size", default=None, help="tiny (CPU default), 0.6b (GPU default), or a real shape of "
+                        "the family (rlactors.models.tiny)")
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--min-prompt", type=int, default=16)
@@ -337,6 +388,11 @@ def main() -> None:
     parser.add_argument("--rows-per-microbatch", type=int, default=4)
     parser.add_argument("--engines", nargs="+", choices=("native", "vllm"), default=None,
                         help="generators to measure (default: native on CPU, native and vllm on CUDA)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vLLM's")
+    parser.add_argument("--dummy-weights", action="store_true",
+                        help="vLLM only, generation only: no weights on disk, vLLM's random ones (load_format dummy)")
+    parser.add_argument("--ckpt-root", type=Path, default=None,
+                        help="where the random checkpoint is kept and found again (default: a new temp dir)")
     parser.add_argument("--out", default=None)
     # internal: one vLLM generation in a subprocess
     parser.add_argument("--vllm-worker", choices=("default", "true_on_policy"), help=argparse.SUPPRESS)
@@ -355,12 +411,16 @@ def main() -> None:
     if args.vllm_worker:
         vllm_worker(args)
         return
-    text, rows = run(args)
+    if args.dummy_weights and (args.engines != ["vllm"] or args.train_steps):
+        parser.error("--dummy-weights: generation by vLLM only (--engines vllm --train-steps 0): no weights "
+                     "on disk to score or train")
+    text, rows, failed = run(args)
     print(text)
     out = Path(args.out) if args.out else RESULTS / f"on_policy_cost_{'gpu' if gpu else 'cpu'}.md"
     for row in rows:
         append_row(out, f"True on-policy cost ({args.device.upper()})", COLUMNS, row, device=args.device)
     print(f"added {len(rows)} row(s) to {out}")
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

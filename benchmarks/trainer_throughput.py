@@ -4,6 +4,7 @@
     python benchmarks/trainer_throughput.py --device cuda --sizes 0.6b 1.7b   # one GPU
     torchrun --nproc-per-node 2 benchmarks/trainer_throughput.py --device cuda --sizes 1.7b  # FSDP2
     python benchmarks/trainer_throughput.py --device cuda --family llama --sizes 1b  # another family
+    python benchmarks/trainer_throughput.py --device cuda --family qwen3_moe --sizes 30b-a3b-4l  # 4 MoE layers
 
 Each size adds a row to results/trainer_throughput_{cpu,gpu}.md (results_table.py).
 
@@ -159,7 +160,7 @@ def measure(size: str, ckpt_dir: Path, opts: argparse.Namespace, device: torch.d
     flops = sum(f for _, _, f in steps[opts.warmup:]) / opts.steps  # this rank's share
     peak = peak_tflops(opts.peak_tflops)
     result = {
-        "size": size, "params": args.num_params(), "ranks": world,
+        "size": size, "params": args.num_params(), "active_params": args.num_active_params(), "ranks": world,
         "tokens_per_step": tokens_per_step, "step_s": step_time, "tokens_per_s": tokens_per_step / step_time,
         "tflops_per_rank": flops / step_time / 1e12,
         "mfu": flops / step_time / (peak * 1e12) if peak else None,
@@ -174,6 +175,12 @@ def measure(size: str, ckpt_dir: Path, opts: argparse.Namespace, device: torch.d
 
 COLUMNS = ("model", "params", "ranks", "setup", "tokens/step", "step (s)", "tokens/s", "TFLOP/s per rank", "MFU",
            "peak memory (GiB)")
+
+
+def params_cell(result: dict) -> str:
+    """The parameter count, and of a mixture of experts the active ones (those MFU counts)."""
+    total, active = result["params"], result["active_params"]
+    return f"{total / 1e6:.1f}M" + (f" ({active / 1e6:.1f}M active)" if active != total else "")
 
 
 def append_rows(results: list[dict], opts: argparse.Namespace, path: Path) -> None:
@@ -193,7 +200,7 @@ def append_rows(results: list[dict], opts: argparse.Namespace, path: Path) -> No
         mfu = f"**{100 * r['mfu']:.1f}%**" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
         append_row(path, "Trainer throughput: forward_backward + optim_step", COLUMNS,
-                   [f"{opts.family} {r['size']}", f"{r['params'] / 1e6:.1f}M", world, setup, r["tokens_per_step"],
+                   [f"{opts.family} {r['size']}", params_cell(r), world, setup, r["tokens_per_step"],
                     f"{r['step_s']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_rank']:.3g}", mfu, mem],
                    device=opts.device, launcher=launcher)
 
@@ -204,7 +211,8 @@ def main() -> None:
     parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3",
                         help="model family of the random checkpoints (rlactors.models.tiny)")
     parser.add_argument("--sizes", nargs="+", default=None,
-                        help="tiny small, or a real shape of the family: 0.6b 1.7b (qwen3), 0.5b (qwen2), 1b (llama)")
+                        help="tiny small, or a real shape of the family: 0.6b 1.7b (qwen3), 30b-a3b-4l (qwen3_moe), "
+                        "0.5b (qwen2), 1b (llama)")
     parser.add_argument("--row-tokens", type=int, default=None)
     parser.add_argument("--rows", type=int, default=1, help="rows per microbatch")
     parser.add_argument("--microbatches", type=int, default=None, help="forward_backward calls per step")

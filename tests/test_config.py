@@ -261,6 +261,15 @@ def test_shipped_configs_load(path):
     assert config.controller.steps >= 1
 
 
+def test_the_moe_demo_config_names_the_tiny_mixture_of_experts_in_the_repository():
+    from rlactors.models.checkpoint import check_checkpoint_dir
+
+    root = Path(__file__).parent.parent
+    config = config_module.load_config(root / "configs" / "moe_1gpu.toml", available_gpus=8)
+    args = check_checkpoint_dir(root / config.model.path)
+    assert (args.model_type, args.moe.num_experts, args.moe.num_experts_per_tok) == ("qwen3_moe", 8, 2)
+
+
 def test_true_on_policy_with_vllm_is_tensor_parallel_1_only():
     vllm = ["controller.device=cuda", "generator.engine=vllm", "trainer.ranks=1", "generator.replicas=1"]
     with pytest.raises(ConfigError, match=r"^generator\.tp: model\.true_on_policy with vLLM runs tensor parallelism 1"):

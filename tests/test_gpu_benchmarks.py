@@ -3,6 +3,7 @@ with one line naming the option, before anything starts."""
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,14 @@ def test_every_mode_runs_scripts_and_configs_of_the_repository(name):
             steps = mode.steps(gpus, true_on_policy)
             assert steps
             for _, command in steps:
-                if command[0] == "cp":  # learning-curve: a file of the demo's run dir into the results
-                    run_dir = steps[0][1][-1].removeprefix('controller.run_dir="').removesuffix('"')
-                    assert Path(command[1]).parent == Path(run_dir)
+                if command[0] == "cp":  # a file of a demo's run dir into the results
+                    run_dirs = {Path(a.removeprefix('controller.run_dir="').removesuffix('"'))
+                                for _, c in steps for a in c if a.startswith("controller.run_dir=")}
+                    assert Path(command[1]).parent in run_dirs
                     assert Path(command[2]).parent == ROOT / "benchmarks" / "results"
                     continue
+                if command[0] == "timeout":  # gpu_benchmarks.within: a time limit
+                    command = command[4:]
                 named = [a for a in command if a.endswith((".py", ".toml")) and " " not in a]
                 assert command[0] == "python" and named, command
                 for path in named:
@@ -40,3 +44,18 @@ def test_bad_options_fail_with_one_line_and_exit_2(args, error):
     done = subprocess.run([sys.executable, "benchmarks/gpu_benchmarks.py", *args], cwd=ROOT, capture_output=True,
                           text=True)
     assert (done.returncode, done.stderr, done.stdout) == (2, error + "\n", "")
+
+
+def test_a_step_past_its_time_limit_is_stopped_with_what_it_started(tmp_path):
+    """A step's processes (vLLM's, Monarch's) must not outlive its limit and hold the GPU."""
+    pid_file = tmp_path / "grandchild"
+    script = f"sleep 60 & echo $! > {pid_file}; wait"
+    done = subprocess.run(gpu_benchmarks.within(1, ["bash", "-c", script]), timeout=50)
+    assert done.returncode == 124
+    grandchild = int(pid_file.read_text())
+    for _ in range(100):  # the signal is sent; the process may take a moment to go
+        if not Path(f"/proc/{grandchild}").exists() or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the step's child {grandchild} outlived the limit")

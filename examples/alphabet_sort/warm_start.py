@@ -10,11 +10,13 @@ arguments give the same checkpoint, so the committed ones can be rebuilt with
 
     python examples/alphabet_sort/warm_start.py examples/alphabet_sort/warm_checkpoint
     python examples/alphabet_sort/warm_start.py examples/alphabet_sort/warm_checkpoint_gpu --untagged 0.7 --unsorted 0
+    python examples/alphabet_sort/warm_start.py examples/alphabet_sort/warm_checkpoint_moe --family qwen3_moe \
+        --untagged 0.7 --unsorted 0
 
 The first is the CPU demo's start; the second, the GPU demo's, mostly forgets the tags, so its
 greedy replies score low until RL teaches it to tag (`--untagged`, `--unsorted`: the teacher's
-mistake rates). Arguments after the output dir are `env.args` overrides (`max_turns=2`) for the
-demonstrations.
+mistake rates). The third is the second's tiny mixture of experts (configs/moe_1gpu.toml).
+Arguments after the output dir are `env.args` overrides (`max_turns=2`) for the demonstrations.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from rlactors_examples.alphabet_sort.env import (
 from rlactors.config import BatcherConfig, LossConfig, build_dataclass, parse_override
 from rlactors.losses import LossNorm, compute_loss
 from rlactors.models import extend_with_messages, from_pretrained, load_tokenizer, render_messages, save_pretrained
+from rlactors.models.args import FAMILIES
 from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.types import Episode, RolloutStatus
@@ -113,6 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("env_args", nargs="*", help="env.args overrides for the demonstrations, e.g. max_turns=2")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3")
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -135,7 +139,7 @@ def main() -> None:
     # One thread: the same reduction order on any machine, so the checkpoint is reproducible.
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    make_tiny_checkpoint(args.out_dir, size=args.size, seed=args.seed)
+    make_tiny_checkpoint(args.out_dir, size=args.size, seed=args.seed, family=args.family)
     tokenizer = load_tokenizer(args.out_dir)
     model = from_pretrained(args.out_dir, dtype=torch.float32)
     teacher_rng = random.Random(args.seed)

@@ -112,9 +112,12 @@ class VLLMEngine(Engine):
         self.counters = {"steps": 0, "finished": 0, "aborted": 0, "generated_tokens": 0}
 
     @classmethod
-    def from_config(cls, generator_config: GeneratorConfig, model_config: ModelConfig) -> VLLMEngine:
+    def from_config(cls, generator_config: GeneratorConfig, model_config: ModelConfig,
+                    load_format: str = "auto") -> VLLMEngine:
         """A vLLM engine for `model_config.path`. In `model_config.true_on_policy` mode vLLM runs
-        our own model with the trainer's kernels (`rlactors.on_policy.sides`)."""
+        our own model with the trainer's kernels (`rlactors.on_policy.sides`). `load_format`:
+        vLLM's; "dummy" serves random weights from a dir of config and tokenizer only (speed
+        measurements at shapes whose weights do not fit the disk)."""
         from rlactors.models.checkpoint import load_args
         from rlactors.on_policy.sides import sides
 
@@ -147,6 +150,7 @@ class VLLMEngine(Engine):
             logprobs_mode="raw_logprobs",
             disable_log_stats=True,
             disable_custom_all_reduce=not custom_all_reduce_works(g.tp, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")),
+            load_format=load_format,
             **mode_args,
         )
         with one_start_per_gpu(g.tp):

@@ -1,9 +1,11 @@
 """Random-init checkpoints of each family with a small byte-level BPE tokenizer, for tests and CPU demos.
 
     python -m rlactors.models.tiny OUT_DIR [--family qwen3|qwen3_moe|qwen2|llama] [--size SIZE] [--seed N] [--no-tie]
+                                   [--no-weights]
 
 Sizes: ``tiny`` and ``small`` for every family, and the shapes of real models: ``0.6b``, ``1.7b``
-(Qwen3), ``30b-a3b``, ``235b-a22b`` (Qwen3-MoE), ``0.5b`` (Qwen2.5), ``1b`` (Llama 3.2). A tiny
+(Qwen3), ``30b-a3b``, ``235b-a22b`` and ``30b-a3b-4l`` (4 of Qwen3-30B-A3B's 48 layers)
+(Qwen3-MoE), ``0.5b`` (Qwen2.5), ``1b`` (Llama 3.2). A tiny
 or small Qwen3-MoE has a dense first layer and sparse others, with ``norm_topk_prob`` on, as
 the real ones have. Each family gets its real models' RoPE: Qwen's
 theta 1e6, Llama 3.2's theta 5e5 with its ``llama3`` scaling (factor 32 beyond 8192 positions).
@@ -24,7 +26,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from rlactors.models.args import DTYPES, FAMILIES, Llama3RopeScaling, ModelArgs, MoEArgs
-from rlactors.models.checkpoint import model_shapes, save_pretrained
+from rlactors.models.checkpoint import CONFIG_FILE, model_shapes, save_pretrained
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
@@ -72,6 +74,8 @@ REAL_SIZES: dict[str, dict[str, tuple]] = {  # family: the shapes of its real mo
     "qwen3": {"0.6b": (1024, 3072, 28, 16, 8, 128, 151936, 40960, "bfloat16"),  # Qwen3-0.6B
               "1.7b": (2048, 6144, 28, 16, 8, 128, 151936, 40960, "bfloat16")},  # Qwen3-1.7B
     "qwen3_moe": {"30b-a3b": (2048, 6144, 48, 32, 4, 128, 151936, 40960, "bfloat16"),  # Qwen3-30B-A3B
+                  # Qwen3-30B-A3B's layers, 4 of its 48: trains on one 80 GB GPU
+                  "30b-a3b-4l": (2048, 6144, 4, 32, 4, 128, 151936, 40960, "bfloat16"),
                   "235b-a22b": (4096, 12288, 94, 64, 4, 128, 151936, 40960, "bfloat16")},  # Qwen3-235B-A22B
     "qwen2": {"0.5b": (896, 4864, 24, 14, 2, 64, 151936, 32768, "bfloat16")},  # Qwen2.5-0.5B
     "llama": {"1b": (2048, 8192, 16, 32, 8, 64, 128256, 131072, "bfloat16")},  # Llama-3.2-1B
@@ -93,6 +97,7 @@ MOE_SIZES: dict[str, MoEArgs] = {
     "small": MoEArgs(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, norm_topk_prob=True,
                      mlp_only_layers=(0,)),
     "30b-a3b": MoEArgs(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    "30b-a3b-4l": MoEArgs(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
     "235b-a22b": MoEArgs(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, norm_topk_prob=True),
 }
 
@@ -229,9 +234,11 @@ def random_state_dict(args: ModelArgs, seed: int, std: float = 0.02) -> dict[str
 
 def make_tiny_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0,
                          tie_word_embeddings: bool = True, dtype: str | None = None,
-                         family: str = "qwen3") -> Path:
+                         family: str = "qwen3", weights: bool = True) -> Path:
     """Writes a random-init checkpoint dir of ``family`` with tokenizer; ``dtype=None`` is fp32
-    for tiny/small and bf16 for the real models' shapes."""
+    for tiny/small and bf16 for the real models' shapes. ``weights=False`` writes no weights,
+    only the config and tokenizer files: what vLLM needs to serve the shape with its dummy
+    weights (``load_format="dummy"``), at sizes whose weights would not fit the disk."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out_dir = Path(out_dir)
@@ -239,7 +246,11 @@ def make_tiny_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0,
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
     args = size_args(size, tokenizer.get_vocab_size(), tie_word_embeddings, dtype,
                      eos_token_id=ids[IM_END], bos_token_id=ids[ENDOFTEXT], family=family)
-    save_pretrained(random_state_dict(args, seed), args, out_dir)
+    if weights:
+        save_pretrained(random_state_dict(args, seed), args, out_dir)
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / CONFIG_FILE).write_text(json.dumps(args.to_hf_config(), indent=2) + "\n")
     _write_tokenizer(tokenizer, out_dir)
     generation_config = {"bos_token_id": ids[ENDOFTEXT], "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]],
                          "pad_token_id": ids[ENDOFTEXT]}
@@ -278,12 +289,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tie", action=argparse.BooleanOptionalAction, default=True,
                         help="tie lm_head to the input embedding (default: tied)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    parser.add_argument("--weights", action=argparse.BooleanOptionalAction, default=True,
+                        help="write the weights (--no-weights: config and tokenizer only, for vLLM's dummy weights)")
     args = parser.parse_args(argv)
     try:
-        out = make_tiny_checkpoint(args.out_dir, args.size, args.seed, args.tie, args.dtype, args.family)
+        out = make_tiny_checkpoint(args.out_dir, args.size, args.seed, args.tie, args.dtype, args.family, args.weights)
     except ValueError as error:
         parser.error(str(error))
-    print(f"wrote {args.size} {args.family} checkpoint to {out}")
+    print(f"wrote {args.size} {args.family} checkpoint{'' if args.weights else ' (no weights)'} to {out}")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from rlactors.models import DecoderForCausalLM, from_pretrained, save_pretrained
-from rlactors.models.checkpoint import load_state_dict, model_shapes, open_tensors
+from rlactors.models.checkpoint import load_args, load_state_dict, model_shapes, open_tensors
 from rlactors.models.moe import SparseMoeBlock, grouped_linear, linear_per_expert, load_balancing_loss, top_k_experts
-from rlactors.models.tiny import random_state_dict, size_args
+from rlactors.models.tiny import make_tiny_checkpoint, random_state_dict, size_args
 from rlactors.on_policy import ops
 from rlactors.on_policy.attention import BatchInvariantAttention
 from rlactors.on_policy.modules import to_batch_invariant
@@ -186,6 +186,23 @@ def test_real_qwen3_moe_shapes_without_allocating(size, billions, active_billion
     assert counted == args.num_params()
     assert abs(counted / 1e9 - billions) / billions < 0.01
     assert abs(args.num_active_params() / 1e9 - active_billions) / active_billions < 0.03
+
+
+def test_the_four_layer_30b_a3b_shape_is_30b_a3b_cut_to_its_first_four_layers():
+    full, cut = (size_args(size, vocab_size=1024, family="qwen3_moe") for size in ("30b-a3b", "30b-a3b-4l"))
+    assert cut == dataclasses.replace(full, num_hidden_layers=4)
+    assert all(cut.is_sparse_layer(i) for i in range(4))
+
+
+def test_a_checkpoint_without_weights_holds_only_the_config_and_tokenizer(tmp_path):
+    """What vLLM serves its dummy weights from, at a shape whose weights (61 GB) fit no test disk."""
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", size="30b-a3b", family="qwen3_moe", weights=False)
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    args = load_args(ckpt)
+    assert args == size_args("30b-a3b", vocab_size=1024, family="qwen3_moe", eos_token_id=args.eos_token_id,
+                             bos_token_id=args.bos_token_id)
+    assert args.num_params() > 30e9
 
 
 def test_load_balancing_loss():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib.util
 import json
 import os
@@ -224,6 +225,10 @@ def score_and_train(args, ckpt: Path, completions: list[dict], trainer_modes: di
                      "train_s": train_seconds(args, core, packed) if args.train_steps else float("nan"),
                      "train_tokens": packed.num_loss_tokens}
         del core
+        # The next vLLM process asks for a share of the card's memory: give back what the trainer cached.
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return out
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,6 +89,14 @@ def test_load_weights_changes_outputs_and_versions(engine, ckpt):
     assert max_logprob_error(model, after.values()) < LOGPROB_ATOL
 
 
+def running(pid: int) -> bool:
+    """Whether `pid` runs (an exited process not yet reaped by its parent does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_router_with_a_vllm_generator_replica(ckpt):
     from monarch.actor import this_host
 
@@ -105,7 +116,16 @@ def test_router_with_a_vllm_generator_replica(ckpt):
         assert result["replicas"] == [0]
         c = await router.generate.call_one(batch[0], SamplingParams(max_tokens=4), "after")
         assert c.versions == [1] * 4
+        replica_pid = (await router.stats.call_one())["replicas"][0]["engine"]["pid"]
         await router.close.call_one()
         await procs.stop()
+        return replica_pid
 
-    asyncio.run(main())
+    replica_pid = asyncio.run(main())
+    # The replica's process (and the GPU memory its engine holds) is gone soon after the stop.
+    deadline = time.monotonic() + 60
+    while running(replica_pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if running(replica_pid):
+        os.kill(replica_pid, signal.SIGKILL)
+        pytest.fail(f"the replica's process {replica_pid} still ran 60 s after its procs were stopped (killed)")

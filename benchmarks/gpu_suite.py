@@ -79,7 +79,10 @@ def run_group(group: Group, devices: str, log: Path | None, timeout_s: float) ->
         group.returncode = -1
         group.log = f"{(e.stdout or b'').decode(errors='replace')}\ntimed out after {timeout_s:.0f} s"
     group.seconds = time.monotonic() - start
-    summary = group.log.strip().splitlines()[-1] if group.log.strip() else ""
+    # pytest's last line counts the tests; output of the processes it started may follow it.
+    summaries = [line for line in group.log.splitlines() if re.search(r"\d+ (passed|failed|errors?|deselected)", line)
+                 and re.search(r" in [\d.]+s", line)]
+    summary = summaries[-1].strip("= ") if summaries else ""
     group.counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", summary)}
     group.counts["errors"] = group.counts.pop("error", 0) + group.counts.pop("errors", 0)
     if log is not None:

@@ -147,6 +147,7 @@ def test_router_with_a_vllm_generator_replica(ckpt):
     from monarch.actor import this_host
 
     from rlactors.actors.router import GeneratorRouter
+    from rlactors.generation import generate
 
     async def main():
         procs = this_host().spawn_procs(per_host={"gpus": 1})
@@ -156,6 +157,15 @@ def test_router_with_a_vllm_generator_replica(ckpt):
         done = await asyncio.gather(*(router.generate.call_one(p, SamplingParams(max_tokens=16, seed=i), f"r{i}")
                                       for i, p in enumerate(batch)))
         assert all(len(c.token_ids) == 16 and c.replica == 0 for c in done)
+        deltas = []
+
+        async def on_tokens(delta):
+            deltas.append(delta)
+
+        streamed = await generate(router, batch[0], SamplingParams(max_tokens=24, seed=0), "streamed",
+                                  on_tokens=on_tokens)  # over Monarch ports, as the gateway streams
+        assert len(deltas) > 1 and [t for d in deltas for t in d.token_ids] == streamed.token_ids
+        assert [lp for d in deltas for lp in d.logprobs] == streamed.logprobs and len(streamed.token_ids) == 24
         model = from_pretrained(ckpt, dtype="float32", device="cuda")
         state = {k: v.to(torch.bfloat16).cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
         result = await router.update_weights.call_one(1, state)

@@ -1,5 +1,6 @@
-"""vLLM engine on a GPU: generation with raw logprobs, seeds, stops, weight loads with versions, bad
-input, and a Router -> Generator(vLLM) replica in Monarch procs. Skipped without CUDA and vLLM."""
+"""vLLM engine on a GPU: generation with raw logprobs, seeds, stops, streamed requests, weight loads
+with versions, bad input, and a Router -> Generator(vLLM) replica in Monarch procs. Skipped without
+CUDA and vLLM."""
 
 from __future__ import annotations
 
@@ -73,6 +74,62 @@ def test_bad_requests_fail_alone_and_abort(engine):
     assert len(done["ok"].token_ids) == 8 and done["long"].finish_reason == "abort"
 
 
+def run_streamed(engine, requests: dict) -> dict:
+    """`run` with every request streamed: id -> (Completion, the TokenDeltas `sampled` gave after
+    each step, as AsyncEngine reads them)."""
+    deltas = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params, streamed=True)
+    done = {}
+    while engine.has_unfinished():
+        done.update({c.request_id: c for c in engine.step()})
+        for rid, got in deltas.items():
+            delta = engine.sampled(rid, sum(len(d.token_ids) for d in got))
+            if delta is not None and delta.token_ids:
+                got.append(delta)
+    return {rid: (done[rid], deltas[rid]) for rid in requests}
+
+
+def test_streamed_requests_equal_unstreamed_ones_and_a_cancelled_stream_leaves_it_serving(engine):
+    batch = prompts(8, seed=4)
+    requests = {f"q{i}": (p, SamplingParams(max_tokens=32, temperature=0.0 if i % 2 else 1.0, seed=i))
+                for i, p in enumerate(batch)}
+
+    def fresh(run_requests):  # the same batch in the same steps: no prompt cached by an earlier run
+        engine.reset_prefix_cache()
+        return run_requests(engine, requests)
+
+    def same_as_unstreamed(streamed):
+        for rid, (completion, deltas) in streamed.items():
+            ref = reference[rid]
+            assert (completion.token_ids, completion.logprobs, completion.versions, completion.finish_reason) == \
+                (ref.token_ids, ref.logprobs, ref.versions, ref.finish_reason), rid
+            sent = [t for d in deltas for t in d.token_ids]
+            assert [d.start for d in deltas] == [sum(len(e.token_ids) for e in deltas[:k]) for k in range(len(deltas))]
+            assert sent == completion.token_ids[:len(sent)]
+            assert [lp for d in deltas for lp in d.logprobs] == completion.logprobs[:len(sent)]
+            assert len(deltas) >= 16, f"{rid}: {len(deltas)} deltas: its tokens did not come step by step"
+
+    reference = fresh(run)
+    assert all(len(c.token_ids) == 32 for c in reference.values())
+    same_as_unstreamed(fresh(run_streamed))
+
+    engine.reset_prefix_cache()
+    engine.add_request("cancelled", batch[0], SamplingParams(max_tokens=400, seed=9), streamed=True)
+    seen = None
+    while seen is None or len(seen.token_ids) < 8:
+        assert engine.step() == []
+        seen = engine.sampled("cancelled")
+    assert engine.abort("cancelled")
+    done = {}
+    while engine.has_unfinished():
+        done.update({c.request_id: c for c in engine.step()})
+    assert done["cancelled"].finish_reason == "abort"
+    assert done["cancelled"].token_ids[:len(seen.token_ids)] == seen.token_ids
+    assert engine.sampled("cancelled") is None and not engine.engine.has_unfinished_requests()
+    same_as_unstreamed(fresh(run_streamed))  # served as before the cancel, bit for bit
+
+
 def test_load_weights_changes_outputs_and_versions(engine, ckpt):
     model = from_pretrained(ckpt, dtype="float32", device="cuda")
     batch = prompts(4, seed=1)
@@ -101,6 +158,7 @@ def test_router_with_a_vllm_generator_replica(ckpt):
     from monarch.actor import this_host
 
     from rlactors.actors.router import GeneratorRouter
+    from rlactors.generation import generate
 
     async def main():
         procs = this_host().spawn_procs(per_host={"gpus": 1})
@@ -110,6 +168,15 @@ def test_router_with_a_vllm_generator_replica(ckpt):
         done = await asyncio.gather(*(router.generate.call_one(p, SamplingParams(max_tokens=16, seed=i), f"r{i}")
                                       for i, p in enumerate(batch)))
         assert all(len(c.token_ids) == 16 and c.replica == 0 for c in done)
+        deltas = []
+
+        async def on_tokens(delta):
+            deltas.append(delta)
+
+        streamed = await generate(router, batch[0], SamplingParams(max_tokens=24, seed=0), "streamed",
+                                  on_tokens=on_tokens)  # over Monarch ports, as the gateway streams
+        assert len(deltas) > 1 and [t for d in deltas for t in d.token_ids] == streamed.token_ids
+        assert [lp for d in deltas for lp in d.logprobs] == streamed.logprobs and len(streamed.token_ids) == 24
         model = from_pretrained(ckpt, dtype="float32", device="cuda")
         state = {k: v.to(torch.bfloat16).cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
         result = await router.update_weights.call_one(1, state)

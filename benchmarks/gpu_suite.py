@@ -20,6 +20,7 @@ import datetime
 import os
 import queue
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -158,7 +159,7 @@ def main() -> None:
                             text=True).stdout.strip() or "unknown"
     machine = f"{len(names)} x {names[0]}" if names else "no GPU"
     used = f"{min(len(devices), len(groups))} of them, one group per GPU" if args.mode == "1gpu" else "2 of them"
-    command = " ".join(["python benchmarks/gpu_suite.py", *sys.argv[1:]])
+    command = "python benchmarks/gpu_suite.py " + shlex.join(sys.argv[1:])
     with RESULTS.open("a") as f:
         f.write(f"\n## {args.mode}, {datetime.date.today()}, commit {commit}\n\nMachine: {machine} ({used}). "
                 f"Command: `{command}`. Wall time {wall:.0f} s.\n\n{result}\n")

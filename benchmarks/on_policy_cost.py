@@ -246,17 +246,15 @@ def shape_name(args) -> str:
 def run(args) -> tuple[str, list[list], bool]:
     """The report, the figures of a results row per generator, and whether a generator failed."""
     from rlactors.models.checkpoint import load_args
-    from rlactors.models.tiny import make_tiny_checkpoint
+    from rlactors.models.tiny import kept_checkpoint, make_tiny_checkpoint
 
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    if args.ckpt_root and not args.dummy_weights:  # trainer_throughput.py's names: the same weights
-        ckpt = args.ckpt_root / (args.size if args.family == "qwen3" else f"{args.family}_{args.size}")
+    if args.ckpt_root and not args.dummy_weights:  # shared with trainer_throughput.py's --ckpt-root
+        ckpt = kept_checkpoint(args.ckpt_root, args.size, args.family, args.dtype)
     else:
-        ckpt = Path(tempfile.mkdtemp()) / args.size
-    if not (ckpt / "config.json").is_file():
-        make_tiny_checkpoint(ckpt, size=args.size, seed=0, dtype=args.dtype, family=args.family,
-                             weights=not args.dummy_weights)
+        ckpt = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / args.size, size=args.size, seed=0, dtype=args.dtype,
+                                    family=args.family, weights=not args.dummy_weights)
     model_args = load_args(ckpt)
     prompts = make_prompts(args.num_prompts, args.min_prompt, args.max_prompt, model_args.vocab_size)
     init_one_rank(args.device)

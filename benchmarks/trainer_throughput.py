@@ -41,7 +41,7 @@ from rlactors.config import LossConfig, ModelConfig, TrainerConfig  # noqa: E402
 from rlactors.losses import LossNorm  # noqa: E402
 from rlactors.models.args import FAMILIES, ModelArgs  # noqa: E402
 from rlactors.models.checkpoint import load_args  # noqa: E402
-from rlactors.models.tiny import make_tiny_checkpoint  # noqa: E402
+from rlactors.models.tiny import kept_checkpoint  # noqa: E402
 from rlactors.on_policy.sides import sides  # noqa: E402
 from rlactors.trainer.batch import MicroBatch  # noqa: E402
 from rlactors.trainer.core import PolicyTrainerCore  # noqa: E402
@@ -240,10 +240,10 @@ def main() -> None:
     root = opts.ckpt_root or Path(tempfile.gettempdir()) / "rlactors_bench_ckpts"
     results = []
     for size in opts.sizes:
-        ckpt = root / (size if opts.family == "qwen3" else f"{opts.family}_{size}")
-        if rank == 0 and not (ckpt / "config.json").is_file():
-            make_tiny_checkpoint(ckpt, size=size, seed=0, family=opts.family)
+        if rank == 0:
+            kept_checkpoint(root, size, opts.family)
         dist.barrier()
+        ckpt = kept_checkpoint(root, size, opts.family)  # made by rank 0: found here
         load_args(ckpt)
         results.append(measure(size, ckpt, opts, device))
         if rank == 0:

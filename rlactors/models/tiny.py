@@ -258,6 +258,15 @@ def make_tiny_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0,
     return out_dir
 
 
+def kept_checkpoint(root: str | Path, size: str, family: str = "qwen3", dtype: str | None = None) -> Path:
+    """The random checkpoint (seed 0) of `family` at `size` kept under `root`, named by both and
+    made only where it is not there yet: the benchmarks that measure one shape share its weights."""
+    out_dir = Path(root) / (size if family == "qwen3" else f"{family}_{size}")
+    if not (out_dir / CONFIG_FILE).is_file():
+        make_tiny_checkpoint(out_dir, size=size, seed=0, dtype=dtype, family=family)
+    return out_dir
+
+
 def _write_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
     tokenizer.save(str(out_dir / "tokenizer.json"))
     added_tokens = {

@@ -40,7 +40,6 @@ class TensorSpec:
             count *= d
         return count * self.torch_dtype.itemsize
 
-
     @property
     def rows(self) -> int:
         """Along dim 0, as FSDP shards it; a tensor of no dimension is one row."""

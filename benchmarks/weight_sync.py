@@ -33,12 +33,15 @@ TITLE = "Weight sync: trainer -> every generator replica, verified by checksum"
 # total: what the trainer waits for, as the controller times it, until every replica holds the
 # weights verified. By broadcast: send, the trainer's side (packing the bf16 weights from the FSDP
 # shards chunk by chunk, each chunk broadcast once packed, then the checksum; pack: the packing
-# within it) and, on the slowest replica, receive + checksum; the rest is Monarch messaging. By
+# within it) and, on the slowest replica, receive + checksum; the rest is Monarch messaging: the
+# router's plan before them, how late the send and the last replica's receive started after the
+# push asked for them (lag), and how long the answers took once the last side ended (reply). By
 # messages: gather (full tensors on rank 0, checksummed) and transfer. served: until every replica
 # has loaded them (apply: the load, by the copy plan or vLLM's load_weights, and the prefix-cache
 # reset), between engine steps. Medians over --iters.
 COLUMNS = ("model", "trainer GPUs", "replicas", "total ms (min-max)", "served ms", "send ms", "pack ms",
-           "gather ms", "transfer ms", "replica receive+verify ms", "replica apply ms", "copy plan",
+           "gather ms", "transfer ms", "replica receive+verify ms", "plan ms", "send lag ms", "receive lag ms",
+           "reply ms", "replica apply ms", "copy plan",
            "GB/s (bytes / total)", "NCCL ceiling ms", "total / ceiling")
 
 
@@ -147,7 +150,8 @@ def main() -> None:
     figures = [f"{args.size} ({num_bytes / 1e6:.0f} MB)", args.trainer_gpus, args.replicas,
                f"{total * 1e3:.1f} ({min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f})", median_ms("served_s"),
                median_ms("send_s"), median_ms("pack_s"), median_ms("gather_s"), median_ms("transfer_s"),
-               median_ms("replica_receive_verify_s"), median_ms("replica_apply_s"),
+               median_ms("replica_receive_verify_s"), median_ms("plan_s"), median_ms("send_lag_s"),
+               median_ms("receive_lag_s"), median_ms("reply_lag_s"), median_ms("replica_apply_s"),
                "yes" if all(r.get("copy_plan") == 1.0 for r in runs) else "no", f"{num_bytes / total / 1e9:.1f}",
                ceiling, ratio]
     print(append_row(RESULTS / "weight_sync.md", TITLE, COLUMNS, figures, device=args.device))

@@ -106,8 +106,9 @@ class WeightSender:
         stream), the checksum and the broadcast run on three streams, so packing chunk k + 1
         overlaps sending chunk k. BroadcastBroken if a member left the group or `abort` gave it
         up: the group is left, and a new one must be joined. Returns the version, the checksum's
-        digest, the bytes, and seconds: the whole send, and the packing within it."""
-        start = time.perf_counter()
+        digest, the bytes, seconds (the whole send, and the packing within it), and the wall
+        clock (`time.time()`) at its start and end, which the push compares across processes."""
+        started_at, start = time.time(), time.perf_counter()
         try:
             if self.buffer.is_cuda:
                 sums, pack_s = await self._send_cuda(version, pack)
@@ -117,7 +118,8 @@ class WeightSender:
             self.group = None  # over gloo this closes its connections: the members waiting on it fail
             raise
         return {"version": version, "checksum": self.layout.digest(*sums), "bytes": float(self.layout.total_bytes),
-                "send_s": time.perf_counter() - start, "pack_s": pack_s}
+                "send_s": time.perf_counter() - start, "pack_s": pack_s, "started_at": started_at,
+                "ended_at": time.time()}
 
     def _send_cpu(self, version: int, pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[tuple[int, int], float]:
         running, pack_s = RunningChecksum(self.buffer.device), 0.0
@@ -197,8 +199,9 @@ class BufferReceiver:
         as it lands (on GPU on a stream of its own, beside the receive on `stream`), then the
         trailer: the broadcast must carry `version` (else UnexpectedVersion) and its checksum
         must equal the trailer's (else ChecksumMismatch). BroadcastBroken when the group broke,
-        which is then left. Returns the seconds it took."""
-        start = time.perf_counter()
+        which is then left. Returns the seconds it took, and the wall clock (`time.time()`) at
+        its start and end."""
+        started_at, start = time.time(), time.perf_counter()
         cuda = self.buffer.is_cuda
         stream = stream or (torch.cuda.current_stream() if cuda else None)
         running = RunningChecksum(self.buffer.device)
@@ -228,7 +231,7 @@ class BufferReceiver:
         if received != sent:
             raise ChecksumMismatch(f"weights version {version}: received checksum {self.layout.digest(*received)}, "
                                    f"trainer sent {self.layout.digest(*sent)}; keeping the previous weights")
-        return {"receive_verify_s": time.perf_counter() - start}
+        return {"receive_verify_s": time.perf_counter() - start, "started_at": started_at, "ended_at": time.time()}
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The received tensors: views into the buffer, valid until the next receive."""

@@ -198,24 +198,32 @@ class BroadcastSync(WeightSync):
     async def push(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
         plan = await self._plan()
+        plan_s = time.perf_counter() - start
         for tries in range(1, BROADCAST_TRIES + 1):
             if plan["stale"]:  # a member died, or a restarted replica waits for weights
                 await self._form_group(plan)
             try:
+                began = time.time()  # wall clock: compared with the sides' own, in other processes
                 sent, received = await self._broadcast(version)
+                ended = time.time()
                 break
             except MembersDied:
                 if not self.restart_dead or tries == BROADCAST_TRIES:
                     raise
                 plan = await self._plan()  # the group is stale: the same version again, to a new one
         self.version = version
-        sender = first_value(sent)
-        # Where the time went: the trainer's send (packing, and the broadcast beside it, which
-        # waits for every receiver), and the slowest replica's receive + checksum. The replicas
-        # load after this returns, between engine steps.
+        sender, replicas = first_value(sent), received["replicas"]
+        # Where the time went: the router's plan; the trainer's send (packing, and the broadcast
+        # beside it, which waits for every receiver) and the slowest replica's receive + checksum;
+        # and the messaging around them: how late the send and the last receive started after
+        # the push asked for them, and how long the answers took after the last side ended. The
+        # replicas load after this returns, between engine steps.
         return {"total_s": time.perf_counter() - start, "bytes": sender["bytes"], "send_s": sender["send_s"],
                 "pack_s": sender["pack_s"],
-                "replica_receive_verify_s": max((r["receive_verify_s"] for r in received["replicas"]), default=0.0),
+                "replica_receive_verify_s": max(r["receive_verify_s"] for r in replicas),
+                "plan_s": plan_s, "send_lag_s": sender["started_at"] - began,
+                "receive_lag_s": max(r["started_at"] for r in replicas) - began,
+                "reply_lag_s": ended - max(sender["ended_at"], *(r["ended_at"] for r in replicas)),
                 "broadcast_tries": float(tries)}
 
     async def _broadcast(self, version: int) -> tuple[Any, dict[str, Any]]:

@@ -45,6 +45,8 @@ class Call:
     async def _run(self, *args):
         self.calls.append(args)
         result = self.results.pop(0) if len(self.results) > 1 else self.results[0]
+        if callable(result):  # made at the call: timings that hold the wall clock
+            result = result()
         await asyncio.sleep(self.seconds)
         if isinstance(result, BaseException):
             raise result
@@ -56,13 +58,17 @@ class Call:
     call_one = call
 
 
-SENT = Rank0({"version": 1, "checksum": "c" * 32, "bytes": 8.0, "send_s": 0.1, "pack_s": 0.05})
+def sent():
+    """The trainer's send, starting and ending when it is called (what the push's lags read)."""
+    now = time.time()
+    return Rank0({"version": 1, "checksum": "c" * 32, "bytes": 8.0, "send_s": 0.1, "pack_s": 0.05,
+                  "started_at": now, "ended_at": now})
 BROKEN = ActorError(BroadcastBroken("the weight broadcast group broke: Connection closed by peer"))
 
 
 class Trainer:
     def __init__(self, *broadcasts, broadcast_s=0.0):
-        self.send_weights = Call(*(broadcasts or (SENT,)), seconds=broadcast_s)
+        self.send_weights = Call(*(broadcasts or (sent,)), seconds=broadcast_s)
         self.weight_sync_address = Call(Rank0(("10.0.0.1", 29500)))
         self.weight_layout = Call(Rank0("layout"))
         self.init_weight_sender = Call(None)
@@ -73,8 +79,15 @@ def plan(members, stale=False, restarting=()):
     return {"members": members, "stale": stale, "world_size": 1 + len(members), "restarting": list(restarting)}
 
 
-def received(*replicas, broken=()):
-    return {"version": 1, "replicas": [{"receive_verify_s": 0.2}] * len(replicas), "broken": list(broken)}
+def received(*replicas, broken=(), late_s=0.0):
+    """The router's receive, made when it is called: replica i starts its receive `i * late_s`
+    after that and ends with it."""
+    def result():
+        now = time.time()
+        return {"version": 1, "broken": list(broken),
+                "replicas": [{"receive_verify_s": 0.2, "started_at": now + i * late_s, "ended_at": now}
+                             for i in range(len(replicas))]}
+    return result
 
 
 class Router:
@@ -104,6 +117,14 @@ def test_a_push_that_a_member_received_completes():
     assert timings["send_s"] == 0.1 and timings["pack_s"] == 0.05 and timings["total_s"] >= 0
 
 
+def test_a_push_times_the_messaging_around_the_broadcast_by_the_slowest_side():
+    timings = push(Trainer(), Router(receives=[received(0, 1, late_s=5.0)], plans=[plan([0, 1])]))
+    assert 0 <= timings["plan_s"] < timings["total_s"]
+    assert 0 <= timings["send_lag_s"] < timings["total_s"] < 5.0
+    assert 5.0 <= timings["receive_lag_s"] < 5.0 + timings["total_s"]  # the later replica's start
+    assert 0 <= timings["reply_lag_s"] < timings["total_s"]
+
+
 def test_a_push_that_every_member_died_during_raises_no_replica_up():
     """NCCL may let the sender finish a broadcast its buffers hold whole, with no one receiving."""
     with pytest.raises(NoReplicaUp, match=r"replica\(s\) \[0\] died during the broadcast, and no replica is up"):
@@ -125,7 +146,7 @@ def test_a_broken_broadcast_without_restart_dead_stops_naming_the_dead_member():
 
 
 def test_with_restart_dead_a_broken_broadcast_goes_again_to_a_new_group_of_the_members_up():
-    trainer = Trainer(BROKEN, SENT)
+    trainer = Trainer(BROKEN, sent)
     router = Router(receives=[received(broken=[0]), received(0)], dead=[[1], []],
                     plans=[plan([0, 1]), plan([0], stale=True, restarting=[1])])
     timings = push(trainer, router, restart_dead=True)
@@ -137,7 +158,7 @@ def test_with_restart_dead_a_broken_broadcast_goes_again_to_a_new_group_of_the_m
 
 def test_with_restart_dead_a_push_whose_only_member_died_waits_for_its_restart(monkeypatch):
     monkeypatch.setattr("rlactors.weight_sync.sync.BROADCAST_WATCH_S", 0.01)
-    trainer = Trainer(BROKEN, SENT)
+    trainer = Trainer(BROKEN, sent)
     router = Router(receives=[received(), received(0)], dead=[[0], []],
                     plans=[plan([0]), plan([], stale=True, restarting=[0]), plan([], stale=True, restarting=[0]),
                            plan([0], stale=True)])
@@ -157,7 +178,7 @@ class AbortableBroadcast:
         if self.calls == 1:
             await self.aborted.wait()
             raise BROKEN
-        return SENT
+        return sent()
 
 
 def test_with_restart_dead_a_stuck_broadcast_is_aborted_and_goes_again(fast_watch):

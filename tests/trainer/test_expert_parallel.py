@@ -10,7 +10,7 @@ import pytest
 import torch
 from monarch.actor import this_host
 from support.trainer_inputs import cat, one_rank_process_group, rows
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from rlactors.actors.trainer import spawn_trainer, train_step
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
@@ -21,7 +21,7 @@ from rlactors.on_policy.sides import sides
 from rlactors.placement import first_value
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.expert_parallel import expert_mesh
-from rlactors.trainer.parallel import build_sharded_model, local_rows, make_mesh
+from rlactors.trainer.parallel import build_sharded_model, held_rows, local_rows, make_mesh
 
 LOSS = LossConfig(name="dapo", clip_high=0.28)
 
@@ -59,6 +59,16 @@ def test_experts_stay_sharded_outside_fsdp_and_compute_what_fsdp_does(family_ckp
     assert torch.equal(ep_logprobs, fsdp_logprobs)
     assert fsdp_grads.keys() == ep_grads.keys()
     assert all(torch.equal(ep_grads[n], fsdp_grads[n]) for n in fsdp_grads)
+
+
+def test_held_rows_are_a_dim_0_shard_and_other_placements_are_refused():
+    weight = torch.arange(12.0).view(3, 4)
+    with one_rank_process_group("cpu"):
+        mesh = expert_mesh("cpu", 1)
+        assert held_rows(distribute_tensor(weight, mesh, [Replicate(), Shard(0)])) == [(0, 3)]
+        for placements in ([Replicate(), Shard(1)], [Shard(0), Shard(0)]):
+            with pytest.raises(ValueError, match=r"^expected a parameter sharded on dim 0 over one mesh dim"):
+                held_rows(distribute_tensor(weight, mesh, placements))
 
 
 @pytest.fixture(scope="module")

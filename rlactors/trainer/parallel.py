@@ -88,7 +88,8 @@ def build_sharded_model(
     shards stay the master weights and gradients are reduced in fp32. `compile_layers` compiles
     each decoder layer (CUDA: the eager layer is bound by its elementwise kernels). `convert`
     (true on-policy's module swap) is applied to the plain model first. With `expert_mesh`, the
-    experts are sharded by expert over its rows outside FSDP (`rlactors.trainer.expert_parallel`).
+    experts are sharded by expert within each of its expert-parallel groups, outside FSDP
+    (`rlactors.trainer.expert_parallel`).
     """
     with torch.device("meta"):
         model = DecoderForCausalLM(args)
@@ -118,7 +119,7 @@ def build_sharded_model(
 def held_rows(param: nn.Parameter) -> list[tuple[int, int]]:
     """The rows of `param` each rank holds, by global rank: (first row, rows). A plain tensor is
     all of itself on every rank; a DTensor is sharded on dim 0 over one dim of its mesh (FSDP2's
-    mesh, or the expert mesh's rows: `rlactors.trainer.expert_parallel`), as torch.chunk splits it
+    mesh, or the expert mesh's `expert` dim: `rlactors.trainer.expert_parallel`), as torch.chunk splits it
     (ceil(rows / shards) rows per shard, the last ones shorter or empty), and replicated over the
     others.
     """

@@ -82,8 +82,9 @@ class TrainerConfig(_Section):
     logprob_chunk_tokens: int = 1024  # tokens per chunk of the fp32 log-softmax
     # Mixture-of-experts models: weight of the router's load-balancing loss (0: off, as RL recipes run)
     router_aux_loss_coef: float = 0.0
-    # Mixture-of-experts models: ranks each sparse layer's experts are split over (1: FSDP shards
-    # them with the rest; trainer.ranks: expert parallelism over all trainer ranks)
+    # Mixture-of-experts models: consecutive ranks each sparse layer's experts are split over, by
+    # expert (1: FSDP shards them with the rest; a divisor E of trainer.ranks: ranks/E groups of E
+    # ranks, each holding all the experts)
     expert_parallel: int = 1
 
     def validate(self, key: str) -> None:
@@ -96,8 +97,8 @@ class TrainerConfig(_Section):
         _check(self.logprob_chunk_tokens >= 1, f"{key}.logprob_chunk_tokens", "must be >= 1")
         _check(0 <= self.router_aux_loss_coef < math.inf, f"{key}.router_aux_loss_coef",
                f"must be >= 0 and finite, got {self.router_aux_loss_coef}")
-        _check(self.expert_parallel in (1, self.ranks), f"{key}.expert_parallel",
-               f"must be 1 or trainer.ranks ({self.ranks}), got {self.expert_parallel}")
+        _check(self.expert_parallel >= 1 and self.ranks % self.expert_parallel == 0, f"{key}.expert_parallel",
+               f"must be >= 1 and divide trainer.ranks ({self.ranks}), got {self.expert_parallel}")
 
 
 @dataclass

@@ -275,3 +275,13 @@ def test_true_on_policy_with_vllm_is_tensor_parallel_1_only():
     with pytest.raises(ConfigError, match=r"^generator\.tp: model\.true_on_policy with vLLM runs tensor parallelism 1"):
         load_config(overrides=vllm + ["generator.tp=2", "model.true_on_policy=true"], available_gpus=8)
     assert load_config(overrides=vllm + ["generator.tp=2"], available_gpus=8).generator.tp == 2
+
+
+def test_expert_parallel_divides_the_trainer_ranks():
+    for expert_parallel in (1, 2, 4):
+        config = load_config(overrides=["trainer.ranks=4", f"trainer.expert_parallel={expert_parallel}"])
+        assert config.trainer.expert_parallel == expert_parallel
+    for expert_parallel in (3, 8, 0):
+        with pytest.raises(ConfigError, match=rf"^trainer\.expert_parallel: must be >= 1 and divide trainer\.ranks "
+                                              rf"\(4\), got {expert_parallel}$"):
+            load_config(overrides=["trainer.ranks=4", f"trainer.expert_parallel={expert_parallel}"])

@@ -42,8 +42,9 @@ from rlactors.models.checkpoint import (
 from rlactors.models.moe import SparseMoeBlock, load_balancing_loss
 from rlactors.on_policy.sides import TrainerSide
 from rlactors.trainer import checkpoint as ckpt
+from rlactors.trainer import expert_parallel
 from rlactors.trainer.batch import MicroBatch
-from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, local_rows, make_mesh
+from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, held_rows, local_rows, make_mesh
 from rlactors.weight_sync.broadcast import WeightSender
 from rlactors.weight_sync.checksum import state_checksum
 from rlactors.weight_sync.packed import Chunk, PackedLayout
@@ -124,7 +125,8 @@ class PolicyTrainerCore:
             activation_checkpointing=trainer.activation_checkpointing,
             compile_layers=trainer.compile_layers and device.type == "cuda" and not kernels.eager,
             convert=kernels.convert,
-            expert_parallel=trainer.expert_parallel > 1,
+            expert_mesh=(expert_parallel.expert_mesh(device.type, trainer.expert_parallel)
+                         if trainer.expert_parallel > 1 else None),
         )
         self._attention = kernels.attention
         self._load_hf_weights(model.path)
@@ -174,7 +176,7 @@ class PolicyTrainerCore:
             self._router_logits.clear()
         if self.args.moe is not None:
             stats = stats.merge(self._routing_stats(mb))
-        value.backward()
+        expert_parallel.backward(self.model, value)
         self._stats = self._stats.merge(stats)
         self._accumulated += 1
         return {"loss_tokens": tokens[self.rank]}
@@ -302,40 +304,42 @@ class PolicyTrainerCore:
         ranks). A collective: every rank must call it with the same parts.
 
         One gather moves all parts at once (a per-parameter full_tensor() is hundreds of
-        collectives and allocations): each rank casts its own rows of each part into a flat buffer
-        with one slot per part, sized for the most rows any rank holds of it so every rank's
-        buffer has the same layout, and rank 0 copies each rank's rows into place. Bytes are
-        gathered, so any dtype works on gloo.
+        collectives and allocations): each rank casts the rows it holds of each part (unless a lower
+        rank holds them too: replicas) into a flat buffer with one slot per part, sized for the
+        most rows any rank sends of it so every rank's buffer has the same layout, and rank 0
+        copies each rank's rows into place. Bytes are gathered, so any dtype works on gloo.
         """
         if self.world_size == 1:
             if destination is not None:
                 torch._foreach_copy_([destination(i) for i in range(len(parts))], self._one_rank_rows(parts))
             return
         params = dict(self.model.named_parameters())
-        shares, slots, offset = [], [], 0  # per part: this rank's rows of it; its slot in `flat`
+        sent, slots, offset = [], [], 0  # per part: the rows each rank sends of it; its slot in `flat`
         for name, first, rows in parts:
-            p = params[name]
-            shard_rows = -(-p.shape[0] // self.world_size)
-            local, local_first = local_rows(p)
-            lo, hi = max(first, local_first), min(first + rows, local_first + local.shape[0])
-            shares.append(local[lo - local_first:max(lo, hi) - local_first])
+            held = held_rows(params[name])
+            # Each row from the first rank that holds it (the experts' replicas hold the same rows).
+            sent.append([_overlap(first, rows, *held[r]) if held.index(held[r]) == r else (first, first)
+                         for r in range(self.world_size)])
             slots.append(offset)
-            offset += min(rows, shard_rows) * math.prod(p.shape[1:])
+            offset += max(hi - lo for lo, hi in sent[-1]) * math.prod(params[name].shape[1:])
         flat = torch.zeros(offset, dtype=dtype, device=self.device)
+        shares = []
+        for (name, _, _), rank_sent in zip(parts, sent):
+            local, local_first = local_rows(params[name])
+            lo, hi = rank_sent[self.rank]
+            shares.append(local[lo - local_first:hi - local_first])
         torch._foreach_copy_([flat[o:o + share.numel()].view(share.shape) for o, share in zip(slots, shares)], shares)
         gathered = [torch.empty_like(flat) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(flat.view(torch.uint8), [g.view(torch.uint8) for g in gathered] if gathered else None, dst=0)
         if destination is None:
             return
         targets, sources = [], []
-        for i, ((name, first, rows), o) in enumerate(zip(parts, slots)):
-            p = params[name]
-            shard_rows, row_numel = -(-p.shape[0] // self.world_size), math.prod(p.shape[1:])
-            for r, rank_flat in enumerate(gathered):
-                lo, hi = max(first, r * shard_rows), min(first + rows, (r + 1) * shard_rows, p.shape[0])
+        for i, ((name, first, _), rank_sent, o) in enumerate(zip(parts, sent, slots)):
+            shape = params[name].shape
+            for (lo, hi), rank_flat in zip(rank_sent, gathered):
                 if hi > lo:
                     targets.append(destination(i)[lo - first:hi - first])
-                    sources.append(rank_flat[o:o + (hi - lo) * row_numel].view(hi - lo, *p.shape[1:]))
+                    sources.append(rank_flat[o:o + (hi - lo) * math.prod(shape[1:])].view(hi - lo, *shape[1:]))
         torch._foreach_copy_(targets, sources)
 
     def full_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
@@ -520,3 +524,10 @@ class PolicyTrainerCore:
     def _discard_accumulation(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self._stats, self._accumulated = LossStats(), 0
+
+
+def _overlap(first: int, rows: int, held_first: int, held: int) -> tuple[int, int]:
+    """The rows `[lo, hi)` that rows `first` to `first + rows` share with rows `held_first` to
+    `held_first + held` (`lo == hi` when none)."""
+    lo = max(first, held_first)
+    return lo, max(lo, min(first + rows, held_first + held))

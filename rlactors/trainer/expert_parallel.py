@@ -1,17 +1,24 @@
-"""Expert parallelism over the trainer mesh (``trainer.expert_parallel``): each sparse layer's
-experts split by expert over the ranks, a token's rows sent to the ranks that hold its experts
-and the results sent back (all-to-all).
+"""Expert parallelism (``trainer.expert_parallel = E``): each sparse layer's experts split by
+expert over groups of ``E`` consecutive trainer ranks, a token's rows sent to the ranks of its
+group that hold its experts and the results sent back (all-to-all).
 
-``shard_experts`` makes every ``Experts`` parameter a DTensor sharded on dim 0 (the expert) over
-the 1-D trainer mesh, the placement FSDP2 would give it, so loading, checkpoints and the weight
-gather for sync read the same shards; FSDP leaves these parameters alone, so a rank computes
-with its own experts and never gathers the others'.
+The ``R`` trainer ranks form an ``R/E x E`` mesh (``expert_mesh``, dims ``replica`` and
+``expert``): each row, ``E`` consecutive ranks, is an expert-parallel group and holds every
+expert, split by expert; the ranks of a column, one per group, hold the same experts (replicas).
+``shard_experts`` makes every ``Experts`` parameter a DTensor on that mesh, sharded on dim 0 (the
+expert) within a group and replicated over the groups, so loading, checkpoints and the weight
+gather for sync read its shards like FSDP's; FSDP leaves these parameters alone, so a rank
+computes with its own experts and never gathers the others'. The dense parameters stay FSDP over
+all ``R`` ranks.
 
 Each rank multiplies the rows it receives source rank by source rank, as each source rank
 multiplies its own rows without expert parallelism (``Experts.mlp``): the outputs and the
-inputs' gradients are FSDP's bit for bit, and an expert's weight gradient sums the same per-rank
-terms that FSDP's reduce-scatter sums (with 2 ranks that sum is exact in any order; with more,
-its order may differ from the reduce-scatter's).
+inputs' gradients are FSDP's bit for bit. An expert's weight gradient is the sum, over all ``R``
+ranks, of the terms each rank's rows give it, as FSDP's reduce-scatter sums them (gradients are
+summed, not averaged: the loss is normalised by the step's global token count): autograd adds a
+group's terms on the rank holding the expert, and ``backward`` adds the groups' sums over the
+replicas. A sum of 2 terms is exact in any order; of more, its order may differ from the
+reduce-scatter's, and the gradient by the rounding of fp32 additions.
 """
 
 from __future__ import annotations
@@ -19,19 +26,28 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from rlactors.models.moe import Experts
 
 
-class ExpertParallel:
-    """``Experts.expert_parallel``: rank ``r`` of ``group`` holds experts ``[r * n, (r + 1) * n)``,
-    ``n = num_experts / ranks``."""
+def expert_mesh(device_type: str, expert_parallel: int) -> DeviceMesh:
+    """The ``("replica", "expert")`` mesh of all ranks: ``expert_parallel`` consecutive ranks a row
+    (``expert_parallel`` divides the ranks: ``TrainerConfig.validate``)."""
+    ranks = dist.get_world_size()
+    return init_device_mesh(device_type, (ranks // expert_parallel, expert_parallel),
+                            mesh_dim_names=("replica", "expert"))
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int):
-        self.group = group
-        self.ranks = dist.get_world_size(group)
+
+class ExpertParallel:
+    """``Experts.expert_parallel``: rank ``r`` of its expert-parallel ``group`` (a row of the
+    expert mesh) holds experts ``[r * n, (r + 1) * n)``, ``n = num_experts / ranks``; ``replicas``
+    (its column) hold the same."""
+
+    def __init__(self, mesh: DeviceMesh, num_experts: int):
+        self.group, self.replicas = mesh.get_group("expert"), mesh.get_group("replica")
+        self.ranks = dist.get_world_size(self.group)
         self.local_experts = num_experts // self.ranks
 
     # Eager inside a torch.compile'd layer (trainer.compile_layers): the exchange reads the counts
@@ -81,16 +97,39 @@ def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[in
 
 
 def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
-    """Shards every ``Experts`` module of ``model`` (on the meta device) by expert over the 1-D
-    ``mesh`` (whose size divides the number of experts: ``config.check_model_keys``) and runs it
-    expert-parallel; returns the sharded parameters, for FSDP to ignore."""
+    """Shards every ``Experts`` module of ``model`` (on the meta device) by expert within each
+    group of the expert ``mesh`` (``expert_mesh``; the group size divides the number of experts:
+    ``config.check_model_keys``), replicated over the groups, and runs it expert-parallel; returns
+    the sharded parameters, for FSDP to ignore."""
     sharded = set()
     for module in model.modules():
         if not isinstance(module, Experts):
             continue
         for name, param in list(module.named_parameters(recurse=False)):
-            shard = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]))
+            shard = nn.Parameter(distribute_tensor(param, mesh, [Replicate(), Shard(0)]))
             setattr(module, name, shard)
             sharded.add(shard)
-        module.expert_parallel = ExpertParallel(mesh.get_group(), module.num_experts)
+        module.expert_parallel = ExpertParallel(mesh, module.num_experts)
     return sharded
+
+
+def backward(model: nn.Module, loss: torch.Tensor) -> None:
+    """``loss.backward()``; with expert replicas, each expert gradient it gives is then summed over
+    the replicas and added to what earlier backwards accumulated (gradient accumulation), as FSDP
+    reduces and accumulates the others."""
+    experts = [m for m in model.modules() if isinstance(m, Experts) and m.expert_parallel is not None]
+    if not experts or dist.get_world_size(experts[0].expert_parallel.replicas) == 1:
+        loss.backward()
+        return
+    params = [p for m in experts for p in m.parameters(recurse=False)]
+    accumulated = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    loss.backward()
+    # Every rank's backward gives every expert a gradient (zero for experts that got no rows:
+    # ``ExpertParallel``), so all ranks run these reductions alike, in parameter order.
+    for p, earlier in zip(params, accumulated):
+        dist.all_reduce(p.grad.to_local(), group=experts[0].expert_parallel.replicas)
+        if earlier is not None:
+            earlier.to_local().add_(p.grad.to_local())
+            p.grad = earlier

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 
@@ -76,7 +77,7 @@ def build_sharded_model(
     activation_checkpointing: bool,
     compile_layers: bool,
     convert: Callable[[nn.Module], None] | None = None,
-    expert_parallel: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> DecoderForCausalLM:
     """An FSDP2-sharded model with uninitialised fp32 shards on `device` (load weights next).
 
@@ -86,14 +87,15 @@ def build_sharded_model(
     With `mixed_precision`, parameters are all-gathered and computed in bf16 while the fp32
     shards stay the master weights and gradients are reduced in fp32. `compile_layers` compiles
     each decoder layer (CUDA: the eager layer is bound by its elementwise kernels). `convert`
-    (true on-policy's module swap) is applied to the plain model first. With `expert_parallel`,
-    the experts are sharded by expert over `mesh` outside FSDP (`rlactors.trainer.expert_parallel`).
+    (true on-policy's module swap) is applied to the plain model first. With `expert_mesh`, the
+    experts are sharded by expert within each of its expert-parallel groups, outside FSDP
+    (`rlactors.trainer.expert_parallel`).
     """
     with torch.device("meta"):
         model = DecoderForCausalLM(args)
     if convert is not None:
         convert(model)
-    experts = shard_experts(model, mesh) if expert_parallel else set()
+    experts = shard_experts(model, expert_mesh) if expert_mesh is not None else set()
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if mixed_precision else None,
         reduce_dtype=torch.float32 if mixed_precision else None,
@@ -114,21 +116,36 @@ def build_sharded_model(
     return model
 
 
-def local_rows(param: nn.Parameter) -> tuple[torch.Tensor, int]:
-    """This rank's part of a parameter sharded on dim 0 over a 1-D mesh (FSDP2), and the index
-    of its first row in the full tensor; a plain tensor is all of itself, from row 0.
-
-    FSDP2 splits dim 0 as torch.chunk does: ceil(rows / ranks) rows per rank, the last ones
-    shorter or empty.
+def held_rows(param: nn.Parameter) -> list[tuple[int, int]]:
+    """The rows of `param` each rank holds, by global rank: (first row, rows). A plain tensor is
+    all of itself on every rank; a DTensor is sharded on dim 0 over one dim of its mesh (FSDP2's
+    mesh, or the expert mesh's `expert` dim: `rlactors.trainer.expert_parallel`), as torch.chunk splits it
+    (ceil(rows / shards) rows per shard, the last ones shorter or empty), and replicated over the
+    others.
     """
+    rows = param.shape[0]
+    if not isinstance(param, DTensor):
+        return [(0, rows)] * dist.get_world_size()
+    sharded = [dim for dim, placement in enumerate(param.placements) if not placement.is_replicate()]
+    if len(sharded) != 1 or param.placements[sharded[0]] != Shard(0):
+        raise ValueError(f"expected a parameter sharded on dim 0 over one mesh dim, got {param.placements}")
+    mesh, dim = param.device_mesh, sharded[0]
+    per_shard = -(-rows // mesh.size(dim))
+    held = {}
+    for index in itertools.product(*map(range, mesh.mesh.shape)):
+        first = min(index[dim] * per_shard, rows)
+        held[int(mesh.mesh[index])] = (first, min(per_shard, rows - first))
+    return [held[rank] for rank in sorted(held)]
+
+
+def local_rows(param: nn.Parameter) -> tuple[torch.Tensor, int]:
+    """This rank's part of a parameter (`held_rows`), and the index of its first row in the full
+    tensor; a plain tensor is all of itself, from row 0."""
     if not isinstance(param, DTensor):
         return param.data, 0
-    if param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
-        raise ValueError(f"expected a parameter sharded on dim 0 of a 1-D mesh, got {param.placements}")
-    rows, ranks = param.shape[0], param.device_mesh.size()
-    first = min(param.device_mesh.get_local_rank() * -(-rows // ranks), rows)
+    first, rows = held_rows(param)[dist.get_rank()]
     local = param.to_local()
-    if local.shape[1:] != param.shape[1:] or first + local.shape[0] > rows:
+    if local.shape != (rows, *param.shape[1:]):
         raise ValueError(f"shard of {tuple(local.shape)} at row {first} does not fit {tuple(param.shape)}")
     return local, first
 
@@ -140,13 +157,27 @@ def make_mesh(device: torch.device) -> DeviceMesh:
 def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clips the gradients of sharded parameters to a global L2 norm; returns the norm before.
 
-    The per-shard norms of DTensor gradients are partial results; full_tensor() reduces them
-    over the mesh. A non-finite norm leaves the gradients as they are.
+    Each rank takes the norm of the gradient rows it holds, counting rows replicated over ranks
+    (the experts' under expert parallelism) on the first of them only, and the ranks' squared
+    norms are summed: what DTensor's full_tensor() does with a partial norm, on every mesh. A
+    non-finite norm leaves the gradients as they are.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    counted = [g.to_local() if isinstance(g, DTensor) else g for g in grads if _first_copy(g)]
+    # foreach=False: one vector_norm per tensor, as get_total_norm takes DTensors' norms.
+    norm = torch.nn.utils.get_total_norm(counted, 2.0, foreach=False) ** 2.0
+    dist.all_reduce(norm)
+    norm = norm ** 0.5
     if torch.isfinite(norm):
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+        # clip_grads_with_norm_'s scale, on the local rows
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], scale)
     return norm
+
+
+def _first_copy(tensor: torch.Tensor) -> bool:
+    """Whether this rank holds the first copy of its rows of `tensor` (`held_rows`)."""
+    if not isinstance(tensor, DTensor):
+        return dist.get_rank() == 0
+    coordinate = tensor.device_mesh.get_coordinate()
+    return all(c == 0 for c, p in zip(coordinate, tensor.placements) if p.is_replicate())

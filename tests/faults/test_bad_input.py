@@ -81,7 +81,7 @@ IMPOSSIBLE = [
     (["trainer.router_aux_loss_coef=inf"], "trainer.router_aux_loss_coef"),
     (["trainer.max_grad_norm=0"], "trainer.max_grad_norm"),
     (["trainer.logprob_chunk_tokens=0"], "trainer.logprob_chunk_tokens"),
-    (["trainer.expert_parallel=3"], "trainer.expert_parallel"),  # neither 1 nor trainer.ranks (2)
+    (["trainer.expert_parallel=3"], "trainer.expert_parallel"),  # does not divide trainer.ranks (2)
     (["model.routing_replay=true", "model.true_on_policy=true"], "model.routing_replay"),
     (['generator.engine="sglang"'], "generator.engine"),
     (['generator.engine="vllm"'], "generator.engine"),  # vllm needs controller.device = "cuda"

@@ -1,15 +1,16 @@
-"""Expert parallelism (trainer.expert_parallel): the experts stay sharded by expert, outside FSDP,
-and on 2 real gloo procs a step is bitwise the step of FSDP alone, in true on-policy mode and in
-default mode with routing replay, also when one rank's experts get no token; a checkpoint resumes
-bitwise."""
+"""Expert parallelism (trainer.expert_parallel): the experts stay sharded by expert, outside FSDP;
+on real gloo procs a step is the step of FSDP alone, over all 2 ranks (true on-policy mode) and
+in 2 groups of 2 of 4 ranks (default mode with routing replay), also when one rank's experts get
+no token; a checkpoint resumes bitwise."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
 from monarch.actor import this_host
 from support.trainer_inputs import cat, one_rank_process_group, rows
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from rlactors.actors.trainer import spawn_trainer, train_step
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
@@ -19,7 +20,8 @@ from rlactors.models.moe import Experts
 from rlactors.on_policy.sides import sides
 from rlactors.placement import first_value
 from rlactors.trainer.batch import MicroBatch
-from rlactors.trainer.parallel import build_sharded_model, local_rows, make_mesh
+from rlactors.trainer.expert_parallel import expert_mesh
+from rlactors.trainer.parallel import build_sharded_model, held_rows, local_rows, make_mesh
 
 LOSS = LossConfig(name="dapo", clip_high=0.28)
 
@@ -30,7 +32,7 @@ def logprobs_and_grads(ckpt, mb, device, expert_parallel):
     args = load_args(ckpt)
     weights = fuse_experts(load_state_dict(ckpt), args)
     model = build_sharded_model(args, make_mesh(device), device, mixed_precision=False, activation_checkpointing=False,
-                                compile_layers=False, expert_parallel=expert_parallel)
+                                compile_layers=False, expert_mesh=expert_mesh("cpu", 1) if expert_parallel else None)
     with torch.no_grad():
         for name, param in model.named_parameters():
             local, first = local_rows(param)
@@ -51,11 +53,22 @@ def test_experts_stay_sharded_outside_fsdp_and_compute_what_fsdp_does(family_ckp
     with one_rank_process_group("cpu") as device:
         results = [logprobs_and_grads(ckpt, mb, device, expert_parallel) for expert_parallel in (False, True)]
     (fsdp_logprobs, fsdp_grads, fsdp_seen), (ep_logprobs, ep_grads, ep_seen) = results
-    assert len(ep_seen) == 3 and all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in ep_seen)
+    assert len(ep_seen) == 3
+    assert all(isinstance(p, DTensor) and p.placements == (Replicate(), Shard(0)) for p in ep_seen)
     assert not any(isinstance(p, DTensor) for p in fsdp_seen)  # FSDP gathers them for the forward
     assert torch.equal(ep_logprobs, fsdp_logprobs)
     assert fsdp_grads.keys() == ep_grads.keys()
     assert all(torch.equal(ep_grads[n], fsdp_grads[n]) for n in fsdp_grads)
+
+
+def test_held_rows_are_a_dim_0_shard_and_other_placements_are_refused():
+    weight = torch.arange(12.0).view(3, 4)
+    with one_rank_process_group("cpu"):
+        mesh = expert_mesh("cpu", 1)
+        assert held_rows(distribute_tensor(weight, mesh, [Replicate(), Shard(0)])) == [(0, 3)]
+        for placements in ([Replicate(), Shard(1)], [Shard(0), Shard(0)]):
+            with pytest.raises(ValueError, match=r"^expected a parameter sharded on dim 0 over one mesh dim"):
+                held_rows(distribute_tensor(weight, mesh, placements))
 
 
 @pytest.fixture(scope="module")
@@ -65,63 +78,111 @@ def loop():
     loop.close()
 
 
-def to_rank_0_experts(mb: MicroBatch) -> MicroBatch:
-    """``mb`` whose every token the generator, at policy version 1, routed to experts 0 and 1 in
-    every sparse layer (rank 0's under 2-way expert parallelism)."""
-    routed = torch.tensor([0, 1]).expand(*mb.input_ids.shape, 3, 2).clone()  # tiny MoE: 3 sparse layers, top 2
-    return MicroBatch(**{**vars(mb), "routed_experts": routed, "versions": torch.where(mb.loss_mask, 1, -1)})
+async def trained(model, config, batches, checkpoint_root=None, microbatches=1):
+    """Each step on ``config.ranks`` spawned trainer ranks, a batch's rows split evenly over them
+    and a rank's rows into ``microbatches``: the logprobs before it, its metrics and the weights
+    after it; with ``checkpoint_root``, also the weights after resuming from a checkpoint of step 1
+    and taking the last step again."""
+    procs, trainer, _ = await spawn_trainer(this_host(), model, config,
+                                            sides(model.true_on_policy, "native", "cpu").trainer)
 
-
-@pytest.mark.parametrize("mode", ["true_on_policy", "routing_replay"])
-def test_two_expert_parallel_ranks_step_bitwise_as_fsdp_alone(loop, family_ckpt, tmp_path, mode):
-    """Two steps on 2 ranks with trainer.expert_parallel 2 and 1: the same logprobs, loss, gradient
-    norm and weights, bit for bit; resuming the expert-parallel ranks from a checkpoint of step 1
-    repeats step 2 bit for bit. With routing replay the second step sends every token to rank
-    0's experts, so rank 1's get none (a zero gradient, as under FSDP)."""
-    ckpt, batches = family_ckpt("qwen3_moe", tie=False), [rows(5), rows(6)]
-    if mode == "routing_replay":
-        batches[1] = [to_rank_0_experts(mb) for mb in batches[1]]
-    model = ModelConfig(path=str(ckpt), true_on_policy=mode == "true_on_policy",
-                        routing_replay=mode == "routing_replay")
-
-    async def step(trainer, batch):
-        split = [[cat(batch[:3])], [cat(batch[3:])]]
-        logprobs = await trainer.compute_logprobs.call([s[0] for s in split])
+    async def step(batch):
+        share = len(batch) // config.ranks
+        ranks_rows = [batch[r * share:(r + 1) * share] for r in range(config.ranks)]
+        logprobs = await trainer.compute_logprobs.call([cat(r) for r in ranks_rows])
+        size = share // microbatches
+        split = [[cat(r[i:i + size]) for i in range(0, share, size)] for r in ranks_rows]
         metrics = await train_step(trainer, split, LossNorm.for_step(batch, LOSS.name), LOSS)
-        return [logprobs.item(gpus=r) for r in range(2)], metrics
+        weights = first_value(await trainer.state_dict_for_sync.call("float32")).weights
+        return [logprobs.item(gpus=r) for r in range(config.ranks)], metrics, weights
 
-    async def weights(trainer):
-        return first_value(await trainer.state_dict_for_sync.call("float32")).weights
+    try:
+        steps = []
+        for i, batch in enumerate(batches):
+            steps.append(await step(batch))
+            if checkpoint_root and i == 0:
+                saved = (await trainer.save_checkpoint.call(str(checkpoint_root), 1)).item(gpus=0)
+        if not checkpoint_root:
+            return steps, None
+        await trainer.load_checkpoint.call(saved)
+        return steps, (await step(batches[-1]))[2]
+    finally:
+        await procs.stop()
 
-    async def trained(expert_parallel):
-        """Both steps, the weights after them, and (expert parallel) those after resuming from a
-        checkpoint of step 1 and taking step 2 again."""
-        config = TrainerConfig(ranks=2, lr=1e-2, max_grad_norm=0.005, expert_parallel=expert_parallel)
-        procs, trainer, _ = await spawn_trainer(this_host(), model, config,
-                                                sides(model.true_on_policy, "native", "cpu").trainer)
-        try:
-            steps = [await step(trainer, batches[0])]
-            if expert_parallel > 1:
-                saved = (await trainer.save_checkpoint.call(str(tmp_path), 1)).item(gpus=0)
-            steps.append(await step(trainer, batches[1]))
-            final = await weights(trainer)
-            if expert_parallel == 1:
-                return steps, final, None
-            await trainer.load_checkpoint.call(saved)
-            await step(trainer, batches[1])
-            return steps, final, await weights(trainer)
-        finally:
-            await procs.stop()
 
-    fsdp_steps, fsdp_weights, _ = loop.run_until_complete(trained(1))
-    ep_steps, ep_weights, resumed_weights = loop.run_until_complete(trained(2))
-    for (fsdp_logprobs, fsdp_metrics), (ep_logprobs, ep_metrics) in zip(fsdp_steps, ep_steps):
+def assert_weights_equal(actual, expected, names=None):
+    assert actual.keys() == expected.keys()
+    assert all(torch.equal(actual[n], expected[n]) for n in names or expected)
+
+
+def test_all_ranks_expert_parallel_steps_bitwise_as_fsdp_alone(loop, family_ckpt, tmp_path):
+    """Two steps on 2 ranks with trainer.expert_parallel 2 and 1, in true on-policy mode: the same
+    logprobs, loss, gradient norm and weights, bit for bit (each rank holds the expert rows FSDP
+    gives it; an expert's gradient sums 2 terms); resuming the expert-parallel ranks from a
+    checkpoint of step 1 repeats step 2 bit for bit."""
+    ckpt, batches = family_ckpt("qwen3_moe", tie=False), [rows(5), rows(6)]
+    model = ModelConfig(path=str(ckpt), true_on_policy=True)
+    config = TrainerConfig(ranks=2, lr=1e-2, max_grad_norm=0.005)
+    fsdp_steps, _ = loop.run_until_complete(trained(model, config, batches))
+    ep_steps, resumed = loop.run_until_complete(trained(model, replace(config, expert_parallel=2), batches, tmp_path))
+    for (fsdp_logprobs, fsdp_metrics, fsdp_weights), (ep_logprobs, ep_metrics, ep_weights) in zip(fsdp_steps, ep_steps):
         assert all(torch.equal(a, b) for a, b in zip(ep_logprobs, fsdp_logprobs))
-        for key in ("loss", "grad_norm", "logprob_diff/max", "expert_mismatch/share"):
+        for key in ("loss", "grad_norm", "logprob_diff/max"):
             assert ep_metrics[key] == fsdp_metrics[key], key
+        assert_weights_equal(ep_weights, fsdp_weights)
     assert fsdp_steps[1][1]["policy_version"] == 2
-    assert ep_weights.keys() == fsdp_weights.keys()
-    assert all(torch.equal(ep_weights[n], fsdp_weights[n]) for n in fsdp_weights)
-    assert all(torch.equal(resumed_weights[n], ep_weights[n]) for n in ep_weights)
-    if mode == "routing_replay":
-        assert fsdp_steps[1][1]["expert_mismatch/share"] > 0.5  # the replayed experts are not the routers'
+    assert_weights_equal(resumed, ep_steps[1][2])
+
+
+# Under trainer.expert_parallel 2 of 4 ranks, ranks 0 and 2 hold experts 0-3 of the tiny MoE (8
+# experts, 3 sparse layers, top 2), ranks 1 and 3 experts 4-7. Rank r's tokens go to experts
+# REPLAYED[r] in every sparse layer: an expert gets the rows of at most one rank of each
+# expert-parallel group (0 and 1, 2 and 3), and no rank of the second group sends rows to experts
+# 4-7, so rank 3 computes none.
+REPLAYED = [(4, 0), (5, 1), (2, 0), (3, 1)]
+
+
+def replayed(mb: MicroBatch, experts: tuple[int, int]) -> MicroBatch:
+    routed = torch.tensor(experts).expand(*mb.input_ids.shape, 3, 2).clone()
+    return MicroBatch(**{**vars(mb), "routed_experts": routed})
+
+
+def test_two_groups_of_two_expert_parallel_ranks_step_as_fsdp_alone(loop, family_ckpt, tmp_path):
+    """Two steps on 4 ranks with trainer.expert_parallel 2 and 1, in default mode with routing
+    replay, 2 microbatches a rank (gradient accumulation), no gradient clipped.
+
+    Step 1 replays REPLAYED: an expert's gradient sums the terms of at most 2 ranks (the others
+    are 0), which is exact in any order, so the logprobs, loss and weights after the step, expert
+    tensors gathered in full for sync, are FSDP's bit for bit. Step 2 routes by the routers: an
+    expert's gradient may sum the terms of all 4 ranks, FSDP's reduce-scatter in gloo's order and
+    expert parallelism as (rank 0 + rank 1) + (rank 2 + rank 3), so the experts' weights after it
+    are FSDP's up to that rounding (the other weights still bit for bit). The gradient norm sums
+    squares of the rows each rank holds, 2 experts of each expert tensor under FSDP and 4 under
+    expert parallelism, so its fp32 sums run in another order: equal to a few units in the last
+    place. No gradient is clipped, as a clip scale from such norms would differ in its last bits.
+    Resuming the expert-parallel ranks from a checkpoint of step 1 repeats step 2 bit for bit."""
+    ckpt = family_ckpt("qwen3_moe", tie=False)
+    batches = [[replayed(mb, REPLAYED[i // 2]) for i, mb in enumerate(rows(5))], rows(6)]
+    model = ModelConfig(path=str(ckpt), routing_replay=True)
+    config = TrainerConfig(ranks=4, lr=1e-2, max_grad_norm=1e6)
+    fsdp_steps, _ = loop.run_until_complete(trained(model, config, batches, microbatches=2))
+    ep_steps, resumed = loop.run_until_complete(
+        trained(model, replace(config, expert_parallel=2), batches, tmp_path, microbatches=2))
+    for (fsdp_logprobs, fsdp_metrics, _), (ep_logprobs, ep_metrics, _) in zip(fsdp_steps, ep_steps):
+        assert all(torch.equal(a, b) for a, b in zip(ep_logprobs, fsdp_logprobs))
+        for key in ("loss", "expert_mismatch/share"):
+            assert ep_metrics[key] == fsdp_metrics[key], key
+        assert ep_metrics["grad_norm"] == pytest.approx(fsdp_metrics["grad_norm"], rel=1e-6, abs=0)
+    assert fsdp_steps[0][1]["expert_mismatch/share"] > 0.5  # the replayed experts are not the routers'
+    (_, _, fsdp_weights), (_, _, ep_weights) = fsdp_steps[0], ep_steps[0]
+    assert_weights_equal(ep_weights, fsdp_weights)
+    (_, _, fsdp_weights), (_, _, ep_weights) = fsdp_steps[1], ep_steps[1]
+    experts = {n for n in fsdp_weights if ".mlp.experts." in n}
+    assert len(experts) == 6  # the experts' gate_up_proj and down_proj, 3 sparse layers
+    assert_weights_equal(ep_weights, fsdp_weights, fsdp_weights.keys() - experts)
+    for n in experts:
+        # Adam moves a weight by lr * m / (sqrt(v) + eps): a gradient a few units in its last place
+        # off moves it by some 1e-7 * lr more or less, more where the ranks' terms of the gradient
+        # nearly cancel (seen: up to 2.6e-6 * lr); lr * 1e-4 leaves room for 40 times more.
+        torch.testing.assert_close(ep_weights[n], fsdp_weights[n], rtol=0, atol=config.lr * 1e-4, msg=n)
+    assert_weights_equal(resumed, ep_steps[1][2])

@@ -115,7 +115,9 @@ class Experts(nn.Module):
         tokens, top_k = expert_ids.shape
         slots = expert_ids.reshape(-1)  # slot t * top_k + j: token t's j-th expert
         order = slots.argsort(stable=True)  # the slots grouped by expert, each group in token order
-        counts = torch.bincount(slots, minlength=self.num_experts)
+        # Not bincount: on CUDA it reads the largest id on the host to size its output.
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, slots, torch.ones_like(slots))
         if self.expert_parallel is None:
             out = self.mlp(x[order // top_k], counts, self.gate_up_proj, self.down_proj)
         else:

@@ -102,6 +102,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def grouped_linear_values(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """On CUDA, without autograd: ``x``'s rows in groups, ``counts[e]`` rows for expert ``e`` in
+    expert order, each group through ``linear(rows, weight[e])`` with its bits, in one launch
+    that reads ``counts`` on the GPU (a CUDA graph can hold it)."""
+    return _triton().grouped_matmul(x, weight, counts)
+
+
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``residual + linear(x, weight)`` on CUDA without autograd, the addition in the matmul's
     own launch with the rounding of a separate addition (a GPU test checks): an engine's decode

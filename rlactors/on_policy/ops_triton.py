@@ -174,6 +174,66 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None 
 
 
 @triton.jit
+def _grouped_matmul_kernel(x_ptr, w_ptr, out_ptr, row_start_ptr, counts_ptr, tile_end_ptr, num_experts, N, K,
+                           stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           CHUNK_K: tl.constexpr, EXPERTS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    """One output tile of one expert's rows, its K summed as ``_matmul_kernel`` sums it. Program
+    ``(m, n)`` takes the expert whose tiles of rows (``tile_end``: each expert's last tile + 1,
+    cumulative) hold tile ``m``; programs past the last tile do nothing."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    experts = tl.arange(0, EXPERTS)
+    tile_ends = tl.load(tile_end_ptr + experts, mask=experts < num_experts, other=2**30)
+    expert = tl.sum((tile_ends <= pid_m).to(tl.int32))
+    if expert >= num_experts:
+        return
+    count = tl.load(counts_ptr + expert)
+    first_tile = tl.load(tile_end_ptr + expert) - tl.cdiv(count, BLOCK_M)
+    start = tl.load(row_start_ptr + expert)
+    rows = start + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_limit = start + count
+    w_ptr += expert.to(tl.int64) * stride_we
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x, w = _load_block(x_ptr, w_ptr, rows, cols, k0, row_limit, N, K, stride_xm, stride_xk, stride_wn,
+                           stride_wk, BLOCK_K, EVEN_K, True)
+        acc = _dot(x, w, acc, IEEE)
+        if ((k0 + BLOCK_K) % CHUNK_K == 0) | (k0 + BLOCK_K >= K):
+            total += acc
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offsets = rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < row_limit) & (cols[None, :] < N))
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``x[M, K]``'s rows in groups, ``counts[e]`` rows for expert ``e`` in expert order, each
+    group times ``weight[e].T`` (``weight [E, N, K]``): each row with the bits ``matmul`` gives it
+    (K summed in the same chunks and blocks), in one launch whose size depends on M and E only.
+    ``counts`` stays on the GPU (nothing waits for it on the host), so a CUDA graph can hold the
+    launch: a grid of every tile M rows could need, ``cdiv(M, BLOCK_M) + E``, most of which exit
+    at once when few experts got rows."""
+    m, k = x.shape
+    experts, n, _ = weight.shape
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_m, block_n, warps, stages = SMALL_TILE
+    counts = counts.to(torch.int32)
+    row_start = counts.cumsum(0, dtype=torch.int32) - counts
+    tile_end = ((counts + block_m - 1) // block_m).cumsum(0, dtype=torch.int32)
+    grid = (triton.cdiv(m, block_m) + experts, triton.cdiv(n, block_n))
+    _grouped_matmul_kernel[grid](
+        x, weight, out, row_start, counts, tile_end, experts, n, k, x.stride(0), x.stride(1), *weight.stride(),
+        out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=MATMUL_BLOCK_K,
+        CHUNK_K=MATMUL_CHUNK_K, EXPERTS=triton.next_power_of_2(experts), EVEN_K=k % MATMUL_BLOCK_K == 0,
+        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    return out
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, heads, stride_xt, stride_xh, stride_out, eps, BLOCK: tl.constexpr):
     """One row: ``x[t, h]`` of ``x[T, heads, N]`` (strided in T and heads), into ``out`` row ``t * heads + h``."""
     row = tl.program_id(0).to(tl.int64)

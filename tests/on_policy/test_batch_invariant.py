@@ -10,9 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rlactors.models.checkpoint import from_pretrained
 from rlactors.models.decoder import RMSNorm, apply_rope, rms_norm, rope_inverse_frequencies
+from rlactors.models.moe import SparseMoeBlock
 from rlactors.on_policy import ops as bi
-from rlactors.on_policy.modules import FrozenInvariantLinear, InvariantLinear, project, stack_weights
+from rlactors.on_policy.modules import (
+    FrozenInvariantLinear,
+    InvariantLinear,
+    project,
+    stack_weights,
+    to_batch_invariant,
+)
 
 BATCHES = [(0, 1), (5, 1), (0, 3), (2, 7), (0, 16), (3, 37), (0, 100), (1, 199)]  # (offset, rows)
 
@@ -295,6 +303,49 @@ def test_cuda_matmul_launches_give_a_row_the_same_bits():
     for rows in (1, 300, 1200):
         assert torch.equal(bi.linear(x[-rows:], w), full[-rows:]), rows
     torch.testing.assert_close(full.float(), F.linear(x, w).float(), atol=3e-1, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_grouped_matmul_gives_each_row_the_bits_of_its_experts_matmul(dtype):
+    """All experts in one launch, their token counts read on the GPU: each row has the bits of
+    the batch-invariant matmul of its expert's rows, whatever the other experts got (none, one
+    row, hundreds), and experts without rows write nothing."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(8, 768, 2048, device="cuda", generator=g).to(dtype)
+    for counts in ([0, 1, 0, 300, 5, 0, 64, 2], [1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1100, 0, 0, 0, 0]):
+        x = torch.randn(sum(counts), 2048, device="cuda", generator=g).to(dtype)
+        grouped = bi.grouped_linear_values(x, weight, torch.tensor(counts, device="cuda"))
+        each = [bi.linear(rows, weight[e]) for e, rows in enumerate(x.split(counts)) if len(rows)]
+        assert torch.equal(grouped, torch.cat(each)), counts
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_cuda_graph_holds_an_engines_moe_layer_with_the_trainers_bits(family_ckpt):
+    """An engine's MoE layer (router, top-k, one grouped launch per projection, the weighted sum)
+    never waits for the host, so a CUDA graph captures it; replayed on new input it has the bits
+    of the trainer's forward of the same layer (a matmul per expert, with autograd)."""
+    engine, trainer = (from_pretrained(family_ckpt("qwen3_moe")).cuda().bfloat16() for _ in range(2))
+    to_batch_invariant(engine, weights_frozen=True)
+    to_batch_invariant(trainer)
+    engine_block, trainer_block = (next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
+                                   for model in (engine, trainer))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = engine.args.hidden_size
+    x, residual = (torch.randn(64, hidden, device="cuda", generator=g).bfloat16() for _ in range(2))
+    with torch.inference_mode():
+        engine_block(x, residual)  # compiles the kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = engine_block(x, residual)
+    for _ in range(2):
+        new_x = torch.randn(64, hidden, device="cuda", generator=g).bfloat16()
+        x.copy_(new_x)
+        graph.replay()
+        trained = trainer_block(new_x.requires_grad_(), residual)  # autograd: a matmul per expert
+        assert torch.equal(captured, trained.detach())
 
 
 @pytest.mark.gpu

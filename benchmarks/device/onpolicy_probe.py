@@ -34,8 +34,9 @@ from rlactors.trainer.core import PolicyTrainerCore  # noqa: E402
 
 SCENARIOS = ROOT / "tests" / "support" / "vllm_scenarios.py"
 # Runs the scenario script with CUDA graphs off (enforce_eager added to the engine args).
-EAGER = ("import runpy, sys; from rlactors.on_policy import vllm_model as m; f = m.true_on_policy_engine_args; "
-         "m.true_on_policy_engine_args = lambda a: {**f(a), 'enforce_eager': True, 'compilation_config': {'mode': 0}}; "
+EAGER = ("import runpy, sys; from rlactors.on_policy import vllm_model as m; "
+         "m.TRUE_ON_POLICY_ENGINE_ARGS = {**m.TRUE_ON_POLICY_ENGINE_ARGS, 'enforce_eager': True, "
+         "'compilation_config': {'mode': 0}}; "
          "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 

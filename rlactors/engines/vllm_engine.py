@@ -129,7 +129,7 @@ class VLLMEngine(Engine):
         mode_args = {}
         if kernels.engine_args is not None:
             kernels.register()
-            mode_args = kernels.engine_args(model_args)
+            mode_args = dict(kernels.engine_args)
         # In default mode vLLM's own MoE layers record each token's experts (for the trainer's
         # expert-mismatch metric and routing replay); in true on-policy mode routing is the trainer's.
         sparse_layers = None

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from rlactors.attention.varlen import VarlenAttention
-from rlactors.models.args import ModelArgs
 from rlactors.models.decoder import Attention
 from rlactors.on_policy import vllm_model
 from rlactors.on_policy.attention import BatchInvariantAttention, BatchInvariantPagedAttention
@@ -51,11 +50,11 @@ class NativeEngineSide:
 @dataclass(frozen=True)
 class VLLMSide:
     """What a vLLM replica runs: environment vLLM must see before it is imported, an architecture to
-    register, and the EngineArgs fields beside model, sizes and dtype for a model of given args."""
+    register, and the EngineArgs fields beside model, sizes and dtype."""
 
     environment: dict[str, str]
     register: Callable[[], None] | None
-    engine_args: Callable[[ModelArgs], dict[str, Any]] | None
+    engine_args: dict[str, Any] | None
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ def sides(true_on_policy: bool, generator_engine: str, device: torch.device | st
             before_process_group=None if on_cpu else vllm_model.share_replica_nccl_settings)
         return Sides(trainer, VLLMSide(environment=vllm_model.true_on_policy_environment(),
                                        register=vllm_model.register,
-                                       engine_args=vllm_model.true_on_policy_engine_args))
+                                       engine_args=vllm_model.TRUE_ON_POLICY_ENGINE_ARGS))
     trainer = TrainerSide(convert=to_batch_invariant, attention=BatchInvariantAttention.from_positions, eager=True)
     # On CPU the attention kernel reads fp32, which holds any model dtype's K/V exactly.
     native = NativeEngineSide(convert=functools.partial(to_batch_invariant, weights_frozen=True),

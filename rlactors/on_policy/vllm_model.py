@@ -19,12 +19,13 @@ logprob is ours and is the op the trainer runs forward (the batch-invariant Trit
   ``VLLMLogSoftmax``).
 
 A mixture of experts runs our ``SparseMoeBlock`` with the trainer's batch-invariant kernels too
-(router, softmax, stable top-k, one matmul per expert, the weighted sum in order), so both sides
-route every token to the same experts; its per-expert loop reads the experts' token counts on the
-host, which a CUDA graph cannot capture, so such a model runs without CUDA graphs.
+(router, softmax, stable top-k, each expert's rows with the bits of a matmul per expert, the
+weighted sum in order), so both sides route every token to the same experts. Here all experts go
+in one launch that reads their token counts on the GPU (``InvariantExperts``), so CUDA graphs hold
+the layer, as they hold the dense ones.
 
 Nothing in vLLM is patched: the engine only registers the architecture and configures vLLM
-(``true_on_policy_engine_args``). vLLM is imported lazily: this module imports on CPU-only machines.
+(``TRUE_ON_POLICY_ENGINE_ARGS``). vLLM is imported lazily: this module imports on CPU-only machines.
 """
 
 from __future__ import annotations
@@ -92,20 +93,17 @@ def share_replica_nccl_settings() -> None:
     override_envs_for_invariance()
 
 
-def true_on_policy_engine_args(args: ModelArgs) -> dict[str, Any]:
-    """EngineArgs fields of a true on-policy vLLM replica of a model of ``args`` (beside model,
-    sizes and dtype)."""
-    return {
-        "hf_overrides": {"architectures": [ARCHITECTURE]},
-        # No torch.compile: Inductor would fuse our ops and round differently from the trainer.
-        # CUDA graphs capture the whole forward of decode steps (our kernels and vLLM's attention),
-        # except with experts, whose per-expert loop reads token counts on the host.
-        "compilation_config": {"mode": 0, "cudagraph_mode": "NONE" if args.moe else "FULL_DECODE_ONLY"},
-        "attention_backend": "FLASH_ATTN",
-        "block_size": PAGE_SIZE,
-        # Cascade attention splits a shared prefix into its own pass: another summation order.
-        "disable_cascade_attn": True,
-    }
+# EngineArgs fields of a true on-policy vLLM replica (beside model, sizes and dtype).
+TRUE_ON_POLICY_ENGINE_ARGS: dict[str, Any] = {
+    "hf_overrides": {"architectures": [ARCHITECTURE]},
+    # No torch.compile: Inductor would fuse our ops and round differently from the trainer.
+    # CUDA graphs capture the whole forward of decode steps (our kernels and vLLM's attention).
+    "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+    "attention_backend": "FLASH_ATTN",
+    "block_size": PAGE_SIZE,
+    # Cascade attention splits a shared prefix into its own pass: another summation order.
+    "disable_cascade_attn": True,
+}
 
 
 class VLLMCausalLM(DecoderForCausalLM):

@@ -4,9 +4,9 @@ packed token in vLLM's page layout, and the model's hook for the generator's own
 
 import torch
 
-from rlactors.models.checkpoint import from_pretrained, load_args
+from rlactors.models.checkpoint import from_pretrained
 from rlactors.models.decoder import LogSoftmax
-from rlactors.on_policy.vllm_model import PAGE_SIZE, PagedFlashAttention, true_on_policy_engine_args
+from rlactors.on_policy.vllm_model import PAGE_SIZE, TRUE_ON_POLICY_ENGINE_ARGS, PagedFlashAttention
 
 
 def test_each_document_is_laid_out_in_its_own_pages_as_vllm_reads_them():
@@ -30,13 +30,12 @@ def test_each_document_is_laid_out_in_its_own_pages_as_vllm_reads_them():
         assert torch.equal(keys, torch.arange(start, start + length).float()) and torch.equal(values, -keys)
 
 
-def test_the_engine_args_keep_vllm_from_reordering_sums(tiny_ckpt, family_ckpt):
-    args = true_on_policy_engine_args(load_args(tiny_ckpt))
-    assert args["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # no Inductor fusions
+def test_the_engine_args_keep_vllm_from_reordering_sums():
+    args = TRUE_ON_POLICY_ENGINE_ARGS
+    # No Inductor fusions; CUDA graphs for decode, experts too (their grouped launch reads the
+    # token counts on the GPU: tests/on_policy/test_batch_invariant.py captures such a layer).
+    assert args["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     assert args["disable_cascade_attn"] and args["block_size"] == PAGE_SIZE
-    # Experts: their per-expert loop reads token counts on the host, which CUDA graphs cannot capture.
-    moe = true_on_policy_engine_args(load_args(family_ckpt("qwen3_moe")))
-    assert moe["compilation_config"] == {"mode": 0, "cudagraph_mode": "NONE"}
 
 
 def test_a_token_logprob_kernel_replaces_log_softmax_and_gather_with_the_same_gradients(tiny_ckpt_untied):

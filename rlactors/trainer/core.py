@@ -11,7 +11,6 @@ changes: no rank is left waiting in a collective, and gradients, optimizer and v
 
 from __future__ import annotations
 
-import math
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,7 +43,8 @@ from rlactors.on_policy.sides import TrainerSide
 from rlactors.trainer import checkpoint as ckpt
 from rlactors.trainer import expert_parallel
 from rlactors.trainer.batch import MicroBatch
-from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, held_rows, local_rows, make_mesh
+from rlactors.trainer.gather import RowGather, gather_rows, plan_chunked
+from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, local_rows, make_mesh
 from rlactors.weight_sync.broadcast import WeightSender
 from rlactors.weight_sync.checksum import state_checksum
 from rlactors.weight_sync.packed import Chunk, PackedLayout
@@ -144,7 +144,8 @@ class PolicyTrainerCore:
         self._stats = LossStats()
         self._accumulated = 0  # forward_backward calls since the last optim_step
         self.sender: WeightSender | None = None  # rank 0, once weights go by broadcast
-        self._chunk_copies: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
+        self._sync_layout: PackedLayout | None = None  # the send buffer's, once a weight group formed
+        self._chunk_gathers: dict[int, RowGather] = {}  # by chunk start: how each chunk of it is packed
 
     # ------------------------------------------------------------------------------------------
     # Training
@@ -297,51 +298,6 @@ class PolicyTrainerCore:
                 local.copy_(tensors[name][first_row:first_row + local.shape[0]])
 
     @torch.no_grad()
-    def _gather_rows(self, dtype: torch.dtype, parts: Sequence[tuple[str, int, int]],
-                     destination: Callable[[int], torch.Tensor] | None) -> None:
-        """Rows `first` to `first + rows` of each part's parameter (`parts`: name, first, rows),
-        cast to `dtype`, copied into rank 0's `destination(i)` for part i (None on the other
-        ranks). A collective: every rank must call it with the same parts.
-
-        One gather moves all parts at once (a per-parameter full_tensor() is hundreds of
-        collectives and allocations): each rank casts the rows it holds of each part (unless a lower
-        rank holds them too: replicas) into a flat buffer with one slot per part, sized for the
-        most rows any rank sends of it so every rank's buffer has the same layout, and rank 0
-        copies each rank's rows into place. Bytes are gathered, so any dtype works on gloo.
-        """
-        if self.world_size == 1:
-            if destination is not None:
-                torch._foreach_copy_([destination(i) for i in range(len(parts))], self._one_rank_rows(parts))
-            return
-        params = dict(self.model.named_parameters())
-        sent, slots, offset = [], [], 0  # per part: the rows each rank sends of it; its slot in `flat`
-        for name, first, rows in parts:
-            held = held_rows(params[name])
-            # Each row from the first rank that holds it (the experts' replicas hold the same rows).
-            sent.append([_overlap(first, rows, *held[r]) if held.index(held[r]) == r else (first, first)
-                         for r in range(self.world_size)])
-            slots.append(offset)
-            offset += max(hi - lo for lo, hi in sent[-1]) * math.prod(params[name].shape[1:])
-        flat = torch.zeros(offset, dtype=dtype, device=self.device)
-        shares = []
-        for (name, _, _), rank_sent in zip(parts, sent):
-            local, local_first = local_rows(params[name])
-            lo, hi = rank_sent[self.rank]
-            shares.append(local[lo - local_first:hi - local_first])
-        torch._foreach_copy_([flat[o:o + share.numel()].view(share.shape) for o, share in zip(slots, shares)], shares)
-        gathered = [torch.empty_like(flat) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(flat.view(torch.uint8), [g.view(torch.uint8) for g in gathered] if gathered else None, dst=0)
-        if destination is None:
-            return
-        targets, sources = [], []
-        for i, ((name, first, _), rank_sent, o) in enumerate(zip(parts, sent, slots)):
-            shape = params[name].shape
-            for (lo, hi), rank_flat in zip(rank_sent, gathered):
-                if hi > lo:
-                    targets.append(destination(i)[lo - first:hi - first])
-                    sources.append(rank_flat[o:o + (hi - lo) * math.prod(shape[1:])].view(hi - lo, *shape[1:]))
-        torch._foreach_copy_(targets, sources)
-
     def full_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
         """Every parameter gathered from its shards, in `dtype`, on CPU: on rank 0; None elsewhere.
 
@@ -352,8 +308,8 @@ class PolicyTrainerCore:
         weights = ({name: torch.empty(p.shape, dtype=dtype, device=self.device) for name, p in params.items()}
                    if self.rank == 0 else None)
         names = list(params)
-        self._gather_rows(dtype, [(name, 0, p.shape[0]) for name, p in params.items()],
-                          None if weights is None else lambda i: weights[names[i]])
+        gather_rows(params, [(name, 0, p.shape[0]) for name, p in params.items()], dtype,
+                    None if weights is None else lambda i: weights[names[i]], self.device)
         return None if weights is None else {name: t.cpu() for name, t in weights.items()}
 
     def state_dict_for_sync(self, dtype: str | None = None) -> VersionedWeights | None:
@@ -382,27 +338,25 @@ class PolicyTrainerCore:
         if len(dtypes) != 1 or shapes != {name: tuple(p.shape) for name, p in self.model.named_parameters()}:
             raise ValueError(f"the weight layout is not this policy's in one dtype: {sorted(dtypes)}, "
                              f"{sorted(shapes)[:3]}...")
-        self._sync_dtype, self._sync_layout = DTYPES[dtypes.pop()], layout
-        if self.rank == 0:
-            if self.sender is None or self.sender.layout != layout:
+        if layout != self._sync_layout:
+            self._sync_layout = layout
+            if self.rank == 0:
                 self.sender = WeightSender(layout, self.device)
-                self._chunk_copies = self._plan_chunk_copies() if self.world_size == 1 else None
+            self._chunk_gathers = self._plan_chunk_gathers(DTYPES[dtypes.pop()])
+        if self.rank == 0:
             self.sender.join(host, port, world_size)
 
-    @torch.no_grad()
-    def _plan_chunk_copies(self) -> dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]:
-        """On one rank, packing a chunk is one copy of parameter rows into the send buffer: the
-        views are made once (per parameter they cost more host time than the copy takes on a
-        GPU), and stay valid as the optimizer and checkpoint loads write the parameters in place."""
-        return {chunk.start: ([self._sync_layout.piece_view(self.sender.buffer, p) for p in chunk.pieces],
-                              self._one_rank_rows([(p.name, p.first_row, p.rows) for p in chunk.pieces]))
-                for chunk in self._sync_layout.chunks}
-
-    def _one_rank_rows(self, parts: Sequence[tuple[str, int, int]]) -> list[torch.Tensor]:
-        """On one rank (which holds every row), views of rows `first` to `first + rows` of each
-        part's parameter (name, first, rows)."""
-        params = dict(self.model.named_parameters())
-        return [local_rows(params[name])[0].detach()[first:first + rows] for name, first, rows in parts]
+    def _plan_chunk_gathers(self, dtype: torch.dtype) -> dict[int, RowGather]:
+        """Packing a chunk of the send buffer is one planned gather of its pieces' rows
+        (`rlactors.trainer.gather`): the views are made once, here, not at every sync."""
+        chunks = self._sync_layout.chunks
+        pieces = [[(p.name, p.first_row, p.rows) for p in chunk.pieces] for chunk in chunks]
+        destinations = None
+        if self.rank == 0:
+            layout, buffer = self._sync_layout, self.sender.buffer
+            destinations = [lambda i, chunk=chunk: layout.piece_view(buffer, chunk.pieces[i]) for chunk in chunks]
+        gathers = plan_chunked(dict(self.model.named_parameters()), pieces, dtype, destinations, self.device)
+        return {chunk.start: gather for chunk, gather in zip(chunks, gathers)}
 
     async def send_weights(self) -> dict[str, Any] | None:
         """Gathers the policy into rank 0's send buffer chunk by chunk (a collective: all ranks
@@ -415,15 +369,9 @@ class PolicyTrainerCore:
             return None
         return await self.sender.send(self.version, self._pack_chunk)
 
-    @torch.no_grad()
-    def _pack_chunk(self, chunk: Chunk, buffer: torch.Tensor | None) -> None:
-        """The rows of `chunk`'s pieces into `buffer` (rank 0's send buffer; None elsewhere)."""
-        if self.world_size == 1:
-            torch._foreach_copy_(*self._chunk_copies[chunk.start])
-            return
-        layout = self._sync_layout
-        self._gather_rows(self._sync_dtype, [(p.name, p.first_row, p.rows) for p in chunk.pieces],
-                          None if buffer is None else lambda i: layout.piece_view(buffer, chunk.pieces[i]))
+    def _pack_chunk(self, chunk: Chunk, _: torch.Tensor | None) -> None:
+        """The rows of `chunk`'s pieces into rank 0's send buffer (a collective on several ranks)."""
+        self._chunk_gathers[chunk.start].run()
 
     def abort_weight_broadcast(self) -> None:
         """Rank 0 gives up a broadcast that waits for a dead member (`WeightSender.abort`)."""
@@ -524,10 +472,3 @@ class PolicyTrainerCore:
     def _discard_accumulation(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self._stats, self._accumulated = LossStats(), 0
-
-
-def _overlap(first: int, rows: int, held_first: int, held: int) -> tuple[int, int]:
-    """The rows `[lo, hi)` that rows `first` to `first + rows` share with rows `held_first` to
-    `held_first + held` (`lo == hi` when none)."""
-    lo = max(first, held_first)
-    return lo, max(lo, min(first + rows, held_first + held))

@@ -206,25 +206,34 @@ def test_a_save_that_fails_on_rank_0_fails_on_every_rank_and_leaves_no_partial_d
 def test_two_ranks_send_the_policy_in_chunks_cut_across_their_shards_bit_for_bit(loop, two_ranks, tiny_ckpt):
     """The weight broadcast's sending side over FSDP2 on 2 ranks: each chunk gathered from both
     ranks' rows (the embedding's chunks cut across the boundary of its two shards) and sent, then
-    the trailer; a receiver gets the policy bit for bit, verified, at the trainer's version."""
+    the trailer; a receiver gets the policy bit for bit, verified, at the trainer's version, and
+    again after an optimizer step (the ranks plan their gathers once, when the group forms)."""
+    async def send(version):
+        sent, _ = await asyncio.gather(two_ranks.send_weights.call(), asyncio.to_thread(receiver.receive, version))
+        assert sent.item(gpus=1) is None and sent.item(gpus=0)["version"] == version
+        assert sent.item(gpus=0)["checksum"] == chunked.checksum(receiver.buffer)
+        expected = (await two_ranks.state_dict_for_sync.call("bfloat16")).item(gpus=0).weights
+        return expected, {name: t.clone() for name, t in receiver.weights().items()}
+
     async def main():
         await two_ranks.load_checkpoint.call(str(tiny_ckpt))
-        layout = (await two_ranks.weight_layout.call("bfloat16")).item(gpus=0)
-        chunked = PackedLayout.of([(s.name, torch.empty(s.shape, dtype=s.torch_dtype, device="meta"))
-                                   for s in layout.specs], chunk_bytes=96 << 10)
-        receiver, port = BufferReceiver(chunked, torch.device("cpu")), free_port()
         await asyncio.gather(two_ranks.init_weight_sender.call("127.0.0.1", port, 2, chunked),
                              asyncio.to_thread(receiver.join, "127.0.0.1", port, 1, 2))
-        sent, _ = await asyncio.gather(two_ranks.send_weights.call(), asyncio.to_thread(receiver.receive, 0))
-        expected = (await two_ranks.state_dict_for_sync.call("bfloat16")).item(gpus=0).weights
-        return chunked, sent, receiver, expected
+        first = await send(0)
+        batch = rows(0)
+        await train_step(two_ranks, [[cat(batch[:4])], [cat(batch[4:])]], LossNorm.for_step(batch, LOSS.name))
+        return first, await send(1)
 
-    chunked, sent, receiver, expected = loop.run_until_complete(main())
+    layout = loop.run_until_complete(two_ranks.weight_layout.call("bfloat16")).item(gpus=0)
+    chunked = PackedLayout.of([(s.name, torch.empty(s.shape, dtype=s.torch_dtype, device="meta"))
+                               for s in layout.specs], chunk_bytes=96 << 10)
+    receiver, port = BufferReceiver(chunked, torch.device("cpu")), free_port()
+    sends = loop.run_until_complete(main())
     embed = [(p.first_row, p.rows) for c in chunked.chunks for p in c.pieces if p.name == "model.embed_tokens.weight"]
     assert embed == [(0, 384), (384, 384), (768, 256)]  # rows 384-767 come from both ranks' shards
-    assert sent.item(gpus=1) is None and sent.item(gpus=0)["version"] == 0
-    assert sent.item(gpus=0)["checksum"] == chunked.checksum(receiver.buffer)
-    received = receiver.weights()
-    assert received.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert torch.equal(received[name], tensor) and received[name].dtype == torch.bfloat16, name
+    for expected, received in sends:
+        assert received.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(received[name], tensor) and received[name].dtype == torch.bfloat16, name
+    (before, _), (after, _) = sends
+    assert not all(torch.equal(before[name], after[name]) for name in before)  # the step changed the policy

@@ -124,6 +124,7 @@ def make_envs(tokenizer, turns: int, latencies: dict[str, list[float]]):
 
     class HttpChatAgent(ChatAgent):
         mode = "HTTP"
+        openai_client = False  # it posts the JSON itself
 
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     config = ChatConfig(turns)
@@ -302,7 +303,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         result = asyncio.run(benchmark(args, Path(scratch)))
     rates, lat, cpu = result["rates"], result["latencies"], result["cpu_ms_per_turn"]
-    ratio = {m: statistics.median(r / d for r, d in zip(rates[m], rates["direct"])) for m in MODES[1:]}
+    per_round = {m: [r / d for r, d in zip(rates[m], rates["direct"])] for m in MODES[1:]}
+    for m in MODES[1:]:
+        print(f"{m} / direct, each round: {' '.join(f'{x:.2f}' for x in per_round[m])}")
+    ratio = {m: statistics.median(per_round[m]) for m in MODES[1:]}
     p = {m: f"{_percentile(lat[m], 0.5):.3f} / {_percentile(lat[m], 0.99):.3f}" for m in MODES}
     figures = [f"{args.sessions} x {args.turns} x {args.max_tokens}", args.repeats,
                *(f"{statistics.median(rates[m]):,.0f}" for m in MODES),

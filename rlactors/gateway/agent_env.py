@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from rlactors.config import ConfigError, GatewayConfig
 from rlactors.gateway.server import Gateway
@@ -16,11 +16,14 @@ class AgentEnv(HarnessEnv):
     `client` is an `openai.AsyncOpenAI` pointed at this rollout's gateway session; every chat
     completion it makes is one turn of the rollout, whatever loop (tool calls, retries of your
     own) the harness runs around it. Harnesses that build their own client (LangChain, the OpenAI
-    Agents SDK, a subprocess) read `self.base_url` and `self.api_key` instead. Return the reward,
+    Agents SDK, a subprocess) read `self.base_url` and `self.api_key` instead, and may set
+    `openai_client = False`: `run` then gets None, and no client is built per rollout. Return the reward,
     a number or named components; raising ends the rollout `error_env`, and hanging past
     `rollout.step_timeout_s` between model calls ends it `error_timeout`. The controller starts the
     gateway and sets `gateway` before the first rollout.
     """
+
+    openai_client: ClassVar[bool] = True
 
     def __init__(self, config: Any = None, tokenizer: Any = None) -> None:
         super().__init__(config, tokenizer)
@@ -48,6 +51,8 @@ class AgentEnv(HarnessEnv):
                                "(rlactors.gateway.Gateway; set env.gateway when driving a Rollouter yourself)")
         async with self.gateway.session(model) as session:
             self.base_url, self.api_key = session.base_url, session.api_key
+            if not self.openai_client:
+                return await self.run(sample, None)
             async with self.gateway.client(session) as client:
                 return await self.run(sample, client)
 

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from rlactors.config import GatewayConfig
-from rlactors.gateway import Gateway
+from rlactors.gateway import AgentEnv, Gateway
 from rlactors.gateway.tool_calls import parse_tool_calls
 from rlactors.models import extend_with_messages, load_tokenizer, render_messages
 from rlactors.rollout import RolloutStatus, Turn, TurnRefused
@@ -294,6 +294,32 @@ def test_a_client_that_leaves_mid_stream_loses_nothing_of_its_turn(tiny_ckpt):
         assert gateway.counters["branches"] == 0
 
     serve(tiny_ckpt, [reply, reply], test)
+
+
+def test_an_agent_env_that_builds_its_own_client_gets_none(tiny_ckpt):
+    class OwnClient(AgentEnv):
+        openai_client = False
+
+        async def run(self, sample, client):
+            assert client is None
+            async with aiohttp.ClientSession() as http, http.post(
+                    f"{self.base_url}/chat/completions", json=GOOD,
+                    headers={"Authorization": f"Bearer {self.api_key}"}) as r:
+                return float((await r.json())["choices"][0]["message"]["content"])
+
+    tokenizer = load_tokenizer(tiny_ckpt)
+
+    async def main():
+        gateway = Gateway(GatewayConfig(), tokenizer, max_tokens=16)
+        await gateway.start()
+        env = OwnClient(None, tokenizer)
+        env.gateway = gateway
+        try:
+            return await env.play({}, ScriptedModel(tokenizer, ["5"]))
+        finally:
+            await gateway.stop()
+
+    assert asyncio.run(main()) == 5.0
 
 
 def test_the_collector_is_tuned_while_the_gateway_serves_and_restored_after(tiny_ckpt):

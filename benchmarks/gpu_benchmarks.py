@@ -91,8 +91,9 @@ MOE_COST = [*COST[:COST.index("--repeats")], "--family", "qwen3_moe", "--repeats
 
 
 def moe(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
-    """Issue #34 on one 80 GB GPU, about 13 minutes in all (at most 21: each step's limit in
+    """Issue #34 on one 80 GB GPU, about 13 minutes in all (at most 23: each step's limit in
     seconds below):
+    one sparse layer of the Qwen3-30B-A3B shape, true on-policy vs default (moe_layer.py, ~15 s);
     generation default vs true on-policy at the Qwen3-30B-A3B shape (tied embeddings: 30.2B
     parameters, 56.3 GiB in bf16) on vLLM's dummy weights, 0.9 of the GPU leaving ~13 GiB of KV cache
     (~140k tokens) for 64 sequences; trainer MFU on active parameters, and the default vs true
@@ -109,6 +110,7 @@ def moe(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
              ("default", 150, ["controller.steps=10", 'controller.mode="sync"', "controller.eval_every=0",
                                "controller.checkpoint_every=0"])]
     steps = [
+        ("one 30b-a3b layer, true on-policy vs default", within(120, [PY, "benchmarks/moe_layer.py"])),
         ("30b-a3b generation, dummy weights", within(360, [
             *MOE_COST, "--size", "30b-a3b", "--dummy-weights", "--train-steps", "0", "--num-prompts", "64",
             "--max-prompt", "256", "--max-tokens", "64", "--gpu-memory-utilization", "0.9"])),

@@ -39,7 +39,6 @@ from rlactors.weight_sync.copy_plan import CopyPlan
 from rlactors.weight_sync.packed import Chunk, PackedLayout
 
 GLOO_TIMEOUT = datetime.timedelta(minutes=5)  # a rendezvous or broadcast that waits longer fails
-CUDA_POLL_S = 0.0005  # how often the sender looks whether its NCCL broadcast has completed
 
 
 class UnexpectedVersion(RuntimeError):
@@ -156,10 +155,12 @@ class WeightSender:
         self.send_stream.wait_stream(self.checksum_stream)
         self.group.broadcast(trailer, src=0, stream=self.send_stream)
         done = self.send_stream.record_event()
+        # Polled between the event loop's other work, not slept between: asyncio's selector waits
+        # in whole milliseconds, so any sleep here would add up to a millisecond to every sync.
         while not done.query():
             if self.aborted:
                 raise BroadcastBroken("the weight broadcast was aborted: a member died during it")
-            await asyncio.sleep(CUDA_POLL_S)
+            await asyncio.sleep(0)
         packed.synchronize()
         _, plain, weighted = trailer.tolist()
         return unsigned(plain, weighted), started.elapsed_time(packed) / 1e3

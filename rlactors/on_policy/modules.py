@@ -159,12 +159,12 @@ class InvariantSparseMoeBlock(SparseMoeBlock):
 class InvariantExperts(Experts):
     """Each expert's matmul is ``ops.linear`` over its rows (each row's result depends on that
     row alone, so not on how many tokens the expert got); the activation ``ops.silu_mul``. On
-    CUDA without autograd (an engine's forward) all experts go in one launch with the same bits,
-    which never waits for the token counts on the host, so CUDA graphs can hold the layer."""
+    CUDA all experts go in one launch with those bits (``ops.grouped_linear``), which never waits
+    for the token counts on the host, so CUDA graphs can hold an engine's layer."""
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-            return ops.grouped_linear_values(x, weight, counts)
+        if x.is_cuda:
+            return ops.grouped_linear(x, weight, counts)
         return linear_per_expert(x, weight, counts, ops.linear)
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -102,11 +102,44 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def grouped_linear_values(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """On CUDA, without autograd: ``x``'s rows in groups, ``counts[e]`` rows for expert ``e`` in
-    expert order, each group through ``linear(rows, weight[e])`` with its bits, in one launch
-    that reads ``counts`` on the GPU (a CUDA graph can hold it)."""
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """CUDA: ``x``'s rows in groups, ``counts[e]`` rows for expert ``e`` in expert order, each
+    group through ``linear(rows, weight[e])`` (``weight [E, out, in]``) with its bits, in one
+    launch that reads ``counts`` on the GPU (a CUDA graph can hold it). Backward: torch's grouped
+    GEMMs, as the default mode's experts run them."""
+    if x.dtype != weight.dtype:
+        raise ValueError(f"grouped_linear: x is {x.dtype} but weight is {weight.dtype}")
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _GroupedLinear.apply(x, weight, counts)
     return _triton().grouped_matmul(x, weight, counts)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``grouped_linear``'s values forward, the default grouped GEMMs backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, counts)
+        return _triton().grouped_matmul(x, weight, counts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, counts = ctx.saved_tensors
+        grad_x, grad_weight = grouped_linear_backward(x, weight, counts, grad, *ctx.needs_input_grad[:2])
+        return grad_x, grad_weight, None
+
+
+def grouped_linear_backward(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grad: torch.Tensor,
+                            needs_x: bool = True, needs_weight: bool = True
+                            ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of ``x`` and ``weight`` of a grouped linear (``x``'s rows in groups of
+    ``counts``, group ``e`` times ``weight[e].T``) given the output's ``grad``: the grouped GEMMs
+    torch's autograd runs for ``torch._grouped_mm(x, weight.transpose(-2, -1), offs)``."""
+    offs = counts.cumsum(0, dtype=torch.int32)
+    grad = grad.contiguous()
+    grad_x = torch._grouped_mm(grad, weight, offs=offs) if needs_x else None
+    grad_weight = torch._grouped_mm(x.t(), grad, offs=offs).transpose(-2, -1) if needs_weight else None
+    return grad_x, grad_weight
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -276,6 +276,22 @@ def test_embedding_and_rope_are_row_invariant():
     assert rows_equal_in_every_batch(rope, torch.arange(200))
 
 
+def test_grouped_linear_backward_is_torchs_grouped_mm_backward():
+    """The trainer's grouped launch on CUDA differentiates as the default mode's experts do: the
+    gradients torch's autograd gives ``torch._grouped_mm``, bit for bit (here on CPU, bf16, with
+    experts that got no rows)."""
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([0, 3, 0, 17, 5, 0, 8, 2])
+    x = torch.randn(int(counts.sum()), 64, generator=g).bfloat16().requires_grad_()
+    weight = torch.randn(8, 32, 64, generator=g).bfloat16().requires_grad_()
+    grad = torch.randn(int(counts.sum()), 32, generator=g).bfloat16()
+    out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=counts.cumsum(0, dtype=torch.int32))
+    expected = torch.autograd.grad(out, (x, weight), grad)
+    ours = bi.grouped_linear_backward(x.detach(), weight.detach(), counts, grad)
+    assert all(torch.equal(a, b) for a, b in zip(ours, expected))
+    assert bi.grouped_linear_backward(x, weight, counts, grad, needs_x=False)[0] is None
+
+
 # -- CUDA (Triton kernels) -------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -316,9 +332,27 @@ def test_cuda_grouped_matmul_gives_each_row_the_bits_of_its_experts_matmul(dtype
     weight = torch.randn(8, 768, 2048, device="cuda", generator=g).to(dtype)
     for counts in ([0, 1, 0, 300, 5, 0, 64, 2], [1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1100, 0, 0, 0, 0]):
         x = torch.randn(sum(counts), 2048, device="cuda", generator=g).to(dtype)
-        grouped = bi.grouped_linear_values(x, weight, torch.tensor(counts, device="cuda"))
+        grouped = bi.grouped_linear(x, weight, torch.tensor(counts, device="cuda"))
         each = [bi.linear(rows, weight[e]) for e, rows in enumerate(x.split(counts)) if len(rows)]
         assert torch.equal(grouped, torch.cat(each)), counts
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_grouped_linear_trains_as_a_linear_per_expert():
+    """The trainer's grouped launch: forward bits of a batch-invariant linear per expert, and
+    gradients of the default grouped GEMMs, close to those of a linear per expert."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    counts = [0, 3, 0, 300, 5, 0, 64, 2]
+    weight = torch.randn(8, 768, 2048, device="cuda", generator=g).bfloat16().requires_grad_()
+    x = torch.randn(sum(counts), 2048, device="cuda", generator=g).bfloat16().requires_grad_()
+    grad = torch.randn(sum(counts), 768, device="cuda", generator=g).bfloat16()
+    grouped = bi.grouped_linear(x, weight, torch.tensor(counts, device="cuda"))
+    grads = torch.autograd.grad(grouped, (x, weight), grad)
+    each = torch.cat([bi.linear(rows, weight[e]) for e, rows in enumerate(x.split(counts)) if len(rows)])
+    assert torch.equal(grouped, each)
+    for ours, theirs in zip(grads, torch.autograd.grad(each, (x, weight), grad)):
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
@@ -326,7 +360,7 @@ def test_cuda_grouped_matmul_gives_each_row_the_bits_of_its_experts_matmul(dtype
 def test_a_cuda_graph_holds_an_engines_moe_layer_with_the_trainers_bits(family_ckpt):
     """An engine's MoE layer (router, top-k, one grouped launch per projection, the weighted sum)
     never waits for the host, so a CUDA graph captures it; replayed on new input it has the bits
-    of the trainer's forward of the same layer (a matmul per expert, with autograd)."""
+    of the trainer's forward of the same layer (with autograd)."""
     engine, trainer = (from_pretrained(family_ckpt("qwen3_moe")).cuda().bfloat16() for _ in range(2))
     to_batch_invariant(engine, weights_frozen=True)
     to_batch_invariant(trainer)
@@ -344,7 +378,7 @@ def test_a_cuda_graph_holds_an_engines_moe_layer_with_the_trainers_bits(family_c
         new_x = torch.randn(64, hidden, device="cuda", generator=g).bfloat16()
         x.copy_(new_x)
         graph.replay()
-        trained = trainer_block(new_x.requires_grad_(), residual)  # autograd: a matmul per expert
+        trained = trainer_block(new_x.requires_grad_(), residual)
         assert torch.equal(captured, trained.detach())
 
 

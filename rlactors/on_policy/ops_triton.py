@@ -65,6 +65,26 @@ def _plus_residual(result, residual_ptr, offsets, mask, HAS_RESIDUAL: tl.constex
 
 
 @triton.jit
+def _tile_sum(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, IEEE: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """``x[rows] @ w[cols].T`` in fp32 (rows past M and columns past N as ``_load_block`` reads
+    them): every chunk of K in turn, each summed from zero in blocks, the chunk sums added in
+    order. The one order in which every launch of the batch-invariant matmul sums a row."""
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x, w = _load_block(x_ptr, w_ptr, rows, cols, k0, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                           BLOCK_K, EVEN_K, MASK_ROWS)
+        acc = _dot(x, w, acc, IEEE)
+        # A branch, not a select over the tile: the accumulator is read only at a chunk's end.
+        if ((k0 + BLOCK_K) % CHUNK_K == 0) | (k0 + BLOCK_K >= K):
+            total += acc
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return total
+
+
+@triton.jit
 def _matmul_kernel(x_ptr, w_ptr, out_ptr, residual_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
                    stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    CHUNK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
@@ -81,16 +101,8 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, residual_ptr, M, N, K, stride_xm, stri
     pid_n = (pid % (GROUP_M * tiles_n)) // group_rows
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x, w = _load_block(x_ptr, w_ptr, rows, cols, k0, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                           BLOCK_K, EVEN_K, False)
-        acc = _dot(x, w, acc, IEEE)
-        # A branch, not a select over the tile: the accumulator is read only at a chunk's end.
-        if ((k0 + BLOCK_K) % CHUNK_K == 0) | (k0 + BLOCK_K >= K):
-            total += acc
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    total = _tile_sum(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                      BLOCK_M, BLOCK_N, BLOCK_K, CHUNK_K, EVEN_K, IEEE, False)
     offsets = rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     result = _plus_residual(total.to(out_ptr.dtype.element_ty), residual_ptr, offsets, mask, HAS_RESIDUAL)
@@ -178,7 +190,7 @@ def _grouped_matmul_kernel(x_ptr, w_ptr, out_ptr, row_start_ptr, counts_ptr, til
                            stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            CHUNK_K: tl.constexpr, EXPERTS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
-    """One output tile of one expert's rows, its K summed as ``_matmul_kernel`` sums it. Program
+    """One output tile of one expert's rows (``_tile_sum``, as ``_matmul_kernel`` sums a tile). Program
     ``(m, n)`` takes the expert whose tiles of rows (``tile_end``: each expert's last tile + 1,
     cumulative) hold tile ``m``; programs past the last tile do nothing."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -193,16 +205,8 @@ def _grouped_matmul_kernel(x_ptr, w_ptr, out_ptr, row_start_ptr, counts_ptr, til
     rows = start + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_limit = start + count
-    w_ptr += expert.to(tl.int64) * stride_we
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x, w = _load_block(x_ptr, w_ptr, rows, cols, k0, row_limit, N, K, stride_xm, stride_xk, stride_wn,
-                           stride_wk, BLOCK_K, EVEN_K, True)
-        acc = _dot(x, w, acc, IEEE)
-        if ((k0 + BLOCK_K) % CHUNK_K == 0) | (k0 + BLOCK_K >= K):
-            total += acc
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    total = _tile_sum(x_ptr, w_ptr + expert.to(tl.int64) * stride_we, rows, cols, row_limit, N, K, stride_xm,
+                      stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK_K, EVEN_K, IEEE, True)
     offsets = rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
     tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < row_limit) & (cols[None, :] < N))

@@ -99,13 +99,7 @@ class RowGather:
 def gather_rows(params: Mapping[str, nn.Parameter], parts: Sequence[Part], dtype: torch.dtype,
                 destination: Callable[[int], torch.Tensor] | None, device: torch.device) -> None:
     """Plans and runs one gather (`RowGather`) with buffers of its own."""
-    if dist.get_world_size() == 1:
-        RowGather(params, parts, destination).run()
-        return
-    slots = plan_slots(params, parts)
-    flat = torch.empty(slots.size, dtype=dtype, device=device)
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
-    RowGather(params, parts, destination, slots, flat, gathered).run()
+    plan_chunked(params, [parts], dtype, None if destination is None else [destination], device)[0].run()
 
 
 def plan_chunked(params: Mapping[str, nn.Parameter], chunks: Sequence[Sequence[Part]], dtype: torch.dtype,

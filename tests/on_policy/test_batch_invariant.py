@@ -276,6 +276,14 @@ def test_embedding_and_rope_are_row_invariant():
     assert rows_equal_in_every_batch(rope, torch.arange(200))
 
 
+def test_linears_refuse_inputs_of_another_dtype_than_their_weight():
+    x, weight = torch.randn(4, 8), torch.randn(3, 8).bfloat16()
+    with pytest.raises(ValueError, match=r"linear: x is torch.float32 but weight is torch.bfloat16"):
+        bi.linear(x, weight)
+    with pytest.raises(ValueError, match=r"grouped_linear: x is torch.float32 but weight is torch.bfloat16"):
+        bi.grouped_linear(x, weight[None], torch.tensor([4]))
+
+
 def test_grouped_linear_backward_is_torchs_grouped_mm_backward():
     """The trainer's grouped launch on CUDA differentiates as the default mode's experts do: the
     gradients torch's autograd gives ``torch._grouped_mm``, bit for bit (here on CPU, bf16, with

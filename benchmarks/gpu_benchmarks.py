@@ -91,7 +91,7 @@ MOE_COST = [*COST[:COST.index("--repeats")], "--family", "qwen3_moe", "--repeats
 
 
 def moe(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
-    """Issue #34 on one 80 GB GPU, about 13 minutes in all (at most 23: each step's limit in
+    """Issue #34 on one 80 GB GPU, about 15 minutes in all (at most 26: each step's limit in
     seconds below):
     one sparse layer of the Qwen3-30B-A3B shape, true on-policy vs default (moe_layer.py, ~15 s);
     generation default vs true on-policy at the Qwen3-30B-A3B shape (tied embeddings: 30.2B
@@ -99,16 +99,18 @@ def moe(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
     (~140k tokens) for 64 sequences; trainer MFU on active parameters, and the default vs true
     on-policy cost of generation and training, at 4 of its 48 layers (2.8B parameters, 0.54B active:
     ~45 GB of fp32 weights, gradients and AdamW state); 40 async true on-policy steps of the tiny MoE
-    demo (configs/moe_1gpu.toml), and 10 in the default mode."""
+    demo (configs/moe_1gpu.toml), and 10 in the default mode without and with routing replay."""
     runs = Path(tempfile.gettempdir()) / f"rlactors_moe_{time.strftime('%Y%m%d_%H%M%S')}"
     checkpoints = runs / "checkpoints"  # the 4-layer one made once (5.2 GiB), for both of its steps
     demo = [PY, "examples/alphabet_sort/run.py", "--config", "configs/moe_1gpu.toml"]
-    # (name, seconds, overrides): true on-policy, and a short default-mode run, where vLLM returns
-    # each token's experts and the trainer reports the share it routes otherwise; sync, so that every
-    # step trains on tokens of its current policy, the ones both mismatch metrics cover
+    # (name, seconds, overrides): true on-policy, and short default-mode runs, where vLLM returns
+    # each token's experts and the trainer reports the share it routes otherwise, then replays them;
+    # sync, so that every step trains on tokens of its current policy, the ones both mismatch
+    # metrics cover
+    short_sync = ["controller.steps=10", 'controller.mode="sync"', "controller.eval_every=0",
+                  "controller.checkpoint_every=0"]
     demos = [("onpolicy", 270, ["model.true_on_policy=true", "controller.steps=40"]),
-             ("default", 150, ["controller.steps=10", 'controller.mode="sync"', "controller.eval_every=0",
-                               "controller.checkpoint_every=0"])]
+             ("default", 150, short_sync), ("replay", 150, [*short_sync, "model.routing_replay=true"])]
     steps = [
         ("one 30b-a3b layer, true on-policy vs default", within(120, [PY, "benchmarks/moe_layer.py"])),
         ("30b-a3b generation, dummy weights", within(360, [

@@ -69,7 +69,8 @@ class ExpertParallel:
         inputs = _AllToAll.apply(rows, received, sent, self.group)
         gate_up, down = (p.to_local() for p in (experts.gate_up_proj, experts.down_proj))
         cast = [w.detach().to(rows.dtype) for w in (gate_up, down)]  # once, for every source rank
-        # A source rank that sent no rows costs no launch (nor a grouped GEMM without rows).
+        # A source rank that sent no rows is skipped: on CUDA torch's grouped GEMM refuses the
+        # weight gradient of no rows (a contraction of length 0), which true on-policy's backward asks.
         outputs = [experts.mlp(chunk, chunk_counts, shared_cast(gate_up, cast[0]), shared_cast(down, cast[1]))
                    for chunk, chunk_counts in zip(inputs.split(received), received_counts) if len(chunk)]
         if outputs:

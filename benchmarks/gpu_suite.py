@@ -1,7 +1,7 @@
 """The GPU test suite in groups, each in a pytest process of its own, on a GPU machine.
 
     python benchmarks/gpu_suite.py 1gpu   # every test that runs on one GPU (one H100 80 GB is enough)
-    python benchmarks/gpu_suite.py 2gpu   # the tests that need two GPUs (NCCL, FSDP2, tensor parallel)
+    python benchmarks/gpu_suite.py 2gpu   # the tests that need two GPUs (NCCL, FSDP2, tensor and expert parallel)
     python benchmarks/gpu_suite.py 1gpu --groups kernels "vllm engine"   # some groups only
 
 A group is a pytest process, so nothing one group leaves in memory reaches the next; inside a
@@ -64,6 +64,7 @@ DOUBLE = [
     Group("fsdp and nccl sync", [*TWO, "tests/test_gpu_system.py", "-k", "not tensor_parallel"], 2),
     Group("tensor parallel", [*TWO, "tests/test_gpu_system.py", "-k", "tensor_parallel"], 2),
     Group("nccl faults", [*TWO, "tests/faults/test_nccl_faults.py"], 2),
+    Group("expert parallel", [*TWO, "tests/trainer/test_expert_parallel.py"], 2),
 ]
 
 

@@ -5,6 +5,8 @@
     torchrun --nproc-per-node 2 benchmarks/trainer_throughput.py --device cuda --sizes 1.7b  # FSDP2
     python benchmarks/trainer_throughput.py --device cuda --family llama --sizes 1b  # another family
     python benchmarks/trainer_throughput.py --device cuda --family qwen3_moe --sizes 30b-a3b-4l  # 4 MoE layers
+    torchrun --nproc-per-node 2 benchmarks/trainer_throughput.py --device cuda --family qwen3_moe \
+        --sizes 30b-a3b-4l --expert-parallel 2   # the experts split by expert over the 2 GPUs
 
 Each size adds a row to results/trainer_throughput_{cpu,gpu}.md (results_table.py).
 
@@ -112,7 +114,8 @@ def measure(size: str, ckpt_dir: Path, opts: argparse.Namespace, device: torch.d
     world, rank = dist.get_world_size(), dist.get_rank()
     trainer = TrainerConfig(ranks=world, lr=1e-6, mixed_precision=device.type == "cuda",
                             activation_checkpointing=opts.activation_checkpointing,
-                            logprob_chunk_tokens=opts.logprob_chunk_tokens, compile_layers=opts.compile)
+                            logprob_chunk_tokens=opts.logprob_chunk_tokens, compile_layers=opts.compile,
+                            expert_parallel=opts.expert_parallel)
     core = PolicyTrainerCore(ModelConfig(path=str(ckpt_dir)), trainer, device, sides(False, "native", device).trainer)
     args = core.args
     loss = LossConfig(name="grpo")
@@ -189,6 +192,8 @@ def append_rows(results: list[dict], opts: argparse.Namespace, path: Path) -> No
              f"{'on' if opts.activation_checkpointing else 'off'}; {opts.microbatches} x {opts.rows} x "
              f"{opts.row_tokens} tokens per rank; documents of {opts.doc_tokens[0]}-{opts.doc_tokens[1]}; "
              f"{opts.steps} timed steps after {opts.warmup}")
+    if opts.expert_parallel > 1:
+        setup += f"; experts split over groups of {opts.expert_parallel} ranks (trainer.expert_parallel)"
     if opts.device == "cpu":  # CPU numbers depend on what else runs: the load average says how busy it was
         setup += (f"; {torch.get_num_threads()} torch threads, load average "
                   f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end")
@@ -223,6 +228,8 @@ def main() -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the decoder layers (trainer.compile_layers; CUDA only)")
     parser.add_argument("--logprob-chunk-tokens", type=int, default=1024)
+    parser.add_argument("--expert-parallel", type=int, default=1,
+                        help="trainer.expert_parallel: a mixture of experts' ranks per expert-parallel group")
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak per device (default: by GPU name)")
     parser.add_argument("--ckpt-root", type=Path, default=None, help="where random checkpoints are written")
     parser.add_argument("--out", type=Path, default=None)

@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 import torch
+from support.gpus import gpus
 from support.vllm_checks import NEEDS_VLLM_GPU, vllm_run_config
 
 from rlactors.controller import Controller
@@ -16,14 +17,6 @@ from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.types import SamplingParams
 
 pytestmark = NEEDS_VLLM_GPU
-
-
-def gpus(n):
-    """Marks a test that needs `n` GPUs (the suite selects by the mark) and skips it on fewer."""
-    def mark(test):
-        test = pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPUs")(test)
-        return {2: pytest.mark.two_gpus, 4: pytest.mark.four_gpus}[n](test)
-    return mark
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,11 @@ summed, not averaged: the loss is normalised by the step's global token count): 
 group's terms on the rank holding the expert, and ``backward`` adds the groups' sums over the
 replicas. A sum of 2 terms is exact in any order; of more, its order may differ from the
 reduce-scatter's, and the gradient by the rounding of fp32 additions.
+
+Under mixed precision (CUDA) the experts compute in bf16 from their fp32 shards, as FSDP's
+gathered parameters do, and the terms are added in fp32, as FSDP reduces in fp32: each source
+rank's rows use the bf16 copy through a node of their own (``shared_cast``), so autograd adds
+their gradients in fp32, not in bf16.
 """
 
 from __future__ import annotations
@@ -62,15 +67,39 @@ class ExpertParallel:
         sent = counts.view(self.ranks, self.local_experts).sum(1).tolist()
         received = received_counts.sum(1).tolist()
         inputs = _AllToAll.apply(rows, received, sent, self.group)
-        gate_up, down = (p.to_local().to(rows.dtype) for p in (experts.gate_up_proj, experts.down_proj))
-        out = torch.cat([experts.mlp(chunk, chunk_counts, gate_up, down)
-                         for chunk, chunk_counts in zip(inputs.split(received), received_counts)])
-        if not sum(received):
+        gate_up, down = (p.to_local() for p in (experts.gate_up_proj, experts.down_proj))
+        cast = [w.detach().to(rows.dtype) for w in (gate_up, down)]  # once, for every source rank
+        # A source rank that sent no rows is skipped: on CUDA torch's grouped GEMM refuses the
+        # weight gradient of no rows (a contraction of length 0), which true on-policy's backward asks.
+        outputs = [experts.mlp(chunk, chunk_counts, shared_cast(gate_up, cast[0]), shared_cast(down, cast[1]))
+                   for chunk, chunk_counts in zip(inputs.split(received), received_counts) if len(chunk)]
+        if outputs:
+            out = torch.cat(outputs)
+        else:
             # Keeps the (empty) received rows and this rank's experts in the graph: the backward
             # must still run the dispatch's all-to-all, which the other ranks run, and experts
             # that got no rows get a zero gradient, as under FSDP, so every rank steps alike.
-            out = out + 0 * (inputs.sum() + gate_up.sum() + down.sum())
+            out = inputs.new_empty(0, down.shape[1]) + 0 * (inputs.sum() + gate_up.sum() + down.sum())
         return _AllToAll.apply(out, sent, received, self.group)
+
+
+def shared_cast(weight: torch.Tensor, cast: torch.Tensor) -> torch.Tensor:
+    """``cast`` (``weight`` cast to the compute dtype once, shared by several uses, so autograd
+    keeps one copy) as a use of ``weight``: its gradient comes back in ``weight``'s dtype, so the
+    gradients of several uses add in that dtype (fp32), as FSDP adds the ranks' in its fp32
+    reduction; several uses of one ``weight.to(dtype)`` would add them in bf16 first."""
+    return _SharedCast.apply(weight, cast)
+
+
+class _SharedCast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, cast: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = weight.dtype
+        return cast.view_as(cast)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
 
 
 class _AllToAll(torch.autograd.Function):

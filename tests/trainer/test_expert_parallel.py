@@ -1,7 +1,8 @@
 """Expert parallelism (trainer.expert_parallel): the experts stay sharded by expert, outside FSDP;
 on real gloo procs a step is the step of FSDP alone, over all 2 ranks (true on-policy mode) and
 in 2 groups of 2 of 4 ranks (default mode with routing replay), also when one rank's experts get
-no token; a checkpoint resumes bitwise."""
+no token; a checkpoint resumes bitwise. On 2 GPUs (NCCL, bf16 compute) the 2-rank step is FSDP's
+bit for bit too."""
 
 import asyncio
 from dataclasses import replace
@@ -9,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from monarch.actor import this_host
+from support.gpus import gpus
 from support.trainer_inputs import cat, one_rank_process_group, rows
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -20,7 +22,7 @@ from rlactors.models.moe import Experts
 from rlactors.on_policy.sides import sides
 from rlactors.placement import first_value
 from rlactors.trainer.batch import MicroBatch
-from rlactors.trainer.expert_parallel import expert_mesh
+from rlactors.trainer.expert_parallel import expert_mesh, shared_cast
 from rlactors.trainer.parallel import build_sharded_model, held_rows, local_rows, make_mesh
 
 LOSS = LossConfig(name="dapo", clip_high=0.28)
@@ -71,6 +73,19 @@ def test_held_rows_are_a_dim_0_shard_and_other_placements_are_refused():
                 held_rows(distribute_tensor(weight, mesh, placements))
 
 
+def test_uses_of_a_shared_cast_add_their_gradients_in_the_weights_dtype():
+    """Two uses of one bf16 copy of an fp32 weight, whose gradients 1 and 2**-9 add to 1 in bf16:
+    the weight's gradient is their fp32 sum, as FSDP's fp32 reduction adds two ranks' bf16
+    gradients."""
+    weight = torch.ones(3, requires_grad=True)
+    cast = weight.detach().to(torch.bfloat16)
+    uses = [shared_cast(weight, cast) for _ in range(2)]
+    assert all(u.dtype == torch.bfloat16 and u.data_ptr() == cast.data_ptr() for u in uses)
+    (uses[0].sum() + (uses[1] * 2 ** -9).sum()).backward()
+    assert weight.grad.dtype == torch.float32
+    assert torch.equal(weight.grad, torch.full((3,), 1 + 2 ** -9))
+
+
 @pytest.fixture(scope="module")
 def loop():
     loop = asyncio.new_event_loop()
@@ -78,13 +93,13 @@ def loop():
     loop.close()
 
 
-async def trained(model, config, batches, checkpoint_root=None, microbatches=1):
-    """Each step on ``config.ranks`` spawned trainer ranks, a batch's rows split evenly over them
-    and a rank's rows into ``microbatches``: the logprobs before it, its metrics and the weights
-    after it; with ``checkpoint_root``, also the weights after resuming from a checkpoint of step 1
-    and taking the last step again."""
+async def trained(model, config, batches, checkpoint_root=None, microbatches=1, device="cpu"):
+    """Each step on ``config.ranks`` spawned trainer ranks on ``device`` (on CUDA one GPU each), a
+    batch's rows split evenly over them and a rank's rows into ``microbatches``: the logprobs
+    before it, its metrics and the weights after it; with ``checkpoint_root``, also the weights
+    after resuming from a checkpoint of step 1 and taking the last step again."""
     procs, trainer, _ = await spawn_trainer(this_host(), model, config,
-                                            sides(model.true_on_policy, "native", "cpu").trainer)
+                                            sides(model.true_on_policy, "native", device).trainer, device=device)
 
     async def step(batch):
         share = len(batch) // config.ranks
@@ -115,16 +130,16 @@ def assert_weights_equal(actual, expected, names=None):
     assert all(torch.equal(actual[n], expected[n]) for n in names or expected)
 
 
-def test_all_ranks_expert_parallel_steps_bitwise_as_fsdp_alone(loop, family_ckpt, tmp_path):
-    """Two steps on 2 ranks with trainer.expert_parallel 2 and 1, in true on-policy mode: the same
-    logprobs, loss, gradient norm and weights, bit for bit (each rank holds the expert rows FSDP
-    gives it; an expert's gradient sums 2 terms); resuming the expert-parallel ranks from a
-    checkpoint of step 1 repeats step 2 bit for bit."""
+def assert_all_ranks_expert_parallel_steps_bitwise_as_fsdp_alone(loop, family_ckpt, tmp_path, device):
+    """Two steps on 2 ranks on ``device`` with trainer.expert_parallel 2 and 1, in true on-policy
+    mode: the same logprobs, loss, gradient norm and weights, bit for bit; resuming the
+    expert-parallel ranks from a checkpoint of step 1 repeats step 2 bit for bit."""
     ckpt, batches = family_ckpt("qwen3_moe", tie=False), [rows(5), rows(6)]
     model = ModelConfig(path=str(ckpt), true_on_policy=True)
     config = TrainerConfig(ranks=2, lr=1e-2, max_grad_norm=0.005)
-    fsdp_steps, _ = loop.run_until_complete(trained(model, config, batches))
-    ep_steps, resumed = loop.run_until_complete(trained(model, replace(config, expert_parallel=2), batches, tmp_path))
+    fsdp_steps, _ = loop.run_until_complete(trained(model, config, batches, device=device))
+    ep_steps, resumed = loop.run_until_complete(
+        trained(model, replace(config, expert_parallel=2), batches, tmp_path, device=device))
     for (fsdp_logprobs, fsdp_metrics, fsdp_weights), (ep_logprobs, ep_metrics, ep_weights) in zip(fsdp_steps, ep_steps):
         assert all(torch.equal(a, b) for a, b in zip(ep_logprobs, fsdp_logprobs))
         for key in ("loss", "grad_norm", "logprob_diff/max"):
@@ -132,6 +147,28 @@ def test_all_ranks_expert_parallel_steps_bitwise_as_fsdp_alone(loop, family_ckpt
         assert_weights_equal(ep_weights, fsdp_weights)
     assert fsdp_steps[1][1]["policy_version"] == 2
     assert_weights_equal(resumed, ep_steps[1][2])
+
+
+def test_all_ranks_expert_parallel_steps_bitwise_as_fsdp_alone(loop, family_ckpt, tmp_path):
+    """On 2 gloo CPU ranks, fp32 throughout: each rank holds the expert rows FSDP gives it, and an
+    expert's gradient sums 2 terms, exact in any order."""
+    assert_all_ranks_expert_parallel_steps_bitwise_as_fsdp_alone(loop, family_ckpt, tmp_path, "cpu")
+
+
+@gpus(2)
+def test_all_ranks_expert_parallel_steps_bitwise_as_fsdp_alone_on_two_gpus(loop, family_ckpt, tmp_path):
+    """On 2 GPUs (NCCL all-to-alls, bf16 compute from fp32 master weights, Triton batch-invariant
+    kernels forward, torch's grouped GEMMs backward), also bit for bit:
+    - a row's expert output does not depend on the rows beside it (the batch-invariant grouped
+      launch), so computing a source rank's rows on the rank holding their experts changes none;
+    - the grouped GEMMs of the backward sum each expert's rows of one source rank with the same
+      CUTLASS tile whether the launch also holds the other experts' rows (FSDP) or not: torch
+      takes its small tile whenever a matrix side is at most 128, as this model's (64 and 128)
+      always are (in a wider model the mean rows per expert may pick another tile);
+    - an expert's gradient is the fp32 sum of 2 ranks' bf16 terms on both sides (FSDP's fp32
+      reduce-scatter; expert parallelism's ``shared_cast``), exact in either order.
+    Runs on the first two GPUs that CUDA_VISIBLE_DEVICES names (``benchmarks/gpu_suite.py 2gpu``)."""
+    assert_all_ranks_expert_parallel_steps_bitwise_as_fsdp_alone(loop, family_ckpt, tmp_path, "cuda")
 
 
 # Under trainer.expert_parallel 2 of 4 ranks, ranks 0 and 2 hold experts 0-3 of the tiny MoE (8

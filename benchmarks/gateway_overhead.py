@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import orjson
+import yarl
 from results_table import RESULTS as RESULTS_DIR
 from results_table import append_row
 
@@ -106,16 +108,16 @@ def make_envs(tokenizer, turns: int, latencies: dict[str, list[float]]):
 
         async def run(self, sample, client):
             messages = question(sample)
+            url = yarl.URL(f"{self.base_url}/chat/completions")
+            headers = {"Authorization": f"Bearer {self.api_key}"}
             for turn in range(self.config.turns):
                 start = time.perf_counter()
                 if self.mode == "openai":
                     response = await client.chat.completions.create(model="policy", messages=messages)
                     message = response.choices[0].message.model_dump(exclude_none=True)
                 else:
-                    async with http.post(f"{self.base_url}/chat/completions",
-                                         json={"model": "policy", "messages": messages},
-                                         headers={"Authorization": f"Bearer {self.api_key}"}) as r:
-                        message = (await r.json())["choices"][0]["message"]
+                    async with http.post(url, json={"model": "policy", "messages": messages}, headers=headers) as r:
+                        message = (await r.json(loads=orjson.loads))["choices"][0]["message"]
                 latencies[f"gateway ({self.mode})"].append(time.perf_counter() - start)
                 messages.append(message)
                 if turn + 1 < self.config.turns:
@@ -126,7 +128,10 @@ def make_envs(tokenizer, turns: int, latencies: dict[str, list[float]]):
         mode = "HTTP"
         openai_client = False  # it posts the JSON itself
 
-    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    # The harness's client as a lean aiohttp harness sets it up: no pool limit, orjson, no cookies,
+    # no timeout (the rollout's step_timeout_s bounds a turn, as for the sessions' `openai` clients)
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), json_serialize_bytes=orjson.dumps,
+                                 cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout())
     config = ChatConfig(turns)
     envs = {"direct": DirectChat(config, tokenizer), "gateway (HTTP)": HttpChatAgent(config, tokenizer),
             "gateway (openai)": ChatAgent(config, tokenizer)}

@@ -16,6 +16,7 @@ import contextlib
 import gc
 import hmac
 import logging
+import random
 import secrets
 import time
 from collections import Counter
@@ -50,6 +51,12 @@ logger = logging.getLogger(__name__)
 COUNTERS = ("requests", "branches", "tool_calls", "unparsable_tool_calls", "client_errors")
 
 
+def completion_id() -> str:
+    """A reply's `id`: unique, not secret (only session ids and the API key are), so not drawn from
+    the OS's entropy with a system call per reply."""
+    return f"chatcmpl-{random.getrandbits(96):024x}"
+
+
 @dataclass(frozen=True)
 class SessionInfo:
     """Where a harness reaches its session: an OpenAI `base_url` and the run's API key."""
@@ -81,6 +88,7 @@ class Gateway:
         self.tokenizer = tokenizer
         self.limits = RequestLimits(max_messages=config.max_messages, max_tokens=max_tokens)
         self.api_key = f"rla-{secrets.token_urlsafe(32)}"
+        self._authorization = f"Bearer {self.api_key}".encode()  # the header every request must carry
         self.port: int | None = None
         self.counters: Counter[str] = Counter()
         self._reported: Counter[str] = Counter()
@@ -184,7 +192,7 @@ class Gateway:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        if not hmac.compare_digest(given.encode(), self._authorization):
             raise ApiError(401, "Incorrect API key provided: use the key this run gave its harness",
                            code="invalid_api_key", kind="authentication_error")
         return await handler(request)
@@ -242,7 +250,7 @@ class Gateway:
                  "total_tokens": len(prompt) + len(turn.token_ids)}
         if stream is not None:
             return await stream.finish(reply, finish_reason, usage)
-        return web.Response(body=orjson.dumps(completion_body(f"chatcmpl-{secrets.token_hex(12)}", chat.model, reply,
+        return web.Response(body=orjson.dumps(completion_body(completion_id(), chat.model, reply,
                                                               finish_reason, usage, logprobs)),
                             content_type="application/json")
 
@@ -281,7 +289,7 @@ class _SseReply:
         self.content = ContentStream(tokenizer, bool(chat.tools) and chat.parse_tool_calls,
                                      token_logprob if chat.logprobs else None)
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        self.id, self.created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        self.id, self.created = completion_id(), int(time.time())
         self.started = False
         self.gone = False
 

@@ -65,4 +65,4 @@ class TokenHistory:
                completion: list[int], reply: Message) -> None:
         self.messages = [*messages, reply]
         self.tools = tools
-        self.token_ids = list(prompt) + list(completion)
+        self.token_ids = [*prompt, *completion]

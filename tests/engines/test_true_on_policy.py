@@ -11,11 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 from support.trainer_inputs import one_rank_process_group
-from support.true_on_policy import episode, generate, make_core, prompts, requests_with, trainer_and_generator_logprobs
+from support.true_on_policy import (
+    episode,
+    generate,
+    make_core,
+    prompts,
+    requests_with,
+    trainer_and_generator_logprobs,
+    trainer_experts,
+)
 
-from rlactors.config import BatcherConfig
-from rlactors.models.moe import SparseMoeBlock
-from rlactors.rollout.batcher import Batcher
 from rlactors.types import SamplingParams
 
 
@@ -77,23 +82,6 @@ def test_trainer_equals_generator_bit_for_bit_for_each_family(family, tie, famil
         trainer, generator = trainer_and_generator_logprobs(core, episodes, row_tokens)
         assert trainer.numel() == sum(len(c.token_ids) for c in batched.values())
         assert torch.equal(trainer, generator), (row_tokens, (trainer - generator).abs().max())
-
-
-def trainer_experts(core, completion):
-    """The experts the trainer core routes each generated token's input position to (the
-    position whose logits give that token), the sequence scored alone: [tokens, sparse layers, k]."""
-    record = []
-    hooks = [module.experts.register_forward_hook(lambda _, inputs, out: record.append(inputs[1]))
-             for module in core.model.modules() if isinstance(module, SparseMoeBlock)]
-    try:
-        ep = episode(completion)
-        mb = Batcher(BatcherConfig(row_tokens=len(ep.token_ids), rows_per_microbatch=1)).pack([ep]).per_rank[0][0]
-        core.compute_logprobs([mb])
-    finally:
-        for hook in hooks:
-            hook.remove()
-    first = len(completion.prompt_token_ids) - 1
-    return torch.stack(record, dim=1)[first:first + len(completion.token_ids)].tolist()
 
 
 def test_moe_routing_and_logprobs_do_not_depend_on_the_batch_and_equal_the_trainer(family_ckpt, device):

@@ -8,6 +8,7 @@ import torch
 
 from rlactors.config import BatcherConfig, GeneratorConfig, ModelConfig, TrainerConfig
 from rlactors.engines.native import NativeEngine
+from rlactors.models.moe import SparseMoeBlock
 from rlactors.on_policy.sides import sides
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.types import Episode, RolloutStatus
@@ -24,12 +25,13 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def generate(ckpt, true_on_policy: bool, requests: dict[str, tuple[list[int], SamplingParams]],
-             max_num_tokens: int = 128) -> dict:
-    """Runs the requests to completion in one fresh engine (chunked prefill under a small budget)."""
+             max_num_tokens: int = 128, device: torch.device | str = "cpu", dtype: str = "float32") -> dict:
+    """Runs the requests to completion in one fresh engine on `device` in `dtype` (chunked
+    prefill under a small budget)."""
     generator = GeneratorConfig(max_num_seqs=32, max_num_tokens=max_num_tokens, kv_cache_tokens=4096,
                                 block_size=16, max_model_len=512)
-    engine = NativeEngine.from_config(generator, ModelConfig(path=str(ckpt), true_on_policy=true_on_policy),
-                                      device="cpu")
+    model = ModelConfig(path=str(ckpt), true_on_policy=true_on_policy, dtype=dtype)
+    engine = NativeEngine.from_config(generator, model, device=device)
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     done = {}
@@ -61,10 +63,27 @@ def trainer_and_generator_logprobs(core: PolicyTrainerCore, episodes: list[Episo
     return torch.cat(trainer), torch.cat(generator)
 
 
-def make_core(ckpt, device, true_on_policy: bool) -> PolicyTrainerCore:
-    return PolicyTrainerCore(ModelConfig(path=str(ckpt), true_on_policy=true_on_policy),
-                             TrainerConfig(ranks=1, logprob_chunk_tokens=100), device,
+def make_core(ckpt, device, true_on_policy: bool, dtype: str = "float32") -> PolicyTrainerCore:
+    model = ModelConfig(path=str(ckpt), true_on_policy=true_on_policy, dtype=dtype)
+    return PolicyTrainerCore(model, TrainerConfig(ranks=1, logprob_chunk_tokens=100), device,
                              sides(true_on_policy, "native", device).trainer)
+
+
+def trainer_experts(core: PolicyTrainerCore, completion) -> list:
+    """The experts the trainer core routes each generated token's input position to (the
+    position whose logits give that token), the sequence scored alone: [tokens, sparse layers, k]."""
+    record = []
+    hooks = [module.experts.register_forward_hook(lambda _, inputs, out: record.append(inputs[1]))
+             for module in core.model.modules() if isinstance(module, SparseMoeBlock)]
+    try:
+        ep = episode(completion)
+        mb = Batcher(BatcherConfig(row_tokens=len(ep.token_ids), rows_per_microbatch=1)).pack([ep]).per_rank[0][0]
+        core.compute_logprobs([mb])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    first = len(completion.prompt_token_ids) - 1
+    return torch.stack(record, dim=1)[first:first + len(completion.token_ids)].tolist()
 
 
 def requests_with(mine: tuple[list[int], SamplingParams], others: int, seed: int) -> dict:

@@ -51,10 +51,13 @@ logger = logging.getLogger(__name__)
 COUNTERS = ("requests", "branches", "tool_calls", "unparsable_tool_calls", "client_errors")
 
 
+_REPLY_IDS = random.Random()  # seeded from the OS once; its own, so a harness seeding `random` repeats none
+
+
 def completion_id() -> str:
     """A reply's `id`: unique, not secret (only session ids and the API key are), so not drawn from
     the OS's entropy with a system call per reply."""
-    return f"chatcmpl-{random.getrandbits(96):024x}"
+    return f"chatcmpl-{_REPLY_IDS.getrandbits(96):024x}"
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,13 @@ import pytest
 import torch
 from support.trainer_inputs import one_rank_process_group
 from support.true_on_policy import (
+    assert_moe_routes_and_scores_as_the_trainer,
     episode,
     generate,
     make_core,
     prompts,
     requests_with,
     trainer_and_generator_logprobs,
-    trainer_experts,
 )
 
 from rlactors.types import SamplingParams
@@ -29,20 +29,7 @@ def device():
 
 
 def test_native_moe_on_cuda_routes_and_scores_as_the_trainer_bit_for_bit(family_ckpt, device):
-    ckpt = family_ckpt("qwen3_moe", False)
-    mine = (prompts(1, seed=7)[0], SamplingParams(max_tokens=16, temperature=1.0, seed=3))
-    alone = generate(ckpt, True, {"mine": mine}, device=device, dtype="bfloat16")["mine"]
-    batched = generate(ckpt, True, requests_with(mine, 6, seed=8), max_num_tokens=64, device=device, dtype="bfloat16")
-    assert (alone.token_ids, alone.logprobs, alone.routed_experts) == (
-        batched["mine"].token_ids, batched["mine"].logprobs, batched["mine"].routed_experts)
-    assert [len(experts) for experts in alone.routed_experts] == [3] * 16  # 3 sparse layers, every token
-    core = make_core(ckpt, device, true_on_policy=True, dtype="bfloat16")
-    assert trainer_experts(core, alone) == alone.routed_experts
-    episodes = [episode(c) for c in batched.values()]
-    for row_tokens in (80, 1024):
-        trainer, generator = trainer_and_generator_logprobs(core, episodes, row_tokens)
-        assert trainer.numel() == sum(len(c.token_ids) for c in batched.values())
-        assert torch.equal(trainer, generator), (row_tokens, (trainer - generator).abs().max())
+    assert_moe_routes_and_scores_as_the_trainer(family_ckpt("qwen3_moe", False), device, dtype="bfloat16")
 
 
 def test_native_moe_on_cuda_in_default_mode_returns_experts_and_near_logprobs(family_ckpt, device):

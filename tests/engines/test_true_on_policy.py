@@ -12,6 +12,7 @@ import pytest
 import torch
 from support.trainer_inputs import one_rank_process_group
 from support.true_on_policy import (
+    assert_moe_routes_and_scores_as_the_trainer,
     episode,
     generate,
     make_core,
@@ -85,23 +86,7 @@ def test_trainer_equals_generator_bit_for_bit_for_each_family(family, tie, famil
 
 
 def test_moe_routing_and_logprobs_do_not_depend_on_the_batch_and_equal_the_trainer(family_ckpt, device):
-    """Qwen3-MoE in true on-policy mode: the request's tokens, logprobs and the experts each token
-    was routed to are bitwise the same alone and among 6 others, and the trainer routes every
-    token to the same experts and computes the same logprobs."""
-    ckpt = family_ckpt("qwen3_moe", False)
-    mine = (prompts(1, seed=7)[0], SamplingParams(max_tokens=16, temperature=1.0, seed=3))
-    alone = generate(ckpt, True, {"mine": mine})["mine"]
-    batched = generate(ckpt, True, requests_with(mine, 6, seed=8), max_num_tokens=64)
-    assert (alone.token_ids, alone.logprobs, alone.routed_experts) == (
-        batched["mine"].token_ids, batched["mine"].logprobs, batched["mine"].routed_experts)
-    assert [len(experts) for experts in alone.routed_experts] == [3] * 16  # 3 sparse layers, every token
-    core = make_core(ckpt, device, true_on_policy=True)
-    assert trainer_experts(core, alone) == alone.routed_experts
-    episodes = [episode(c) for c in batched.values()]
-    for row_tokens in (80, 1024):
-        trainer, generator = trainer_and_generator_logprobs(core, episodes, row_tokens)
-        assert trainer.numel() == sum(len(c.token_ids) for c in batched.values())
-        assert torch.equal(trainer, generator), (row_tokens, (trainer - generator).abs().max())
+    assert_moe_routes_and_scores_as_the_trainer(family_ckpt("qwen3_moe", False), device)
 
 
 def test_moe_default_mode_expert_mismatch_is_measured(family_ckpt, device, record_property):

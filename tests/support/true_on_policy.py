@@ -91,3 +91,22 @@ def requests_with(mine: tuple[list[int], SamplingParams], others: int, seed: int
     for i, prompt in enumerate(prompts(others, seed)):
         out[f"other{i}"] = (prompt, SamplingParams(max_tokens=4 + 2 * i, temperature=1.0, seed=100 + i))
     return out
+
+
+def assert_moe_routes_and_scores_as_the_trainer(ckpt, device, dtype: str = "float32") -> None:
+    """Qwen3-MoE in true on-policy mode on `device`: a request's tokens, logprobs and the experts
+    each token was routed to are bitwise the same alone and among 6 others, and the trainer core
+    routes every token to the same experts and computes the same logprobs."""
+    mine = (prompts(1, seed=7)[0], SamplingParams(max_tokens=16, temperature=1.0, seed=3))
+    alone = generate(ckpt, True, {"mine": mine}, device=device, dtype=dtype)["mine"]
+    batched = generate(ckpt, True, requests_with(mine, 6, seed=8), max_num_tokens=64, device=device, dtype=dtype)
+    assert (alone.token_ids, alone.logprobs, alone.routed_experts) == (
+        batched["mine"].token_ids, batched["mine"].logprobs, batched["mine"].routed_experts)
+    assert [len(experts) for experts in alone.routed_experts] == [3] * 16  # 3 sparse layers, every token
+    core = make_core(ckpt, device, true_on_policy=True, dtype=dtype)
+    assert trainer_experts(core, alone) == alone.routed_experts
+    episodes = [episode(c) for c in batched.values()]
+    for row_tokens in (80, 1024):
+        trainer, generator = trainer_and_generator_logprobs(core, episodes, row_tokens)
+        assert trainer.numel() == sum(len(c.token_ids) for c in batched.values())
+        assert torch.equal(trainer, generator), (row_tokens, (trainer - generator).abs().max())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -21,6 +22,8 @@ from rlactors.controller import Controller, TrainingError
 from rlactors.metrics import read_metrics
 from rlactors.models.checkpoint import TOKENIZER_FILES
 from rlactors.trainer.checkpoint import checkpoint_dir
+
+PROC_EXITED = re.compile(r"^.+ \(pid \d+\) exited ")  # a lost proc's verdict (rlactors.liveness)
 
 
 def test_records_whose_prompt_leaves_no_room_are_named_at_load_counted_per_step_and_kept_in_samples(
@@ -103,11 +106,14 @@ def test_an_env_that_blocks_the_loop_is_named_and_ctrl_c_twice_ends_the_run(tiny
             cli.wait(30)
     stderr = cli.text("stderr").splitlines()
     assert code == 130 and not any("Traceback" in line for line in stderr), stderr[-30:]
-    assert stderr[-2].startswith("interrupted: the event loop is blocked in BlockingEnv.step (")
-    assert stderr[-2].endswith("; the run stops once that call returns (Ctrl-C again to quit at once)")
+    # Ctrl-C reaches the actor procs too: on a busy machine the verdict on one that has exited may
+    # be printed between the two Ctrl-C's lines, or after them; nothing else may.
+    said = [line for line in stderr if not PROC_EXITED.match(line)]
+    assert said[-2].startswith("interrupted: the event loop is blocked in BlockingEnv.step (")
+    assert said[-2].endswith("; the run stops once that call returns (Ctrl-C again to quit at once)")
     saved = checkpoint_dir(run_dir / "checkpoints", 1)
-    assert stderr[-1] == f"interrupted again: quitting at once; the last complete checkpoint is {saved}; continue " \
-                         "with --resume"
+    assert said[-1] == f"interrupted again: quitting at once; the last complete checkpoint is {saved}; continue " \
+                       "with --resume"
     wait_until(lambda: not any(_alive(pid) for pid in procs), 30, what="the actor procs' exit")
     fault_record("env blocks the loop", "time.sleep(600) in an env's step from step 2 on "
                  "(rollout.step_timeout_s=2), then Ctrl-C twice", None,

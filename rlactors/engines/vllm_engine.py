@@ -13,6 +13,7 @@ the unmodified distribution, before temperature and top-k/top-p.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import functools
 import gc
@@ -129,7 +130,7 @@ class VLLMEngine(Engine):
         mode_args = {}
         if kernels.engine_args is not None:
             kernels.register()
-            mode_args = dict(kernels.engine_args)
+            mode_args = copy.deepcopy(kernels.engine_args)  # a module's constant: vLLM gets its own dicts
         # In default mode vLLM's own MoE layers record each token's experts (for the trainer's
         # expert-mismatch metric and routing replay); in true on-policy mode routing is the trainer's.
         sparse_layers = None

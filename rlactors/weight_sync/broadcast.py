@@ -72,8 +72,8 @@ class GlooGroup:
 
 def broadcast_stream(device: torch.device) -> torch.cuda.Stream:
     """A stream of high priority for the broadcast: the GPU schedules its NCCL kernels before the
-    blocks of the packing (or of the engine's step) queued beside them, so the link idles less
-    between chunks."""
+    blocks of the packing (or of the engine's step) queued beside them. On two H100s, 1.7B 1 -> 1
+    with vLLM's pynccl, this moved the receive within noise (11.2-11.3 ms against 11.3; weight_sync.md)."""
     return torch.cuda.Stream(device, priority=-1)
 
 

@@ -33,9 +33,10 @@ TITLE = "Weight sync: trainer -> every generator replica, verified by checksum"
 # total: what the trainer waits for, as the controller times it, until every replica holds the
 # weights verified. By broadcast: send, the trainer's side (packing the bf16 weights from the FSDP
 # shards chunk by chunk, each chunk broadcast once packed, then the checksum; pack: the packing
-# within it) and, on the slowest replica, receive + checksum; the rest is Monarch messaging: the
-# router's plan before them, how late the send and the last replica's receive started after the
-# push asked for them (lag), and how long the answers took once the last side ended (reply). By
+# within it; it ends once every replica's verdict on the checksum has reached it over the group)
+# and, on the slowest replica, receive + checksum; the rest is Monarch messaging: the router's
+# plan before them, how late the send and the last replica's receive started after the push asked
+# for them (lag), and how long the trainer's answer took once its send ended (reply). By
 # messages: gather (full tensors on rank 0, checksummed) and transfer. served: until every replica
 # has loaded them (apply: the load, by the copy plan or vLLM's load_weights, and the prefix-cache
 # reset), between engine steps. Medians over --iters.
@@ -96,6 +97,7 @@ async def measure(config, iters: int) -> list[dict[str, float]]:
             while await _updates(controller) != loaded:
                 await asyncio.sleep(0.001)
             timings["served_s"] = time.perf_counter() - start
+            timings.update(await controller.weight_sync.settled())
             last = [r["engine"]["last_update"] for r in (await controller.router.stats.call_one())["replicas"]]
             timings["replica_apply_s"] = max(u["apply_s"] for u in last)
             if all("copy_plan" in u for u in last):

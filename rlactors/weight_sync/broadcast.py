@@ -15,7 +15,9 @@ chunk while the last one is on the wire, then a trailer: the version and the che
 sender computed as it packed. A receiver stages the chunks in its own buffer (on GPU, on a side
 stream), checksums each as it lands, and compares the whole with the trailer before loading
 anything: on a mismatch, or another version than it was told to expect, the replica keeps serving
-its current weights and the error names the version. The load follows between engine steps; in
+its current weights and the error names the version. Last, every member's verdict (1: verified)
+is summed over the group, so the sender learns from the group itself how many members verified
+the weights, with no message through the replicas' actors. The load follows between engine steps; in
 vLLM, loads after the first are plain copies from the buffer where a copy plan was proven equal to
 vLLM's loader.
 
@@ -60,12 +62,20 @@ class GlooGroup:
         self.group = dist.ProcessGroupGloo(store, rank, world_size, GLOO_TIMEOUT)
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+        self._run(lambda group: group.broadcast(tensor, src))
+
+    def all_reduce(self, in_tensor: torch.Tensor, out_tensor: torch.Tensor, stream: Any = None) -> torch.Tensor:
+        """The sum over the group, in place: `out_tensor` must be `in_tensor`."""
+        self._run(lambda group: group.allreduce([in_tensor]))
+        return out_tensor
+
+    def _run(self, collective: Callable[[Any], Any]) -> None:
         try:
-            self.group.broadcast(tensor, src).wait()
+            collective(self.group).wait()
         except RuntimeError as e:  # a member that died fails it at once (connection closed or reset)
             # Dropped here, so closed now whoever holds this wrapper (a traceback does): members
-            # waiting on this one in the broadcast's next collective (a chunk or the trailer)
-            # fail instead of waiting for GLOO_TIMEOUT.
+            # waiting on this one in the broadcast's next collective (a chunk, the trailer or the
+            # verdicts) fail instead of waiting for GLOO_TIMEOUT.
             self.group = None
             raise BroadcastBroken(f"the weight broadcast group broke: {e}") from None
 
@@ -95,6 +105,7 @@ class WeightSender:
         self.layout = layout
         self.buffer = layout.empty(device).zero_()  # zeroed once: padding bytes count in the checksum
         self.group: Any = None
+        self.receivers = 0  # the group's other members, each of which returns a verdict
         self.aborted = False
         if self.buffer.is_cuda:  # the broadcast and the checksum each beside the packing
             self.send_stream, self.checksum_stream = broadcast_stream(device), torch.cuda.Stream(device)
@@ -104,30 +115,34 @@ class WeightSender:
         self.group = None
         self.aborted = False
         self.group = join_group(host, port, 0, world_size, self.buffer.device)
+        self.receivers = world_size - 1
 
     async def send(self, version: int, pack: Callable[[Chunk, torch.Tensor], None]) -> dict[str, Any]:
         """Packs the weights chunk by chunk (`pack(chunk, buffer)` writes its pieces) and sends
         each chunk once packed, then the trailer: `version` and the checksum sums of the whole
-        buffer, which every receiver checks its own against. On GPU the packing (the caller's
-        stream), the checksum and the broadcast run on three streams, so packing chunk k + 1
-        overlaps sending chunk k. BroadcastBroken if a member left the group or `abort` gave it
-        up: the group is left, and a new one must be joined. Returns the version, the checksum's
-        digest, the bytes, seconds (the whole send, and the packing within it), and the wall
-        clock (`time.time()`) at its start and end, which the push compares across processes."""
+        buffer, which every receiver checks its own against, then sums the receivers' verdicts.
+        On GPU the packing (the caller's stream), the checksum and the broadcast run on three
+        streams, so packing chunk k + 1 overlaps sending chunk k. BroadcastBroken if a member
+        left the group or `abort` gave it up: the group is left, and a new one must be joined.
+        Returns the version, the checksum's digest, how many of the `receivers` verified it, the
+        bytes, seconds (the whole send, and the packing within it), and the wall clock
+        (`time.time()`) at its start and end, which the push compares across processes."""
         started_at, start = time.time(), time.perf_counter()
         try:
             if self.buffer.is_cuda:
-                sums, pack_s = await self._send_cuda(version, pack)
+                sums, verified, pack_s = await self._send_cuda(version, pack)
             else:
-                sums, pack_s = self._send_cpu(version, pack)
+                sums, verified, pack_s = self._send_cpu(version, pack)
         except BaseException:  # a member left, or the packing failed halfway through the broadcast
             self.group = None  # over gloo this closes its connections: the members waiting on it fail
             raise
-        return {"version": version, "checksum": self.layout.digest(*sums), "bytes": float(self.layout.total_bytes),
+        return {"version": version, "checksum": self.layout.digest(*sums), "verified": verified,
+                "receivers": self.receivers, "bytes": float(self.layout.total_bytes),
                 "send_s": time.perf_counter() - start, "pack_s": pack_s, "started_at": started_at,
                 "ended_at": time.time()}
 
-    def _send_cpu(self, version: int, pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[tuple[int, int], float]:
+    def _send_cpu(self, version: int,
+                  pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[tuple[int, int], int, float]:
         running, pack_s = RunningChecksum(self.buffer.device), 0.0
         for chunk in self.layout.chunks:
             packing = time.perf_counter()
@@ -137,10 +152,12 @@ class WeightSender:
             running.add(view, chunk.start)
             self.group.broadcast(view, src=0)
         self.group.broadcast(_trailer(version, running), src=0)
-        return running.sums(), pack_s
+        verdicts = _verdict(False, self.buffer.device)  # the sender's own counts nothing
+        self.group.all_reduce(verdicts, verdicts)
+        return running.sums(), int(verdicts.item()), pack_s
 
     async def _send_cuda(self, version: int,
-                         pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[tuple[int, int], float]:
+                         pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[tuple[int, int], int, float]:
         # NCCL waits for a dead member for ever, and a host thread blocked in that wait could not
         # serve `abort`: everything is enqueued, and the end of the broadcast polled.
         packing = torch.cuda.current_stream()
@@ -161,6 +178,9 @@ class WeightSender:
             trailer = _trailer(version, running)
         self.send_stream.wait_stream(self.checksum_stream)
         self.group.broadcast(trailer, src=0, stream=self.send_stream)
+        with torch.cuda.stream(self.send_stream):
+            verdicts = _verdict(False, self.buffer.device)
+        self.group.all_reduce(verdicts, verdicts, stream=self.send_stream)
         done = self.send_stream.record_event()
         # Polled between the event loop's other work, not slept between: asyncio's selector waits
         # in whole milliseconds, so any sleep here would add up to a millisecond to every sync.
@@ -170,7 +190,7 @@ class WeightSender:
             await asyncio.sleep(0)
         packed.synchronize()
         _, plain, weighted = trailer.tolist()
-        return unsigned(plain, weighted), started.elapsed_time(packed) / 1e3
+        return unsigned(plain, weighted), int(verdicts.item()), started.elapsed_time(packed) / 1e3
 
     def abort(self) -> None:
         """Gives up a broadcast that waits for a dead member: NCCL's communicator is aborted
@@ -179,6 +199,11 @@ class WeightSender:
         group, self.group = self.group, None
         if group is not None and self.buffer.is_cuda:
             group.nccl.ncclCommAbort(group.comm)
+
+
+def _verdict(verified: bool, device: torch.device) -> torch.Tensor:
+    """A member's verdict on a broadcast, summed over the group: 1 if it verified the weights."""
+    return torch.full((1,), int(verified), dtype=torch.int32, device=device)
 
 
 def _trailer(version: int, running: RunningChecksum) -> torch.Tensor:
@@ -206,9 +231,9 @@ class BufferReceiver:
         """Receives the next broadcast into the buffer, chunk by chunk, checksumming each chunk
         as it lands (on GPU on a stream of its own, beside the receive on `stream`), then the
         trailer: the broadcast must carry `version` (else UnexpectedVersion) and its checksum
-        must equal the trailer's (else ChecksumMismatch). BroadcastBroken when the group broke,
-        which is then left. Returns the seconds it took, and the wall clock (`time.time()`) at
-        its start and end."""
+        must equal the trailer's (else ChecksumMismatch); either way its verdict goes to the
+        sender first. BroadcastBroken when the group broke, which is then left. Returns the
+        seconds it took, and the wall clock (`time.time()`) at its start and end."""
         started_at, start = time.time(), time.perf_counter()
         cuda = self.buffer.is_cuda
         stream = stream or (torch.cuda.current_stream() if cuda else None)
@@ -225,20 +250,29 @@ class BufferReceiver:
                 else:
                     running.add(view, chunk.start)
             self.group.broadcast(trailer, src=0, stream=stream)
+            if cuda:
+                self.checksum_stream.wait_stream(stream)
+                self.checksum_stream.synchronize()
+            sent_version, *sent = trailer.tolist()
+            received, sent = running.sums(), unsigned(*sent)
+            if sent_version != version:
+                error = UnexpectedVersion(f"weights version {version} expected, the broadcast carried version "
+                                          f"{sent_version}; keeping the previous weights")
+            elif received != sent:
+                error = ChecksumMismatch(f"weights version {version}: received checksum "
+                                         f"{self.layout.digest(*received)}, trainer sent "
+                                         f"{self.layout.digest(*sent)}; keeping the previous weights")
+            else:
+                error = None
+            verdict = _verdict(error is None, self.buffer.device)
+            self.group.all_reduce(verdict, verdict, stream=stream)
         except BroadcastBroken:
             self.group = None  # as the sender does: the members waiting on this one fail too
             raise
         if cuda:
-            self.checksum_stream.wait_stream(stream)
-            self.checksum_stream.synchronize()
-        sent_version, *sent = trailer.tolist()
-        if sent_version != version:
-            raise UnexpectedVersion(f"weights version {version} expected, the broadcast carried version "
-                                    f"{sent_version}; keeping the previous weights")
-        received, sent = running.sums(), unsigned(*sent)
-        if received != sent:
-            raise ChecksumMismatch(f"weights version {version}: received checksum {self.layout.digest(*received)}, "
-                                   f"trainer sent {self.layout.digest(*sent)}; keeping the previous weights")
+            stream.synchronize()  # the verdict is out before the group can be left
+        if error is not None:
+            raise error
         return {"receive_verify_s": time.perf_counter() - start, "started_at": started_at, "ended_at": time.time()}
 
     def weights(self) -> dict[str, torch.Tensor]:

@@ -43,8 +43,12 @@ died or a restarted replica is up:
    then the version and checksum) and `router.receive_weights(version, mode)` (each member's
    `WeightUpdates.receive_weights` -> its receiver's `receive`: the chunks land in the receive
    buffer, checksummed as they come, beside the running engine, and the whole must match the
-   trainer's checksum and version; the receiver's `load` follows at a step boundary). A restarted
-   member serves from the first broadcast it receives.
+   trainer's checksum and version; the receiver's `load` follows at a step boundary). Each
+   member's verdict is summed over the group, so the trainer's answer says how many verified
+   the weights: when all did, the push is done. The router's answer, its record of which replica
+   holds which version, follows through the replicas' actors (`settled`, awaited before the next
+   push plans); a push that went wrong waits for it, as it names who rejected the weights or found
+   the group broken. A restarted member serves from the first broadcast it receives.
 4. While the broadcast runs, `router.dead_weight_group_members()` every 0.5 s: NCCL waits for a
    dead member for ever (gloo fails at once: `BroadcastBroken`), so a broadcast that outlives a
    member's death by `BROADCAST_DEATH_GRACE_S` is given up. NCCL may also let the sender finish
@@ -134,6 +138,11 @@ class WeightSync:
     async def _replicas_wait(self) -> bool:
         return False  # by messages the router brings a restarted replica to the last version itself
 
+    async def settled(self) -> dict[str, float]:
+        """Waits until the router has recorded the last push (which replica holds which version);
+        returns the replicas' own timings of it, where the push did not."""
+        return {}
+
     async def push(self, version: int) -> dict[str, float]:
         """Sends the trainer's current policy, `version`; returns once every replica has verified it.
 
@@ -164,6 +173,8 @@ class BroadcastSync(WeightSync):
     def __init__(self, trainer: Any, router: Any, dtype: str, update_mode: str, restart_dead: bool):
         super().__init__(trainer, router, dtype, update_mode)
         self.restart_dead = restart_dead
+        # The router's answer to the last push's broadcast, and the wall clock when it was asked.
+        self._receipt: tuple[asyncio.Future, float] | None = None
 
     async def start(self) -> None:
         await self._form_group(await self._plan())
@@ -197,6 +208,7 @@ class BroadcastSync(WeightSync):
 
     async def push(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
+        await self.settled()  # the router has recorded the last push before it plans this one
         plan = await self._plan()
         plan_s = time.perf_counter() - start
         for tries in range(1, BROADCAST_TRIES + 1):
@@ -204,7 +216,7 @@ class BroadcastSync(WeightSync):
                 await self._form_group(plan)
             try:
                 began = time.time()  # wall clock: compared with the sides' own, in other processes
-                sent, received = await self._broadcast(version)
+                sent = await self._broadcast(version, began)
                 ended = time.time()
                 break
             except MembersDied:
@@ -212,38 +224,59 @@ class BroadcastSync(WeightSync):
                     raise
                 plan = await self._plan()  # the group is stale: the same version again, to a new one
         self.version = version
-        sender, replicas = first_value(sent), received["replicas"]
+        sender = first_value(sent)
         # Where the time went: the router's plan; the trainer's send (packing, and the broadcast
-        # beside it, which waits for every receiver) and the slowest replica's receive + checksum;
-        # and the messaging around them: how late the send and the last receive started after
-        # the push asked for them, and how long the answers took after the last side ended. The
-        # replicas load after this returns, between engine steps.
+        # beside it, which waits for every receiver and their verdicts); and the messaging around
+        # it: how late the send started after the push asked for it, and how long its answer took.
+        # The replicas' side is `settled`'s. The replicas load after this returns, between steps.
         return {"total_s": time.perf_counter() - start, "bytes": sender["bytes"], "send_s": sender["send_s"],
-                "pack_s": sender["pack_s"],
-                "replica_receive_verify_s": max(r["receive_verify_s"] for r in replicas),
-                "plan_s": plan_s, "send_lag_s": sender["started_at"] - began,
-                "receive_lag_s": max(r["started_at"] for r in replicas) - began,
-                "reply_lag_s": ended - max(sender["ended_at"], *(r["ended_at"] for r in replicas)),
-                "broadcast_tries": float(tries)}
+                "pack_s": sender["pack_s"], "plan_s": plan_s, "send_lag_s": sender["started_at"] - began,
+                "reply_lag_s": ended - sender["ended_at"], "broadcast_tries": float(tries)}
 
-    async def _broadcast(self, version: int) -> tuple[Any, dict[str, Any]]:
+    async def settled(self) -> dict[str, float]:
+        """The router's answer to the last push: the slowest member's receive + checksum, and how
+        late the last receive started after the push asked for it ({} before the first push)."""
+        if self._receipt is None:
+            return {}
+        receiving, began = self._receipt
+        try:
+            replicas = (await receiving)["replicas"]
+        except ActorError as e:
+            raise WeightSyncError(f"weight sync: the router failed to record the last push: {e.exception}") from None
+        if not replicas:  # every member died since it verified the weights
+            return {}
+        return {"replica_receive_verify_s": max(r["receive_verify_s"] for r in replicas),
+                "receive_lag_s": max(r["started_at"] for r in replicas) - began}
+
+    async def _broadcast(self, version: int, began: float) -> Any:
         """The trainer's send together with every member's receive, watched for members that
-        die meanwhile (step 4 of the protocol). MembersDied when a member died and the broadcast
-        did not reach every member still up."""
+        die meanwhile (step 4 of the protocol); returns the trainer's answer once every member
+        verified the weights. MembersDied when a member died and the broadcast did not reach
+        every member still up."""
+        self._receipt = None
         sending = asyncio.ensure_future(self.trainer.send_weights.call())
-        transfer = asyncio.ensure_future(asyncio.gather(
-            sending, self.router.receive_weights.call_one(version, self.update_mode), return_exceptions=True))
+        receiving = asyncio.ensure_future(self.router.receive_weights.call_one(version, self.update_mode))
+        transfer = asyncio.ensure_future(asyncio.gather(sending, receiving, return_exceptions=True))
         dead_since = None
-        while not (await asyncio.wait([transfer], timeout=BROADCAST_WATCH_S))[0]:
-            failure = sending.done() and sending.exception()
-            if failure and not (isinstance(failure, ActorError) and isinstance(failure.exception, BroadcastBroken)):
-                # The trainer failed on its own side, or is lost: the members may wait for the rest
-                # of the broadcast for ever (NCCL does).
-                _let_go(transfer)
-                if not isinstance(failure, ActorError):
-                    raise failure
-                raise WeightSyncError(f"weight sync of policy version {version} failed: the trainer's send failed: "
-                                      f"{failure.exception!r}")
+        while True:
+            watched = [transfer] if sending.done() else [sending, transfer]
+            done, _ = await asyncio.wait(watched, timeout=BROADCAST_WATCH_S, return_when=asyncio.FIRST_COMPLETED)
+            if transfer in done:
+                break
+            if sending in done:
+                failure = sending.exception()
+                if failure is None and _every_member_verified(sending.result()):
+                    self._receipt = (receiving, began)
+                    return sending.result()
+                if failure and not (isinstance(failure, ActorError) and isinstance(failure.exception, BroadcastBroken)):
+                    # The trainer failed on its own side, or is lost: the members may wait for the
+                    # rest of the broadcast for ever (NCCL does).
+                    _let_go(transfer)
+                    if not isinstance(failure, ActorError):
+                        raise failure
+                    raise WeightSyncError(f"weight sync of policy version {version} failed: the trainer's send "
+                                          f"failed: {failure.exception!r}")
+                continue  # the router's answer names who did not verify the weights
             dead = await self.router.dead_weight_group_members.call_one()
             if not dead:
                 continue
@@ -257,7 +290,8 @@ class BroadcastSync(WeightSync):
             if isinstance(outcome, BaseException) and not isinstance(outcome, ActorError):
                 raise outcome  # the trainer or the router is lost
         if not isinstance(sent, BaseException) and received["replicas"] and not received["broken"]:
-            return sent, received  # a member that died meanwhile, if any, missed this version only
+            self._receipt = (receiving, began)
+            return sent  # a member that died meanwhile, if any, missed this version only
         # The group broke, or nobody took the weights: every member the router did not find dead
         # by now (the receive fails over once its proc is lost) lives.
         dead = await self.router.dead_weight_group_members.call_one()
@@ -292,6 +326,11 @@ class BroadcastSync(WeightSync):
         except ActorError:
             return False
         return True
+
+
+def _every_member_verified(sent: Any) -> bool:
+    sender = first_value(sent)
+    return sender["verified"] == sender["receivers"]
 
 
 def _let_go(transfer: asyncio.Future) -> None:

@@ -1,9 +1,10 @@
 """The CPU weight broadcast (gloo) between real processes: the sender's buffer, packed and sent in
 chunks, arrives bit for bit and verified; a broadcast of another version than expected, or with a
-bit flipped on the way, is refused; a member that dies fails the sender's next broadcast at once
-instead of hanging it, and the survivors then form a new group that delivers the next version into
-the buffers they already hold. The engines' receiving ends: one refuses a
-receive before any join, and the vLLM one's calls over its TP workers."""
+bit flipped on the way, is refused; the sender learns how many members verified each broadcast; a
+member that dies fails the sender's next broadcast at once instead of hanging it, and the
+survivors then form a new group that delivers the next version into the buffers they already
+hold. The engines' receiving ends: one refuses a receive before any join, and the vLLM one's calls
+over its TP workers."""
 
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ class _FlipsAByte:
             tensor[100] ^= 1
             self.flipped = True
 
+    def all_reduce(self, in_tensor, out_tensor, stream=None):
+        return self.group.all_reduce(in_tensor, out_tensor, stream)
+
 
 def _member(rank: int, port: int, new_port: int, results) -> None:
     weights = _weights()
@@ -73,14 +77,16 @@ def _member(rank: int, port: int, new_port: int, results) -> None:
             sent = asyncio.run(sender.send(1, _pack_from(weights, layout)))
             whole = layout.checksum(layout.pack(weights, layout.empty(cpu).zero_()))
             results.put((rank, "sent", sent["checksum"] == whole and len(layout.chunks) == 10))
-            asyncio.run(sender.send(2, _pack_from(weights, layout)))  # received as version 3: refused
-            asyncio.run(sender.send(3, _pack_from(weights, layout)))  # a bit flips on the way: refused
+            verified = [sent["verified"]]
+            verified.append(asyncio.run(sender.send(2, _pack_from(weights, layout)))["verified"])  # taken for 3
+            verified.append(asyncio.run(sender.send(3, _pack_from(weights, layout)))["verified"])  # a bit flips
             try:
                 asyncio.run(sender.send(4, _pack_from(weights, layout)))  # rank 2 has died
             except BroadcastBroken as e:
                 results.put((rank, "error", f"{e} (group left: {sender.group is None})"))
             sender.join("127.0.0.1", new_port, 2)  # the survivors' group
-            asyncio.run(sender.send(5, _pack_from(doubled, layout)))
+            verified.append(asyncio.run(sender.send(5, _pack_from(doubled, layout)))["verified"])
+            results.put((rank, "verified", verified))
             return
         receiver = BufferReceiver(layout, cpu)
         receiver.join("127.0.0.1", port, rank, 3)
@@ -116,7 +122,7 @@ def test_gloo_broadcast_delivers_verified_bits_a_dead_member_fails_it_and_surviv
         member.start()
     reports = []
     try:
-        while len(reports) < 5:
+        while len(reports) < 6:
             reports.append(results.get(timeout=90))
     except queue.Empty:
         raise AssertionError(f"members reported only {reports}") from None
@@ -125,9 +131,12 @@ def test_gloo_broadcast_delivers_verified_bits_a_dead_member_fails_it_and_surviv
             member.join(30)
             if member.is_alive():
                 member.kill()
-    assert sorted(r[:2] for r in reports) == [(0, "error"), (0, "sent"), (1, "received"), (1, "regrouped"),
-                                              (2, "received")], reports
+    assert sorted(r[:2] for r in reports) == [(0, "error"), (0, "sent"), (0, "verified"), (1, "received"),
+                                              (1, "regrouped"), (2, "received")], reports
     assert all(ok for _, what, ok in reports if what in ("sent", "received", "regrouped")), reports
+    # Both members verified version 1, neither the one they did not expect nor the flipped one;
+    # the survivor verified version 5 in the new group.
+    assert next(r[2] for r in reports if r[1] == "verified") == [2, 0, 0, 1], reports
     error = next(text for _, what, text in reports if what == "error")
     assert re.search(r"Connection (closed by peer|reset)", error) and error.endswith("(group left: True)"), error
 

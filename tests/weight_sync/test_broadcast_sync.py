@@ -58,11 +58,16 @@ class Call:
     call_one = call
 
 
-def sent():
-    """The trainer's send, starting and ending when it is called (what the push's lags read)."""
+def sent(verified=1, receivers=1):
+    """The trainer's send, starting and ending when it is called (what the push's lags read):
+    `verified` of its `receivers` summed a verdict of 1 (they verified the weights)."""
     now = time.time()
-    return Rank0({"version": 1, "checksum": "c" * 32, "bytes": 8.0, "send_s": 0.1, "pack_s": 0.05,
-                  "started_at": now, "ended_at": now})
+    return Rank0({"version": 1, "checksum": "c" * 32, "verified": verified, "receivers": receivers, "bytes": 8.0,
+                  "send_s": 0.1, "pack_s": 0.05, "started_at": now, "ended_at": now})
+
+
+def unverified():
+    return sent(verified=0)
 BROKEN = ActorError(BroadcastBroken("the weight broadcast group broke: Connection closed by peer"))
 
 
@@ -99,8 +104,13 @@ class Router:
 
 
 def push(trainer, router, restart_dead=False):
+    """One push's timings, with the replicas' side (`settled`) that follows."""
     sync = BroadcastSync(trainer, router, "bfloat16", "hot_swap", restart_dead)
-    return asyncio.run(sync.push(1))
+
+    async def push_and_settle():
+        timings = await sync.push(1)
+        return {**timings, **await sync.settled()}
+    return asyncio.run(push_and_settle())
 
 
 @pytest.fixture
@@ -118,17 +128,53 @@ def test_a_push_that_a_member_received_completes():
 
 
 def test_a_push_times_the_messaging_around_the_broadcast_by_the_slowest_side():
-    timings = push(Trainer(), Router(receives=[received(0, 1, late_s=5.0)], plans=[plan([0, 1])]))
+    timings = push(Trainer(lambda: sent(verified=2, receivers=2)),
+                   Router(receives=[received(0, 1, late_s=5.0)], plans=[plan([0, 1])]))
     assert 0 <= timings["plan_s"] < timings["total_s"]
     assert 0 <= timings["send_lag_s"] < timings["total_s"] < 5.0
     assert 5.0 <= timings["receive_lag_s"] < 5.0 + timings["total_s"]  # the later replica's start
     assert 0 <= timings["reply_lag_s"] < timings["total_s"]
 
 
+def test_a_push_that_every_member_verified_ends_on_the_trainers_answer_and_the_next_waits_for_the_routers():
+    """The members' verdicts reach the trainer over the group: the router's answer, its record
+    of who holds what, is not waited for until the next push plans."""
+    recorded = asyncio.Event()
+    router = Router()
+
+    async def receive(version, mode):
+        await recorded.wait()
+        return received(0)()
+
+    router.receive_weights.call_one = receive
+
+    async def two_pushes():
+        sync = BroadcastSync(Trainer(), router, "bfloat16", "hot_swap", restart_dead=False)
+        await sync.push(1)  # returns although the router has not answered
+        second = asyncio.ensure_future(sync.push(2))
+        await asyncio.sleep(0.05)
+        waiting = not second.done() and len(router.plan_weight_group.calls) == 1
+        recorded.set()
+        await second
+        return waiting, await sync.settled()
+
+    waiting, settled = asyncio.run(two_pushes())
+    assert waiting and len(router.plan_weight_group.calls) == 2
+    assert settled["replica_receive_verify_s"] == 0.2
+
+
+def test_a_push_that_a_member_did_not_verify_waits_for_the_router_to_name_it():
+    rejected = ActorError(RuntimeError(f"weights version 1 rejected by replica 1: {ChecksumMismatch('c')!r}"))
+    router = Router(receives=[rejected], plans=[plan([0, 1])])
+    router.receive_weights.seconds = 0.2  # the trainer's answer comes first
+    with pytest.raises(WeightSyncError, match="rejected by replica 1: ChecksumMismatch"):
+        push(Trainer(lambda: sent(verified=1, receivers=2)), router)
+
+
 def test_a_push_that_every_member_died_during_raises_no_replica_up():
     """NCCL may let the sender finish a broadcast its buffers hold whole, with no one receiving."""
     with pytest.raises(NoReplicaUp, match=r"replica\(s\) \[0\] died during the broadcast, and no replica is up"):
-        push(Trainer(), Router(receives=[received()], dead=[[0]]))
+        push(Trainer(unverified), Router(receives=[received()], dead=[[0]]))
 
 
 def test_a_broadcast_that_outlives_a_dead_member_is_given_up_as_stuck(fast_watch):
@@ -227,7 +273,7 @@ def test_a_rejection_stops_the_push_even_with_restart_dead():
                                        f"{ChecksumMismatch('received checksum 1, trainer sent 2')!r}"))
     router = Router(receives=[rejected])
     with pytest.raises(WeightSyncError, match="failed: weights version 1 rejected by replica 0: ChecksumMismatch") as e:
-        push(Trainer(), router, restart_dead=True)
+        push(Trainer(unverified), router, restart_dead=True)
     assert not isinstance(e.value, MembersDied) and len(router.receive_weights.calls) == 1
 
 

@@ -51,5 +51,6 @@ def add_column_sums(columns: torch.Tensor, piece: torch.Tensor, shift: int) -> N
     if words == 0:
         return
     grid = (min(PROGRAMS, triton.cdiv(words, STEP_WORDS)),)
-    _add_column_sums[grid](columns, piece, words, shift, PERIOD=PERIOD, STEP=STEP_WORDS, BLOCK=BLOCK,
-                           num_warps=NUM_WARPS)
+    with torch.cuda.device(piece.device):  # Triton launches on the current device's current stream
+        _add_column_sums[grid](columns, piece, words, shift, PERIOD=PERIOD, STEP=STEP_WORDS, BLOCK=BLOCK,
+                               num_warps=NUM_WARPS)

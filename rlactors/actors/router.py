@@ -20,10 +20,11 @@
   in flight failed over; one that stops answering is slow after a few seconds (new requests go to
   the others while any answers; its own calls wait), and dead only once unresponsive for
   `unresponsive_timeout_s`. A slow replica that answers again serves again, never restarted.
-- Weights: the endpoints `update_weights` (by messages) and `plan_weight_group`,
-  `join_weight_group`, `receive_weights`, `dead_weight_group_members` (by broadcast) call this
-  router's `ReplicaWeights` (rlactors.weight_sync.replicas), which holds what goes to which replica;
-  the protocol that drives them is rlactors.weight_sync.sync.
+- Weights: the endpoints `update_weights` (by messages) and `watch_weight_group`,
+  `plan_weight_group`, `join_weight_group`, `receive_weights`, `dead_weight_group_members` (by
+  broadcast) call this router's `ReplicaWeights` (rlactors.weight_sync.replicas), which holds what
+  goes to which replica and is told whenever a replica comes up or goes down; the protocol that
+  drives them is rlactors.weight_sync.sync.
 """
 
 from __future__ import annotations
@@ -196,6 +197,7 @@ class GeneratorRouter(Actor):
             replica.state = ReplicaState.AWAITING_WEIGHTS
         else:
             self._serve(replica)
+        self.weights.up_changed()
         return True
 
     async def _watch(self, replica: _Replica) -> None:
@@ -220,7 +222,9 @@ class GeneratorRouter(Actor):
     def _mark_dead(self, replica: _Replica, error: BaseException) -> None:
         if replica.state is ReplicaState.DEAD or replica is not self.replicas[replica.index]:
             return  # already handled, or a replica that has been replaced since
-        served, replica.state = replica.state is ReplicaState.SERVING, ReplicaState.DEAD
+        served, was_up, replica.state = replica.state is ReplicaState.SERVING, replica.up, ReplicaState.DEAD
+        if was_up:
+            self.weights.up_changed()
         if served:
             self.counters["deaths"] += 1
         logger.warning("generator replica %d (%s) is dead: %s", replica.index, replica.name, error)
@@ -355,9 +359,15 @@ class GeneratorRouter(Actor):
         return await self.weights.update(version, named_tensors, checksum, mode, self._serving_replicas())
 
     @concurrent_endpoint
+    async def watch_weight_group(self, port: Port) -> None:
+        """`port` is sent a new epoch (a count) each time a replica comes up or goes down, from now on."""
+        self.weights.watch(port)
+
+    @concurrent_endpoint
     async def plan_weight_group(self) -> dict[str, Any]:
         """Who would form a new weight broadcast group now: every replica that is up (serving, or
         restarted and awaiting weights); `stale` when they differ from the current group's;
+        `epoch`: the count of replicas that came up or went down so far (`watch_weight_group`);
         `restarting`: the slots whose restart is under way."""
         await self._ensure_started()
         return {**self.weights.plan([r for r in self.replicas if r.up]), "restarting": sorted(self._restarts)}

@@ -9,9 +9,12 @@ through two callbacks when a replica died on a push (`died`) and when one took a
   (`latest`), so that `bring_up` brings a restarted replica to that version before it serves.
 - By broadcast, a group's members are fixed when it is formed. `plan(up)` names the replicas up
   now and whether they differ from the group's members (`stale`: one died, or a restarted one
-  waits); `join` has every TP worker of every planned member join the new group, member m's
-  worker t as rank 1 + m * tp + t (the trainer is rank 0); `receive` has the members still up
-  receive a broadcast (and names those whose group broke: a member died, so the push broadcasts
+  waits), as of an `epoch`: the router calls `up_changed` whenever a replica comes up or goes
+  down, which counts the epoch on and tells the port given to `watch` at once, so that the push
+  knows without asking whether the group it formed (or found current) may have gone stale.
+  `join` has every TP worker of every planned member join the new group, member m's worker t as
+  rank 1 + m * tp + t (the trainer is rank 0); `receive` has the members still up receive a
+  broadcast (and names those whose group broke: a member died, so the push broadcasts
   again to a new group); `dead_members` names those that died, which a broadcast waits for.
 
 Each replica a push reaches either takes the version (its `version` is set), rejects the weights
@@ -61,6 +64,8 @@ class ReplicaWeights:
         self.group: list[Replica] | None = None  # by broadcast: the members of the current group, once formed
         self.planned: list[Replica] = []
         self.groups_formed = 0
+        self.epoch = 0  # how many times a replica came up or went down
+        self.watcher: Any = None  # a port told each new epoch
 
     # -- by messages ------------------------------------------------------------------------
 
@@ -92,12 +97,23 @@ class ReplicaWeights:
 
     # -- by broadcast -----------------------------------------------------------------------
 
+    def watch(self, port: Any) -> None:
+        """`port` is sent the new epoch each time a replica comes up or goes down."""
+        self.watcher = port
+
+    def up_changed(self) -> None:
+        """A replica came up or went down: a plan made before may be stale."""
+        self.epoch += 1
+        if self.watcher is not None:
+            self.watcher.send(self.epoch)
+
     def plan(self, up: list[Replica]) -> dict[str, Any]:
-        """The group `up` would form, and whether the current one is stale; its world size counts
-        the trainer's rank 0. The plan is what the next `join` joins."""
+        """The group `up` would form, and whether the current one is stale, as of this epoch; its
+        world size counts the trainer's rank 0. The plan is what the next `join` joins."""
         stale = self.group != up  # replicas compare by identity: a restarted one is a new member
         self.planned = up
-        return {"stale": stale, "members": [r.index for r in up], "world_size": 1 + len(up) * self.tp}
+        return {"stale": stale, "members": [r.index for r in up], "world_size": 1 + len(up) * self.tp,
+                "epoch": self.epoch}
 
     async def join(self, host: str, port: int, layout: Any) -> int:
         """Every TP worker of the planned members joins the trainer's new group (each keeps its

@@ -25,11 +25,13 @@ its in-flight requests finish, or at once as a hot swap) and admits no new reque
 `BroadcastSync` (`broadcast`): one packed buffer from trainer rank 0 to every replica at once,
 over NCCL on GPUs or gloo on CPU (`rlactors.weight_sync.broadcast`). The group's members are
 fixed when it is formed, so it is formed at `start()` and again before a push whenever a member
-died or a restarted replica is up:
+died or a restarted replica is up. At `start()` the push has the router tell it whenever a
+replica comes up or goes down (`router.watch_weight_group(port)`: a count, the epoch); a push
+to a group that nothing changed since its plan needs no step 1:
 
 1. `router.plan_weight_group()`: the replicas that are up (serving, or restarted and awaiting
-   weights), whether they differ from the current group (`stale`), and the world size (trainer
-   rank 0 plus every TP worker of every member).
+   weights), whether they differ from the current group (`stale`), the world size (trainer
+   rank 0 plus every TP worker of every member), and the epoch it was made in.
 2. `trainer.weight_sync_address()` (a free port on rank 0's host) and `trainer.weight_layout(dtype)`
    (the packed buffer's layout); then, together, `trainer.init_weight_sender(...)` (rank 0's
    `WeightSender` joins as rank 0) and `router.join_weight_group(host, port, layout)` (the
@@ -75,7 +77,7 @@ import asyncio
 import time
 from typing import Any, NoReturn
 
-from monarch.actor import ActorError
+from monarch.actor import ActorError, Channel, PortReceiver
 
 from rlactors.config import Config
 from rlactors.placement import first_value
@@ -175,16 +177,37 @@ class BroadcastSync(WeightSync):
         self.restart_dead = restart_dead
         # The router's answer to the last push's broadcast, and the wall clock when it was asked.
         self._receipt: tuple[asyncio.Future, float] | None = None
+        # The epochs (rlactors.weight_sync.replicas): the last the router told of, and the one
+        # the current group was planned in (None: no group, or one that broke).
+        self._listening: asyncio.Future | None = None
+        self._heard_epoch = 0
+        self._group_epoch: int | None = None
 
     async def start(self) -> None:
+        port, changes = Channel.open()
+        await self.router.watch_weight_group.call_one(port)
+        self._listening = asyncio.ensure_future(self._listen(changes))
         await self._form_group(await self._plan())
+
+    async def _listen(self, changes: PortReceiver) -> None:
+        while True:
+            self._heard_epoch = max(self._heard_epoch, await changes.recv())
+
+    def _group_current(self) -> bool:
+        """Whether no replica came up or went down since the current group was planned, as far
+        as the router has told: while it can tell (a push planned before `start`, or after the
+        port failed, plans every time)."""
+        listening = self._listening is not None and not self._listening.done()
+        return listening and self._group_epoch is not None and self._heard_epoch <= self._group_epoch
 
     async def _replicas_wait(self) -> bool:
         # A restarted replica serves from the first broadcast it receives, and no other way: a
         # step whose rollouts it could not serve (the only replica) trains nothing, so no new
         # version would ever be pushed to it. A member that died makes the group stale too: the
         # push re-forms it, or stops the run when no replica is up.
-        return (await self.router.plan_weight_group.call_one())["stale"]
+        if self._group_current():
+            return False
+        return self._planned(await self.router.plan_weight_group.call_one())["stale"]
 
     async def _plan(self) -> dict[str, Any]:
         """The router's plan of the next group; when no replica is up but one is restarting,
@@ -194,6 +217,11 @@ class BroadcastSync(WeightSync):
         while not plan["members"] and plan["restarting"] and time.monotonic() - waited < RESTART_WAIT_S:
             await asyncio.sleep(BROADCAST_WATCH_S)
             plan = await self.router.plan_weight_group.call_one()
+        return self._planned(plan)
+
+    def _planned(self, plan: dict[str, Any]) -> dict[str, Any]:
+        if not plan["stale"]:
+            self._group_epoch = plan["epoch"]  # the group is the one it would form
         return plan
 
     async def _form_group(self, plan: dict[str, Any]) -> None:
@@ -205,14 +233,15 @@ class BroadcastSync(WeightSync):
         layout = first_value(await self.trainer.weight_layout.call(self.dtype))
         await asyncio.gather(self.trainer.init_weight_sender.call(host, port, plan["world_size"], layout),
                              self.router.join_weight_group.call_one(host, port, layout))
+        self._group_epoch = plan["epoch"]
 
     async def push(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        await self.settled()  # the router has recorded the last push before it plans this one
-        plan = await self._plan()
+        await self.settled()  # the router has recorded the last push before this one
+        plan = None if self._group_current() else await self._plan()
         plan_s = time.perf_counter() - start
         for tries in range(1, BROADCAST_TRIES + 1):
-            if plan["stale"]:  # a member died, or a restarted replica waits for weights
+            if plan is not None and plan["stale"]:  # a member died, or a restarted replica waits for weights
                 await self._form_group(plan)
             try:
                 began = time.time()  # wall clock: compared with the sides' own, in other processes
@@ -220,12 +249,16 @@ class BroadcastSync(WeightSync):
                 ended = time.time()
                 break
             except MembersDied:
+                self._group_epoch = None  # broken: the next broadcast goes to a new group
                 if not self.restart_dead or tries == BROADCAST_TRIES:
                     raise
-                plan = await self._plan()  # the group is stale: the same version again, to a new one
+                plan = await self._plan()  # the same version again, to a new group
+            except BaseException:
+                self._group_epoch = None
+                raise
         self.version = version
         sender = first_value(sent)
-        # Where the time went: the router's plan; the trainer's send (packing, and the broadcast
+        # Where the time went: the router's plan, if one was asked for; the trainer's send (packing, and the broadcast
         # beside it, which waits for every receiver and their verdicts); and the messaging around
         # it: how late the send started after the push asked for it, and how long its answer took.
         # The replicas' side is `settled`'s. The replicas load after this returns, between steps.

@@ -80,8 +80,9 @@ class Trainer:
         self.abort_weight_broadcast = Call(None)
 
 
-def plan(members, stale=False, restarting=()):
-    return {"members": members, "stale": stale, "world_size": 1 + len(members), "restarting": list(restarting)}
+def plan(members, stale=False, restarting=(), epoch=0):
+    return {"members": members, "stale": stale, "world_size": 1 + len(members), "restarting": list(restarting),
+            "epoch": epoch}
 
 
 def received(*replicas, broken=(), late_s=0.0):
@@ -97,6 +98,7 @@ def received(*replicas, broken=(), late_s=0.0):
 
 class Router:
     def __init__(self, receives=(), dead=((),), plans=None):
+        self.watch_weight_group = Call(None)
         self.plan_weight_group = Call(*(plans or [plan([0])]))
         self.receive_weights = Call(*(receives or [received(0)]))
         self.dead_weight_group_members = Call(*(list(d) for d in dead))
@@ -281,6 +283,49 @@ def test_a_broken_broadcast_with_no_member_dead_stops_the_push_even_with_restart
     with pytest.raises(WeightSyncError, match="the broadcast group broke with no member dead") as e:
         push(Trainer(BROKEN), Router(receives=[received(0)]), restart_dead=True)
     assert not isinstance(e.value, MembersDied)
+
+
+def test_a_push_to_a_group_that_no_replica_left_or_joined_since_its_plan_asks_the_router_nothing_first():
+    """The router tells the push of every replica that comes up or goes down (its epoch); one
+    that does makes the next push plan, and re-form the group if it is stale."""
+    router = Router(plans=[plan([0], stale=True, epoch=1), plan([0, 1], stale=True, epoch=2)],
+                    receives=[received(0), received(0, 1)])
+    trainer = Trainer(sent, lambda: sent(verified=2, receivers=2))
+
+    async def run():
+        sync = BroadcastSync(trainer, router, "bfloat16", "hot_swap", restart_dead=True)
+        await sync.start()  # plans and forms the group of replica 0
+        port = router.watch_weight_group.calls[0][0]
+        plans_before = len(router.plan_weight_group.calls)
+        first = await sync.push(1)
+        due = await sync.due(1)
+        asked = len(router.plan_weight_group.calls) - plans_before
+        port.send(2)  # replica 1 came up
+        await asyncio.sleep(0.05)
+        second = await sync.push(2)
+        return first, due, asked, second
+
+    first, due, asked, second = asyncio.run(run())
+    assert asked == 0 and not due and first["plan_s"] < 0.05
+    # Told of a change, the push planned, found the group stale and formed it again, with replica 1.
+    assert len(router.plan_weight_group.calls) == 2 and len(router.join_weight_group.calls) == 2
+    assert trainer.init_weight_sender.calls[-1][2] == 3 and second["broadcast_tries"] == 1
+
+
+def test_after_a_broken_broadcast_the_next_push_plans_again():
+    router = Router(receives=[received(0, broken=[0]), received(0)], dead=[[1]],
+                    plans=[plan([0, 1], stale=True, epoch=1), plan([0], stale=True, epoch=2)])
+    trainer = Trainer(BROKEN, sent)
+
+    async def run():
+        sync = BroadcastSync(trainer, router, "bfloat16", "hot_swap", restart_dead=False)
+        await sync.start()
+        with pytest.raises(MembersDied):
+            await sync.push(1)
+        await sync.push(1)  # though the router has not yet told of replica 1's death
+
+    asyncio.run(run())
+    assert len(router.plan_weight_group.calls) == 2 and len(router.join_weight_group.calls) == 2
 
 
 @pytest.mark.parametrize("stale", [False, True])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -65,7 +66,7 @@ def test_a_group_is_planned_joined_with_its_ranks_and_goes_stale_when_a_member_d
         weights, _, _ = _weights(tp=2)
         replicas = [_Replica(0), _Replica(1, up=False), _Replica(2)]
         up = [r for r in replicas if r.up]
-        assert weights.plan(up) == {"stale": True, "members": [0, 2], "world_size": 5}
+        assert weights.plan(up) == {"stale": True, "members": [0, 2], "world_size": 5, "epoch": 0}
         assert await weights.join("10.0.0.1", 29500, "layout") == 5
         # Member m's TP workers from rank 1 + m * tp on: the trainer is rank 0.
         assert replicas[0].actor.join_weight_group.calls == [("10.0.0.1", 29500, 1, 5, "layout")]
@@ -73,9 +74,12 @@ def test_a_group_is_planned_joined_with_its_ranks_and_goes_stale_when_a_member_d
         assert replicas[1].actor.join_weight_group.calls == []
         assert weights.plan(list(up))["stale"] is False and weights.groups_formed == 1
 
-        replicas[2].up = False  # died
-        assert weights.dead_members() == [2]
-        assert weights.plan([replicas[0]]) == {"stale": True, "members": [0], "world_size": 3}
+        told = []
+        weights.watch(SimpleNamespace(send=told.append))
+        replicas[2].up = False  # died: the router says so
+        weights.up_changed()
+        assert told == [1] and weights.dead_members() == [2]
+        assert weights.plan([replicas[0]]) == {"stale": True, "members": [0], "world_size": 3, "epoch": 1}
         restarted = _Replica(2)  # a new replica in the dead one's slot: a new member
         assert weights.plan([replicas[0], restarted])["stale"] is True
         await weights.join("10.0.0.1", 29501, "layout")

@@ -7,12 +7,6 @@ the whole tensor to int64). The small vector of column sums is then reduced exac
 a plain sum and a column-weighted sum. Every result stays on the device until one transfer per
 call, so a state of hundreds of tensors costs one host sync, not hundreds.
 
-A buffer that arrives in pieces (a chunked broadcast) is summed piece by piece into one running
-vector of columns (`RunningChecksum`). On CUDA, where Triton is installed, a piece of whole words
-at an aligned address is summed by one Triton kernel launch straight into that vector
-(rlactors.weight_sync.checksum_triton), on a few SMs, beside the broadcast; anywhere else by the
-torch ops of `_column_sums`. The two give the same bits: integer sums do not depend on order.
-
 What it detects:
 - any change confined to one 32-bit word (a flipped bit anywhere): that column's sum changes
   mod 2**32, so the exact int64 plain sum changes;
@@ -27,9 +21,7 @@ What it detects:
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import importlib.util
 from collections.abc import Iterable
 
 import torch
@@ -39,15 +31,10 @@ _ROW_BYTES = 4 * PERIOD
 _MASK = (1 << 64) - 1
 
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes, in order, as a flat uint8 tensor (a view where the tensor is contiguous)."""
-    return tensor.detach().contiguous().view(-1).view(torch.uint8)
-
-
 def _column_sums(tensor: torch.Tensor) -> torch.Tensor:
     """[PERIOD] int32 on the tensor's device: column c sums words c, c + PERIOD, ... mod 2**32,
     the bytes after the last whole row zero-padded (so any byte count works)."""
-    raw = _bytes(tensor)
+    raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
     if raw.storage_offset() % 4:  # a view starting mid-word cannot be read as int32 in place
         raw = raw.clone()
     whole = raw.numel() // _ROW_BYTES * _ROW_BYTES
@@ -81,15 +68,10 @@ class RunningChecksum:
         self.columns = torch.zeros(PERIOD, dtype=torch.int32, device=device)
 
     def add(self, piece: torch.Tensor, byte_offset: int) -> None:
-        """Adds the bytes of `piece`, found at `byte_offset` (a multiple of 4) of the buffer, on
-        the current stream."""
+        """Adds the bytes of `piece`, found at `byte_offset` (a multiple of 4) of the buffer."""
         if byte_offset % 4:
             raise ValueError(f"byte_offset must be a multiple of 4, got {byte_offset}")
-        raw, shift = _bytes(piece), (byte_offset // 4) % PERIOD
-        if raw.is_cuda and raw.numel() % 4 == 0 and raw.data_ptr() % 4 == 0 and (kernel := _triton()) is not None:
-            kernel.add_column_sums(self.columns, raw, shift)
-        else:
-            self.columns += torch.roll(_column_sums(raw), shift)
+        self.columns += torch.roll(_column_sums(piece), (byte_offset // 4) % PERIOD)
 
     def sums_tensor(self) -> torch.Tensor:
         """[2] int64 (plain, weighted) on the device: no host sync."""
@@ -97,16 +79,6 @@ class RunningChecksum:
 
     def sums(self) -> tuple[int, int]:
         return unsigned(*self.sums_tensor().tolist())
-
-
-@functools.cache
-def _triton():
-    """The Triton kernel's module, imported on first CUDA use; None where Triton is not installed."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from rlactors.weight_sync import checksum_triton
-
-    return checksum_triton
 
 
 def unsigned(plain: int, weighted: int) -> tuple[int, int]:

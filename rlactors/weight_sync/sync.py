@@ -53,8 +53,8 @@ to a group that nothing changed since its plan needs no step 1:
    the group broken. A restarted member serves from the first broadcast it receives.
 4. While the broadcast runs, `router.dead_weight_group_members()` every 0.5 s: NCCL waits for a
    dead member for ever (gloo fails at once: `BroadcastBroken`), so a broadcast that outlives a
-   member's death by `BROADCAST_DEATH_GRACE_S` is given up. NCCL may also let the sender finish
-   a broadcast small enough to fit its buffers with no member left to receive it. A broadcast
+   member's death by `BROADCAST_DEATH_GRACE_S` is given up (the trainer waits for every
+   member's verdict, so over NCCL it cannot finish without a dead member). A broadcast
    that a member died during and that did not reach every member still up is `MembersDied`:
    - with `generator.restart_dead`, the push plans again (waiting up to `RESTART_WAIT_S` for a
      restart under way when no replica is up), forms a new group and broadcasts the same version
@@ -62,8 +62,9 @@ to a group that nothing changed since its plan needs no step 1:
      `trainer.abort_weight_broadcast()` (NCCL: `ncclCommAbort`); one still stuck `ABORT_WAIT_S`
      later raises `BroadcastStuck`.
    - without it, the push raises: `BroadcastStuck` (NCCL: the trainer is stuck in the
-     collective, so nothing more can be saved), `NoReplicaUp` when every member died (the trainer
-     is not stuck, so its step can still be saved), `MembersDied` otherwise.
+     collective, so nothing more can be saved), `NoReplicaUp` when every member died and the
+     trainer is free (gloo failed its broadcast at once), so its step can still be saved,
+     `MembersDied` otherwise.
    A send that fails on the trainer's side (its packing, say) ends the push at once with
    `WeightSyncError`, without waiting for the members, which may wait for the rest for ever.
 
@@ -110,7 +111,7 @@ class MembersDied(WeightSyncError):
 
 
 class EveryMemberDied(NoReplicaUp, MembersDied):
-    """Every member died during a broadcast that the trainer finished (NCCL may buffer it whole)."""
+    """Every member died during a broadcast that left the trainer free (gloo fails it at once)."""
 
 
 class BroadcastStuck(WeightSyncError):
@@ -332,7 +333,7 @@ class BroadcastSync(WeightSync):
             error = sent.exception if isinstance(sent, BaseException) else f"replica(s) {received['broken']}"
             raise WeightSyncError(f"weight sync of policy version {version} failed: the broadcast group broke "
                                   f"with no member dead ({error})")
-        if not received["replicas"] and not received["broken"]:  # NCCL may let the sender finish it
+        if not received["replicas"] and not received["broken"]:  # the trainer is free: no member is left
             raise EveryMemberDied(f"weight sync of policy version {version}: generator replica(s) {dead} died "
                                   "during the broadcast, and no replica is up to receive the weights")
         raise MembersDied(f"weight sync of policy version {version}: generator replica(s) {dead} died during "

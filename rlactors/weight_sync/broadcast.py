@@ -29,6 +29,7 @@ workers. A replica's `WeightUpdates` (rlactors.weight_sync.updates) calls it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import time
 from collections.abc import Callable, Mapping
@@ -152,7 +153,7 @@ class WeightSender:
             running.add(view, chunk.start)
             self.group.broadcast(view, src=0)
         self.group.broadcast(_trailer(version, running), src=0)
-        verdicts = _verdict(False, self.buffer.device)  # the sender's own counts nothing
+        verdicts = torch.zeros(1, dtype=torch.int32)  # the receivers' verdicts; the sender's own counts nothing
         self.group.all_reduce(verdicts, verdicts)
         return running.sums(), int(verdicts.item()), pack_s
 
@@ -179,7 +180,7 @@ class WeightSender:
         self.send_stream.wait_stream(self.checksum_stream)
         self.group.broadcast(trailer, src=0, stream=self.send_stream)
         with torch.cuda.stream(self.send_stream):
-            verdicts = _verdict(False, self.buffer.device)
+            verdicts = torch.zeros(1, dtype=torch.int32, device=self.buffer.device)
         self.group.all_reduce(verdicts, verdicts, stream=self.send_stream)
         done = self.send_stream.record_event()
         # Polled between the event loop's other work, not slept between: asyncio's selector waits
@@ -199,11 +200,6 @@ class WeightSender:
         group, self.group = self.group, None
         if group is not None and self.buffer.is_cuda:
             group.nccl.ncclCommAbort(group.comm)
-
-
-def _verdict(verified: bool, device: torch.device) -> torch.Tensor:
-    """A member's verdict on a broadcast, summed over the group: 1 if it verified the weights."""
-    return torch.full((1,), int(verified), dtype=torch.int32, device=device)
 
 
 def _trailer(version: int, running: RunningChecksum) -> torch.Tensor:
@@ -250,29 +246,27 @@ class BufferReceiver:
                 else:
                     running.add(view, chunk.start)
             self.group.broadcast(trailer, src=0, stream=stream)
+            # The verdict is reached on the device, so the trainer waits for no host round trip.
             if cuda:
-                self.checksum_stream.wait_stream(stream)
-                self.checksum_stream.synchronize()
-            sent_version, *sent = trailer.tolist()
-            received, sent = running.sums(), unsigned(*sent)
-            if sent_version != version:
-                error = UnexpectedVersion(f"weights version {version} expected, the broadcast carried version "
-                                          f"{sent_version}; keeping the previous weights")
-            elif received != sent:
-                error = ChecksumMismatch(f"weights version {version}: received checksum "
-                                         f"{self.layout.digest(*received)}, trainer sent "
-                                         f"{self.layout.digest(*sent)}; keeping the previous weights")
-            else:
-                error = None
-            verdict = _verdict(error is None, self.buffer.device)
+                stream.wait_stream(self.checksum_stream)
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                received = running.sums_tensor()
+                verified = (trailer[0] == version) & (trailer[1:] == received).all()
+                verdict = verified.to(torch.int32).reshape(1)
             self.group.all_reduce(verdict, verdict, stream=stream)
         except BroadcastBroken:
             self.group = None  # as the sender does: the members waiting on this one fail too
             raise
         if cuda:
             stream.synchronize()  # the verdict is out before the group can be left
-        if error is not None:
-            raise error
+        sent_version, *sent = trailer.tolist()
+        received, sent = unsigned(*received.tolist()), unsigned(*sent)
+        if sent_version != version:
+            raise UnexpectedVersion(f"weights version {version} expected, the broadcast carried version "
+                                    f"{sent_version}; keeping the previous weights")
+        if received != sent:
+            raise ChecksumMismatch(f"weights version {version}: received checksum {self.layout.digest(*received)}, "
+                                   f"trainer sent {self.layout.digest(*sent)}; keeping the previous weights")
         return {"receive_verify_s": time.perf_counter() - start, "started_at": started_at, "ended_at": time.time()}
 
     def weights(self) -> dict[str, torch.Tensor]:

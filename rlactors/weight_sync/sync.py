@@ -196,8 +196,8 @@ class BroadcastSync(WeightSync):
 
     def _group_current(self) -> bool:
         """Whether no replica came up or went down since the current group was planned, as far
-        as the router has told: while it can tell (a push planned before `start`, or after the
-        port failed, plans every time)."""
+        as the router has told. Without its word (before `start`, or once the port failed) every
+        push plans."""
         listening = self._listening is not None and not self._listening.done()
         return listening and self._group_epoch is not None and self._heard_epoch <= self._group_epoch
 
@@ -259,10 +259,10 @@ class BroadcastSync(WeightSync):
                 raise
         self.version = version
         sender = first_value(sent)
-        # Where the time went: the router's plan, if one was asked for; the trainer's send (packing, and the broadcast
-        # beside it, which waits for every receiver and their verdicts); and the messaging around
-        # it: how late the send started after the push asked for it, and how long its answer took.
-        # The replicas' side is `settled`'s. The replicas load after this returns, between steps.
+        # Where the time went: the router's plan, if one was asked for; the trainer's send (packing,
+        # and the broadcast beside it, which waits for every receiver and their verdicts); and the
+        # messaging around it: how late the send started after the push asked for it, and how long
+        # its answer took. The replicas' side is `settled`'s. They load after this returns.
         return {"total_s": time.perf_counter() - start, "bytes": sender["bytes"], "send_s": sender["send_s"],
                 "pack_s": sender["pack_s"], "plan_s": plan_s, "send_lag_s": sender["started_at"] - began,
                 "reply_lag_s": ended - sender["ended_at"], "broadcast_tries": float(tries)}

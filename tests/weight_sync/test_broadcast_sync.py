@@ -68,6 +68,8 @@ def sent(verified=1, receivers=1):
 
 def unverified():
     return sent(verified=0)
+
+
 BROKEN = ActorError(BroadcastBroken("the weight broadcast group broke: Connection closed by peer"))
 
 

@@ -49,8 +49,9 @@ to a group that nothing changed since its plan needs no step 1:
    member's verdict is summed over the group, so the trainer's answer says how many verified
    the weights: when all did, the push is done. The router's answer, its record of which replica
    holds which version, follows through the replicas' actors (`settled`, awaited before the next
-   push plans); a push that went wrong waits for it, as it names who rejected the weights or found
-   the group broken. A restarted member serves from the first broadcast it receives.
+   push); a push that went wrong waits for it, as it names who rejected the weights or found the
+   group broken. A restarted member serves from the first broadcast it receives, once the router
+   has recorded it: so a push that formed a new group waits for the router's answer too.
 4. While the broadcast runs, `router.dead_weight_group_members()` every 0.5 s: NCCL waits for a
    dead member for ever (gloo fails at once: `BroadcastBroken`), so a broadcast that outlives a
    member's death by `BROADCAST_DEATH_GRACE_S` is given up (the trainer waits for every
@@ -241,9 +242,11 @@ class BroadcastSync(WeightSync):
         await self.settled()  # the router has recorded the last push before this one
         plan = None if self._group_current() else await self._plan()
         plan_s = time.perf_counter() - start
+        formed = False
         for tries in range(1, BROADCAST_TRIES + 1):
             if plan is not None and plan["stale"]:  # a member died, or a restarted replica waits for weights
                 await self._form_group(plan)
+                formed = True
             try:
                 began = time.time()  # wall clock: compared with the sides' own, in other processes
                 sent = await self._broadcast(version, began)
@@ -257,6 +260,10 @@ class BroadcastSync(WeightSync):
             except BaseException:
                 self._group_epoch = None
                 raise
+        if formed:
+            # A restarted member serves once the router has recorded that it took the weights:
+            # requests sent before then would find no replica serving where it was the only one.
+            await self.settled()
         self.version = version
         sender = first_value(sent)
         # Where the time went: the router's plan, if one was asked for; the trainer's send (packing,

@@ -46,6 +46,7 @@ class ReplicaKilledBetweenSyncs(Controller):
                 await asyncio.sleep(0.1)
             self.restart_s = time.monotonic() - killed
         timings = await super().push_weights()
+        await self.weight_sync.settled()  # the router has recorded the push
         self.router_stats = await self.router.stats.call_one()
         return timings
 
@@ -96,6 +97,7 @@ class ReplicaKilledDuringBroadcast(Controller):
             timings = await super().push_weights()
         finally:
             self.given_up_at = time.monotonic()
+        await self.weight_sync.settled()  # the router has recorded the push
         self.router_stats = await self.router.stats.call_one()
         return timings
 

@@ -437,6 +437,7 @@ class ReplicaKilledBeforeSync(Controller):
         if self.step == 2:
             await restarted_into_the_next_group(self.router)
         timings = await super().push_weights()
+        await self.weight_sync.settled()  # the router has recorded the push
         self.router_stats = await self.router.stats.call_one()
         return timings
 
@@ -505,6 +506,7 @@ class ReplicaKilledDuringBroadcast(Controller):
         timings = await super().push_weights()
         if self.step == 1:
             self.recovered_s = time.monotonic() - self.killed_at
+        await self.weight_sync.settled()  # the router has recorded the push
         self.router_stats = await self.router.stats.call_one()
         return timings
 

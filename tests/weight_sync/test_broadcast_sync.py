@@ -167,6 +167,30 @@ def test_a_push_that_every_member_verified_ends_on_the_trainers_answer_and_the_n
     assert settled["replica_receive_verify_s"] == 0.2
 
 
+def test_a_push_that_formed_a_new_group_returns_once_the_router_recorded_it():
+    """A restarted member serves once the router has recorded that it took the weights: the
+    push that brought it into a group waits for that, so the next step's requests find it."""
+    recorded = asyncio.Event()
+    router = Router(plans=[plan([0], stale=True, epoch=2)])
+
+    async def receive(version, mode):
+        await recorded.wait()
+        return received(0)()
+
+    router.receive_weights.call_one = receive
+
+    async def run():
+        sync = BroadcastSync(Trainer(), router, "bfloat16", "hot_swap", restart_dead=True)
+        pushing = asyncio.ensure_future(sync.push(1))
+        await asyncio.sleep(0.05)
+        waiting = not pushing.done() and len(router.join_weight_group.calls) == 1
+        recorded.set()
+        await pushing
+        return waiting
+
+    assert asyncio.run(run())
+
+
 def test_a_push_that_a_member_did_not_verify_waits_for_the_router_to_name_it():
     rejected = ActorError(RuntimeError(f"weights version 1 rejected by replica 1: {ChecksumMismatch('c')!r}"))
     router = Router(receives=[rejected], plans=[plan([0, 1])])

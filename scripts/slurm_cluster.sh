@@ -8,11 +8,17 @@
 # Clients (sbatch, squeue, scancel, and Monarch's SlurmJob through them) find the cluster through
 # SLURM_CONF; `start` prints the line to export. Each command is idempotent. The node is this host
 # as `slurmd -C` sees it (its cores and memory), in one partition named "local".
-# RLACTORS_SLURM_DIR sets the state dir (default /tmp/rlactors-slurm). Exit status 3: this machine
-# cannot have the cluster (Slurm is missing and cannot be installed: no root, or no apt-get).
+# Every file of the cluster (config, munge key and socket, pid files, logs, spool and state) lives in
+# its state dir, and `stop` stops only the daemons named by that dir's pid files, so clusters of
+# distinct dirs and ports run side by side on one machine. RLACTORS_SLURM_DIR sets the state dir
+# (default /tmp/rlactors-slurm), RLACTORS_SLURM_CTLD_PORT and RLACTORS_SLURM_D_PORT the ports of
+# slurmctld and slurmd (default 6817 and 6818). Exit status 3: this machine cannot have the cluster
+# (Slurm is missing and cannot be installed: no root, or no apt-get).
 set -euo pipefail
 
 DIR="${RLACTORS_SLURM_DIR:-/tmp/rlactors-slurm}"
+CTLD_PORT="${RLACTORS_SLURM_CTLD_PORT:-6817}"
+D_PORT="${RLACTORS_SLURM_D_PORT:-6818}"
 CONF="$DIR/slurm.conf"
 MUNGE_SOCKET="$DIR/munge/munge.socket"
 export SLURM_CONF="$CONF"
@@ -46,8 +52,8 @@ ClusterName=rlactors
 SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
-SlurmctldPort=6817
-SlurmdPort=6818
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=$D_PORT
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket=$MUNGE_SOCKET

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from support.demo_runs import WARM_CHECKPOINT, short_run_overrides
-from support.slurm_clusters import SlurmCluster
+from support.slurm_clusters import SlurmCluster, free_port_below_ephemeral
 
 from rlactors.metrics import read_metrics
 from rlactors.trainer.checkpoint import latest_checkpoint
@@ -30,8 +30,10 @@ COMPARED = ("loss/loss", "rollout/reward_mean", "loss/tokens", "train/grad_norm"
 
 
 def _overrides(run_dir: Path, *extra: str) -> list[str]:
-    """The short run of support.demo_runs (rewards vary), checkpointed at every step."""
-    return short_run_overrides(WARM_CHECKPOINT, run_dir, "controller.checkpoint_every=1", *extra)
+    """The short run of support.demo_runs (rewards vary), checkpointed at every step, its Monarch
+    worker on a free port (the default port would be shared by test sessions of this machine)."""
+    return short_run_overrides(WARM_CHECKPOINT, run_dir, "controller.checkpoint_every=1",
+                               f"job.worker_port={free_port_below_ephemeral()}", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,7 @@ class Cli:
 
     def __init__(self, *args: str):
         self.run_dir = Path(next(a for a in args if a.startswith("controller.run_dir=")).split("=", 1)[1].strip('"'))
+        self.worker_port = int(next(a for a in args if a.startswith("job.worker_port=")).split("=", 1)[1])
         self.out, self.err = Path(f"{self.run_dir}.out"), Path(f"{self.run_dir}.err")
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "rlactors.train", *args], stdout=out, stderr=err,
@@ -160,6 +163,8 @@ def test_a_run_on_slurm_trains_like_one_host_a_scancel_stops_it_and_resume_conti
     run = cli(*overrides)
     job = run.job_id()
     run.wait_for_step(1)
+    with socket.socket() as probe, pytest.raises(OSError, match="Address already in use"):
+        probe.bind((socket.gethostname(), run.worker_port))  # the job's worker holds job.worker_port
     subprocess.run(["scancel", job], check=True)
     code, out, err = run.wait()
     assert code == 2, err[-3000:]

@@ -5,15 +5,15 @@ a cluster, and stopping one stops only its own daemons."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-
-from rlactors.placement import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "slurm_cluster.sh"
 CANNOT_INSTALL = 3  # the script's exit code where this machine cannot have Slurm
@@ -34,10 +34,9 @@ class SlurmCluster:
     def start(cls) -> SlurmCluster:
         """A new cluster; skips the test where this machine cannot have one (no Linux, bash, or
         Slurm and no way to install it)."""
-        if shutil.which("bash") is None or not sys.platform.startswith("linux"):
-            pytest.skip("the Slurm tests need Linux and bash")
-        ctld_port = free_port()
-        while (d_port := free_port()) == ctld_port:
+        skip_without_bash()
+        ctld_port = free_port_below_ephemeral()
+        while (d_port := free_port_below_ephemeral()) == ctld_port:
             pass
         cluster = cls(Path(tempfile.mkdtemp(prefix="rlactors-slurm-")), (ctld_port, d_port))
         started = cluster._script("start", timeout=900)
@@ -73,3 +72,23 @@ class SlurmCluster:
     def _script(self, command: str, timeout: float) -> subprocess.CompletedProcess:
         return subprocess.run([SCRIPT, command], env=self.env, capture_output=True, text=True, timeout=timeout)
 
+
+
+def skip_without_bash() -> None:
+    if shutil.which("bash") is None or not sys.platform.startswith("linux"):
+        pytest.skip("the Slurm tests need Linux and bash")
+
+
+def free_port_below_ephemeral() -> int:
+    """A port free now, below the kernel's ephemeral range (net.ipv4.ip_local_port_range), from
+    which every outgoing connection takes its source port: none takes this one before the daemon
+    meant to listen on it binds it."""
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(first_ephemeral // 2, first_ephemeral), 100):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {first_ephemeral // 2}..{first_ephemeral - 1}")

@@ -27,7 +27,10 @@ say() { echo "slurm_cluster: $*" >&2; }
 die() { say "$*"; exit 1; }
 cannot() { say "$*"; exit 3; }  # this machine cannot have the cluster (the tests skip)
 
-pid_alive() { [[ -s "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# Process $1 runs and is a daemon of this dir (its command line names a file here), not a process
+# (another cluster's daemon, say) that took the pid of one that died.
+ours() { tr '\0' ' ' 2>/dev/null <"/proc/$1/cmdline" | grep -qF -- "$DIR/"; }
+pid_alive() { [[ -s "$1" ]] && ours "$(cat "$1")"; }
 
 install_packages() {
     if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
@@ -97,7 +100,7 @@ stop_daemon() {
     pid_alive "$pidfile" || return 0
     pid="$(cat "$pidfile")"
     kill "$pid" 2>/dev/null || true
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+    for _ in $(seq 50); do ours "$pid" || return 0; sleep 0.1; done
     kill -9 "$pid" 2>/dev/null || true
 }
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from support.demo_runs import WARM_CHECKPOINT, short_run_overrides
-from support.slurm_clusters import SlurmCluster, free_port_below_ephemeral
+from support.slurm_clusters import DAEMONS, SCRIPT, SlurmCluster, free_port_below_ephemeral, skip_without_bash
 
 from rlactors.metrics import read_metrics
 from rlactors.trainer.checkpoint import latest_checkpoint
@@ -155,6 +155,25 @@ def test_two_clusters_of_one_machine_run_jobs_side_by_side_and_stopping_one_leav
     assert not other.daemons() and not other.dir.exists()
     assert slurm.daemons() == ours
     assert slurm.run("srun", "hostname").strip() == socket.gethostname()
+
+
+def test_stop_leaves_a_process_that_took_a_dead_daemons_pid_running(tmp_path):
+    """The pid files of daemons that died, whose pid another process (another cluster's daemon,
+    say) took since: `stop` ends none of it, and removes the state dir."""
+    skip_without_bash()
+    state_dir = tmp_path / "slurm"
+    state_dir.mkdir()
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        for daemon in DAEMONS:
+            (state_dir / f"{daemon}.pid").write_text(f"{other.pid}\n")
+        stopped = subprocess.run([SCRIPT, "stop"], env={**os.environ, "RLACTORS_SLURM_DIR": str(state_dir)},
+                                 capture_output=True, text=True, timeout=60)
+        assert stopped.returncode == 0, stopped.stderr
+        assert other.poll() is None and not state_dir.exists()
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_a_run_on_slurm_trains_like_one_host_a_scancel_stops_it_and_resume_continues_in_a_new_allocation(

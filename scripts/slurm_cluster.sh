@@ -9,11 +9,12 @@
 # SLURM_CONF; `start` prints the line to export. Each command is idempotent. The node is this host
 # as `slurmd -C` sees it (its cores and memory), in one partition named "local".
 # Every file of the cluster (config, munge key and socket, pid files, logs, spool and state) lives in
-# its state dir, and `stop` stops only the daemons named by that dir's pid files, so clusters of
-# distinct dirs and ports run side by side on one machine. RLACTORS_SLURM_DIR sets the state dir
-# (default /tmp/rlactors-slurm), RLACTORS_SLURM_CTLD_PORT and RLACTORS_SLURM_D_PORT the ports of
-# slurmctld and slurmd (default 6817 and 6818). Exit status 3: this machine cannot have the cluster
-# (Slurm is missing and cannot be installed: no root, or no apt-get).
+# its state dir, and `stop` stops only the daemons of that dir (named by its pid files, their command
+# lines naming the dir), so clusters of distinct dirs and ports run side by side on one machine.
+# RLACTORS_SLURM_DIR sets the state dir (default /tmp/rlactors-slurm), RLACTORS_SLURM_CTLD_PORT and
+# RLACTORS_SLURM_D_PORT the ports of slurmctld and slurmd (default 6817 and 6818). Exit status 3:
+# this machine cannot have the cluster (Slurm is missing and cannot be installed: no root, or no
+# apt-get).
 set -euo pipefail
 
 DIR="${RLACTORS_SLURM_DIR:-/tmp/rlactors-slurm}"

@@ -276,6 +276,7 @@ class JobConfig(_Section):
     gpus_per_host: int = 8  # slurm: GPUs each node is asked for
     partition: str = ""  # slurm; "" = the cluster's default
     time_limit: str = ""  # slurm, HH:MM:SS; "" = the partition's default
+    worker_port: int = 22222  # slurm: the port of the Monarch worker on every node (one run a node per port)
 
     @property
     def shares_hosts(self) -> bool:
@@ -293,6 +294,8 @@ class JobConfig(_Section):
             _check(value >= least, f"{key}.{name}", f"must be >= {least}, got {value}")
         _check(not any(ch.isspace() for ch in self.partition), f"{key}.partition",
                f"must be a partition name, got {self.partition!r}")
+        _check(0 < self.worker_port < 65536, f"{key}.worker_port",
+               f"must be a port (1 to 65535), got {self.worker_port}")
         _check(not self.time_limit or re.fullmatch(r"(\d+-)?\d+(:\d\d){0,2}", self.time_limit) is not None,
                f"{key}.time_limit", f"expected Slurm's [D-]HH:MM:SS (or MM, HH:MM), got {self.time_limit!r}")
         if self.scheduler == "local":

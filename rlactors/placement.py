@@ -126,7 +126,8 @@ async def allocate_hosts(job: JobConfig, gpus: bool, log_dir: Path) -> Hosts:
 
         monarch_job = SlurmJob(meshes, python_exe=sys.executable, job_name="rlactors", log_dir=str(log_dir),
                                gpus_per_node=job.gpus_per_host if gpus else None,
-                               partition=job.partition or None, time_limit=job.time_limit or None)
+                               partition=job.partition or None, time_limit=job.time_limit or None,
+                               monarch_port=job.worker_port)
     try:
         if job.scheduler == "slurm":
             await monarch_job.submit_and_wait()

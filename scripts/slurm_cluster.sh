@@ -8,11 +8,18 @@
 # Clients (sbatch, squeue, scancel, and Monarch's SlurmJob through them) find the cluster through
 # SLURM_CONF; `start` prints the line to export. Each command is idempotent. The node is this host
 # as `slurmd -C` sees it (its cores and memory), in one partition named "local".
-# RLACTORS_SLURM_DIR sets the state dir (default /tmp/rlactors-slurm). Exit status 3: this machine
-# cannot have the cluster (Slurm is missing and cannot be installed: no root, or no apt-get).
+# Every file of the cluster (config, munge key and socket, pid files, logs, spool and state) lives in
+# its state dir, and `stop` stops only the daemons of that dir (named by its pid files, their command
+# lines naming the dir), so clusters of distinct dirs and ports run side by side on one machine.
+# RLACTORS_SLURM_DIR sets the state dir (default /tmp/rlactors-slurm), RLACTORS_SLURM_CTLD_PORT and
+# RLACTORS_SLURM_D_PORT the ports of slurmctld and slurmd (default 6817 and 6818). Exit status 3:
+# this machine cannot have the cluster (Slurm is missing and cannot be installed: no root, or no
+# apt-get).
 set -euo pipefail
 
 DIR="${RLACTORS_SLURM_DIR:-/tmp/rlactors-slurm}"
+CTLD_PORT="${RLACTORS_SLURM_CTLD_PORT:-6817}"
+D_PORT="${RLACTORS_SLURM_D_PORT:-6818}"
 CONF="$DIR/slurm.conf"
 MUNGE_SOCKET="$DIR/munge/munge.socket"
 export SLURM_CONF="$CONF"
@@ -21,7 +28,10 @@ say() { echo "slurm_cluster: $*" >&2; }
 die() { say "$*"; exit 1; }
 cannot() { say "$*"; exit 3; }  # this machine cannot have the cluster (the tests skip)
 
-pid_alive() { [[ -s "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# Process $1 runs and is a daemon of this dir (its command line names a file here), not a process
+# (another cluster's daemon, say) that took the pid of one that died.
+ours() { tr '\0' ' ' 2>/dev/null <"/proc/$1/cmdline" | grep -qF -- "$DIR/"; }
+pid_alive() { [[ -s "$1" ]] && ours "$(cat "$1")"; }
 
 install_packages() {
     if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
@@ -46,8 +56,8 @@ ClusterName=rlactors
 SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
-SlurmctldPort=6817
-SlurmdPort=6818
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=$D_PORT
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket=$MUNGE_SOCKET
@@ -91,7 +101,7 @@ stop_daemon() {
     pid_alive "$pidfile" || return 0
     pid="$(cat "$pidfile")"
     kill "$pid" 2>/dev/null || true
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+    for _ in $(seq 50); do ours "$pid" || return 0; sleep 0.1; done
     kill -9 "$pid" 2>/dev/null || true
 }
 

@@ -142,8 +142,11 @@ def test_gpu_layout_on_the_hosts_of_a_job():
     assert gpu_layout(load_config(overrides=two_nodes_each)) == (list(range(8)), per_node + per_node)
     with pytest.raises(ConfigError, match=r"^job\.gpus_per_host: a host needs 8 GPUs .* gets 4"):
         load_config(overrides=two_nodes_each + ["job.gpus_per_host=4"])
-    slurm = load_config(overrides=two_nodes_each + ['job.partition="h200"', 'job.time_limit="1-12:00:00"'])
-    assert (slurm.job.partition, slurm.job.time_limit) == ("h200", "1-12:00:00")
+    slurm = load_config(overrides=two_nodes_each + ['job.partition="h200"', 'job.time_limit="1-12:00:00"',
+                                                    "job.worker_port=29500"])
+    assert (slurm.job.partition, slurm.job.time_limit, slurm.job.worker_port) == ("h200", "1-12:00:00", 29500)
+    with pytest.raises(ConfigError, match=r"^job\.worker_port: must be a port \(1 to 65535\), got 65536$"):
+        load_config(overrides=two_nodes_each + ["job.worker_port=65536"])
 
 
 def test_generators_on_the_trainer_hosts_take_the_gpus_after_the_ranks():

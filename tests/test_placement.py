@@ -55,11 +55,11 @@ def slurm(monkeypatch):
 
 def test_slurm_job_gets_the_configs_meshes_and_resources_and_is_released_once(slurm):
     hosts = _allocate(JobConfig(scheduler="slurm", trainer_hosts=2, generator_hosts=1, gpus_per_host=8,
-                                partition="h200", time_limit="04:00:00"), gpus=True)
+                                partition="h200", time_limit="04:00:00", worker_port=29500), gpus=True)
     (job,) = slurm.made
     assert job.meshes == {"trainers": 2, "generators": 1}
     assert job.kwargs == {"python_exe": sys.executable, "job_name": "rlactors", "log_dir": str(LOGS),
-                          "gpus_per_node": 8, "partition": "h200", "time_limit": "04:00:00"}
+                          "gpus_per_node": 8, "partition": "h200", "time_limit": "04:00:00", "monarch_port": 29500}
     assert (hosts.trainers, hosts.generators) == ("trainers host mesh", "generators host mesh")
     hosts.release()
     hosts.release()
@@ -67,6 +67,7 @@ def test_slurm_job_gets_the_configs_meshes_and_resources_and_is_released_once(sl
     # No partition or time limit: the cluster's defaults; a CPU run asks for no GPUs.
     _allocate(JobConfig(scheduler="slurm"), gpus=False)
     assert [slurm.made[1].kwargs[k] for k in ("partition", "time_limit", "gpus_per_node")] == [None, None, None]
+    assert slurm.made[1].kwargs["monarch_port"] == 22222  # Monarch's own default
 
 
 def test_generators_on_the_trainer_hosts_are_one_mesh_of_the_trainer_hosts(slurm):

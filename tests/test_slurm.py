@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -20,42 +19,34 @@ from pathlib import Path
 
 import pytest
 from support.demo_runs import WARM_CHECKPOINT, short_run_overrides
+from support.slurm_clusters import DAEMONS, SCRIPT, SlurmCluster, free_port_below_ephemeral, skip_without_bash
 
 from rlactors.metrics import read_metrics
 from rlactors.trainer.checkpoint import latest_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "slurm_cluster.sh"
-CANNOT_INSTALL = 3  # the script's exit code where this machine cannot have Slurm
 ON_SLURM = ('job.scheduler="slurm"', "job.generator_hosts=0")
 COMPARED = ("loss/loss", "rollout/reward_mean", "loss/tokens", "train/grad_norm")
 
 
 def _overrides(run_dir: Path, *extra: str) -> list[str]:
-    """The short run of support.demo_runs (rewards vary), checkpointed at every step."""
-    return short_run_overrides(WARM_CHECKPOINT, run_dir, "controller.checkpoint_every=1", *extra)
+    """The short run of support.demo_runs (rewards vary), checkpointed at every step, its Monarch
+    worker on a free port (the default port would be shared by test sessions of this machine)."""
+    return short_run_overrides(WARM_CHECKPOINT, run_dir, "controller.checkpoint_every=1",
+                               f"job.worker_port={free_port_below_ephemeral()}", *extra)
 
 
 @pytest.fixture(scope="module")
 def slurm():
-    """The cluster, named by SLURM_CONF in this process's environment (the runs and the Slurm
-    commands here inherit it); stopped afterwards unless it was running before."""
-    if shutil.which("bash") is None or not sys.platform.startswith("linux"):
-        pytest.skip("the Slurm tests need Linux and bash")
-    was_running = subprocess.run([SCRIPT, "status"], capture_output=True).returncode == 0
-    started = subprocess.run([SCRIPT, "start"], capture_output=True, text=True, timeout=900)
-    if started.returncode == CANNOT_INSTALL:
-        pytest.skip(started.stderr.strip().splitlines()[-1])
-    assert started.returncode == 0, started.stderr
-    before = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = started.stdout.split("export SLURM_CONF=", 1)[1].strip()
-    yield
-    if before is None:
-        del os.environ["SLURM_CONF"]
-    else:
-        os.environ["SLURM_CONF"] = before
-    if not was_running:
-        subprocess.run([SCRIPT, "stop"], check=True, capture_output=True, timeout=300)
+    """A cluster of this module's own, named by SLURM_CONF in this process's environment (the runs
+    and the Slurm commands here inherit it); stopped afterwards."""
+    cluster = SlurmCluster.start()
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("SLURM_CONF", str(cluster.conf))
+            yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture
@@ -80,6 +71,7 @@ class Cli:
 
     def __init__(self, *args: str):
         self.run_dir = Path(next(a for a in args if a.startswith("controller.run_dir=")).split("=", 1)[1].strip('"'))
+        self.worker_port = int(next(a for a in args if a.startswith("job.worker_port=")).split("=", 1)[1])
         self.out, self.err = Path(f"{self.run_dir}.out"), Path(f"{self.run_dir}.err")
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "rlactors.train", *args], stdout=out, stderr=err,
@@ -106,7 +98,9 @@ class Cli:
 
 
 def _job_processes(job: str) -> list[str]:
-    """What still runs of Slurm job `job`: its slurmstepd and every process started inside it."""
+    """What still runs of Slurm job `job` of this module's cluster: its slurmstepd and every
+    process started inside it (another cluster of this machine numbers its jobs from 1 too)."""
+    ours = f"SLURM_CONF={os.environ['SLURM_CONF']}".encode()
     found = []
     for proc in Path("/proc").iterdir():
         try:
@@ -116,7 +110,8 @@ def _job_processes(job: str) -> list[str]:
             environ = (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue  # exited meanwhile
-        if cmdline.startswith(f"slurmstepd: [{job}.") or f"SLURM_JOB_ID={job}".encode() in environ:
+        in_job = cmdline.startswith(f"slurmstepd: [{job}.") or f"SLURM_JOB_ID={job}".encode() in environ
+        if ours in environ and in_job:
             found.append(f"{proc.name}: {cmdline[:120]}")
     return found
 
@@ -146,12 +141,49 @@ def _assert_same_steps(history: list[dict], reference: list[dict]) -> None:
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (ours["step"], key)
 
 
+def test_two_clusters_of_one_machine_run_jobs_side_by_side_and_stopping_one_leaves_the_other_running(slurm):
+    """As two test sessions of one machine: each cluster has its own state dir, ports and daemons."""
+    other = SlurmCluster.start()
+    try:
+        assert other.dir != slurm.dir and not set(other.ports) & set(slurm.ports)
+        ours, theirs = slurm.daemons(), other.daemons()
+        assert len(ours) == len(theirs) == 3
+        for cluster in (slurm, other):
+            assert cluster.run("srun", "hostname").strip() == socket.gethostname()
+    finally:
+        other.stop()
+    assert not other.daemons() and not other.dir.exists()
+    assert slurm.daemons() == ours
+    assert slurm.run("srun", "hostname").strip() == socket.gethostname()
+
+
+def test_stop_leaves_a_process_that_took_a_dead_daemons_pid_running(tmp_path):
+    """The pid files of daemons that died, whose pid another process (another cluster's daemon,
+    say) took since: `stop` ends none of it, and removes the state dir."""
+    skip_without_bash()
+    state_dir = tmp_path / "slurm"
+    state_dir.mkdir()
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        for daemon in DAEMONS:
+            (state_dir / f"{daemon}.pid").write_text(f"{other.pid}\n")
+        stopped = subprocess.run([SCRIPT, "stop"], env={**os.environ, "RLACTORS_SLURM_DIR": str(state_dir)},
+                                 capture_output=True, text=True, timeout=60)
+        assert stopped.returncode == 0, stopped.stderr
+        assert other.poll() is None and not state_dir.exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_a_run_on_slurm_trains_like_one_host_a_scancel_stops_it_and_resume_continues_in_a_new_allocation(
         cli, short_run, tmp_path):
     overrides = _overrides(tmp_path / "run", *ON_SLURM)
     run = cli(*overrides)
     job = run.job_id()
     run.wait_for_step(1)
+    with socket.socket() as probe, pytest.raises(OSError, match="Address already in use"):
+        probe.bind((socket.gethostname(), run.worker_port))  # the job's worker holds job.worker_port
     subprocess.run(["scancel", job], check=True)
     code, out, err = run.wait()
     assert code == 2, err[-3000:]

@@ -73,7 +73,6 @@ class SlurmCluster:
         return subprocess.run([SCRIPT, command], env=self.env, capture_output=True, text=True, timeout=timeout)
 
 
-
 def skip_without_bash() -> None:
     if shutil.which("bash") is None or not sys.platform.startswith("linux"):
         pytest.skip("the Slurm tests need Linux and bash")

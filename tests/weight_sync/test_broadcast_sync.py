@@ -107,6 +107,20 @@ class Router:
         self.join_weight_group = Call(2)
 
 
+class LateRouter(Router):
+    """A router whose receive answers once `recorded` is set: its members verified the weights
+    (the trainer's answer says so), but its record of them is still on its way."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.recorded = asyncio.Event()
+        self.receive_weights.call_one = self._receive
+
+    async def _receive(self, version, mode):
+        await self.recorded.wait()
+        return received(0)()
+
+
 def push(trainer, router, restart_dead=False):
     """One push's timings, with the replicas' side (`settled`) that follows."""
     sync = BroadcastSync(trainer, router, "bfloat16", "hot_swap", restart_dead)
@@ -143,14 +157,7 @@ def test_a_push_times_the_messaging_around_the_broadcast_by_the_slowest_side():
 def test_a_push_that_every_member_verified_ends_on_the_trainers_answer_and_the_next_waits_for_the_routers():
     """The members' verdicts reach the trainer over the group: the router's answer, its record
     of who holds what, is not waited for until the next push plans."""
-    recorded = asyncio.Event()
-    router = Router()
-
-    async def receive(version, mode):
-        await recorded.wait()
-        return received(0)()
-
-    router.receive_weights.call_one = receive
+    router = LateRouter()
 
     async def two_pushes():
         sync = BroadcastSync(Trainer(), router, "bfloat16", "hot_swap", restart_dead=False)
@@ -158,7 +165,7 @@ def test_a_push_that_every_member_verified_ends_on_the_trainers_answer_and_the_n
         second = asyncio.ensure_future(sync.push(2))
         await asyncio.sleep(0.05)
         waiting = not second.done() and len(router.plan_weight_group.calls) == 1
-        recorded.set()
+        router.recorded.set()
         await second
         return waiting, await sync.settled()
 
@@ -170,21 +177,14 @@ def test_a_push_that_every_member_verified_ends_on_the_trainers_answer_and_the_n
 def test_a_push_that_formed_a_new_group_returns_once_the_router_recorded_it():
     """A restarted member serves once the router has recorded that it took the weights: the
     push that brought it into a group waits for that, so the next step's requests find it."""
-    recorded = asyncio.Event()
-    router = Router(plans=[plan([0], stale=True, epoch=2)])
-
-    async def receive(version, mode):
-        await recorded.wait()
-        return received(0)()
-
-    router.receive_weights.call_one = receive
+    router = LateRouter(plans=[plan([0], stale=True, epoch=2)])
 
     async def run():
         sync = BroadcastSync(Trainer(), router, "bfloat16", "hot_swap", restart_dead=True)
         pushing = asyncio.ensure_future(sync.push(1))
         await asyncio.sleep(0.05)
         waiting = not pushing.done() and len(router.join_weight_group.calls) == 1
-        recorded.set()
+        router.recorded.set()
         await pushing
         return waiting
 

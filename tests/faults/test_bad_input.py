@@ -155,6 +155,7 @@ IMPOSSIBLE = [
     (['job.scheduler="process"', "job.trainer_hosts=4"], "trainer.ranks"),  # 2 ranks over 4 hosts
     (["job.gpus_per_host=0"], "job.gpus_per_host"),
     (['job.partition="gpu h200"'], "job.partition"),
+    (["job.worker_port=70000"], "job.worker_port"),
     (['job.time_limit="two hours"'], "job.time_limit"),
     (['job.scheduler="slurm"', 'controller.device="cuda"', "trainer.ranks=16"], "job.gpus_per_host"),
     (['job.scheduler="slurm"', 'controller.device="cuda"', "controller.colocate=true"], "controller.colocate"),

@@ -252,14 +252,11 @@ class BroadcastSync(WeightSync):
                 sent = await self._broadcast(version, began)
                 ended = time.time()
                 break
-            except MembersDied:
+            except BaseException as e:
                 self._group_epoch = None  # broken: the next broadcast goes to a new group
-                if not self.restart_dead or tries == BROADCAST_TRIES:
+                if not isinstance(e, MembersDied) or not self.restart_dead or tries == BROADCAST_TRIES:
                     raise
                 plan = await self._plan()  # the same version again, to a new group
-            except BaseException:
-                self._group_epoch = None
-                raise
         if formed:
             # A restarted member serves once the router has recorded that it took the weights:
             # requests sent before then would find no replica serving where it was the only one.

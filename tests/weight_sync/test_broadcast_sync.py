@@ -323,16 +323,17 @@ def test_a_push_to_a_group_that_no_replica_left_or_joined_since_its_plan_asks_th
         await sync.start()  # plans and forms the group of replica 0
         port = router.watch_weight_group.calls[0][0]
         plans_before = len(router.plan_weight_group.calls)
-        first = await sync.push(1)
+        await sync.push(1)
         due = await sync.due(1)
         asked = len(router.plan_weight_group.calls) - plans_before
         port.send(2)  # replica 1 came up
-        await asyncio.sleep(0.05)
+        while sync._group_current():  # until the word arrives (a busy machine may take a while)
+            await asyncio.sleep(0.01)
         second = await sync.push(2)
-        return first, due, asked, second
+        return due, asked, second
 
-    first, due, asked, second = asyncio.run(run())
-    assert asked == 0 and not due and first["plan_s"] < 0.05
+    due, asked, second = asyncio.run(run())
+    assert asked == 0 and not due
     # Told of a change, the push planned, found the group stale and formed it again, with replica 1.
     assert len(router.plan_weight_group.calls) == 2 and len(router.join_weight_group.calls) == 2
     assert trainer.init_weight_sender.calls[-1][2] == 3 and second["broadcast_tries"] == 1

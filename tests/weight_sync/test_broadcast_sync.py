@@ -191,6 +191,20 @@ def test_a_push_that_formed_a_new_group_returns_once_the_router_recorded_it():
     assert asyncio.run(run())
 
 
+def test_a_router_that_fails_to_record_a_verified_push_stops_the_next_one():
+    router = Router(receives=[ActorError(RuntimeError("the record was lost"))])
+    router.receive_weights.seconds = 0.2  # the trainer's answer comes first
+
+    async def two_pushes():
+        sync = BroadcastSync(Trainer(), router, "bfloat16", "hot_swap", restart_dead=True)
+        await sync.push(1)  # every member verified
+        await sync.push(2)
+
+    with pytest.raises(WeightSyncError, match="the router failed to record the last push: the record was lost"):
+        asyncio.run(two_pushes())
+    assert len(router.receive_weights.calls) == 1  # the second push sent nothing
+
+
 def test_a_push_that_a_member_did_not_verify_waits_for_the_router_to_name_it():
     rejected = ActorError(RuntimeError(f"weights version 1 rejected by replica 1: {ChecksumMismatch('c')!r}"))
     router = Router(receives=[rejected], plans=[plan([0, 1])])

@@ -4,8 +4,7 @@ Broadcasting one buffer instead of hundreds of tensors keeps NCCL at full bandwi
 checksum over the buffer (plus the layout) verifies everything a replica received. The buffer is
 sent in chunks of about CHUNK_BYTES, cut at row boundaries (a large embedding spans several), so
 that the sender packs chunk k + 1 while chunk k is on the wire, and each side checksums a chunk as
-soon as it is packed or received; every member derives the same chunks from the layout. The first
-chunks are smaller (an eighth, a quarter, a half), so the wire starts after little packing.
+soon as it is packed or received; every member derives the same chunks from the layout.
 """
 
 from __future__ import annotations
@@ -82,8 +81,7 @@ class PackedLayout:
     def of(cls, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
            chunk_bytes: int = CHUNK_BYTES) -> PackedLayout:
         """The layout of `named` (name order kept; only shapes and dtypes are read), sent in
-        chunks of at most `chunk_bytes` (or one row, where a row is longer), the first three of
-        at most an eighth, a quarter and a half of it."""
+        chunks of at most `chunk_bytes` (or one row, where a row is longer)."""
         items = named.items() if isinstance(named, Mapping) else named
         specs, offset = [], 0
         for name, tensor in items:
@@ -148,15 +146,11 @@ def _chunks(specs: list[TensorSpec], total_bytes: int, chunk_bytes: int) -> tupl
     starts aligned; the padding after a tensor goes with its last rows."""
     chunks: list[Chunk] = []
     start, pieces = 0, []
-
-    def limit() -> int:
-        return chunk_bytes >> max(3 - len(chunks), 0)
-
     for spec, next_offset in zip(specs, [s.offset for s in specs[1:]] + [total_bytes]):
         splittable = spec.row_bytes % _ALIGN == 0 and spec.row_bytes > 0
         row = 0
         while row < spec.rows:
-            room = limit() - (spec.offset + row * spec.row_bytes - start)
+            room = chunk_bytes - (spec.offset + row * spec.row_bytes - start)
             rows = spec.rows - row if not splittable else min(spec.rows - row, max(room, 0) // spec.row_bytes)
             if rows == 0 and pieces:  # the chunk is full: cut before this row
                 chunks.append(Chunk(start, spec.offset + row * spec.row_bytes, tuple(pieces)))
@@ -165,7 +159,7 @@ def _chunks(specs: list[TensorSpec], total_bytes: int, chunk_bytes: int) -> tupl
             rows = max(rows, 1)
             pieces.append(Piece(spec.name, row, rows))
             row += rows
-        if next_offset - start >= limit() or spec is specs[-1]:
+        if next_offset - start >= chunk_bytes or spec is specs[-1]:
             chunks.append(Chunk(start, next_offset, tuple(pieces)))
             start, pieces = next_offset, []
     return tuple(chunks)

@@ -315,12 +315,11 @@ class BroadcastSync(WeightSync):
         MembersDied when a member died and the broadcast did not reach every member still up."""
         self._receipt = None
         broadcast, self._broadcasts = self._broadcasts, self._broadcasts + 1
-        # The trainer's message leaves at the call; the members' receives start on the word, which
-        # arrives first (~0.2 ms against ~0.6-0.9), and the router's call collects them.
-        sending = asyncio.ensure_future(self.trainer.send_weights.call())
+        # The members' receives start on this word; the router's call below collects them.
         self._words.say([go_key(member, broadcast) for member in self._member_ranks],
                         f"{version} {self.update_mode}")
         verified = self._words.hear(verified_key(broadcast))
+        sending = asyncio.ensure_future(self.trainer.send_weights.call())
         receiving = asyncio.ensure_future(self.router.receive_weights.call_one(version))
         try:
             await self._watch(version, verified, sending, receiving)

@@ -230,7 +230,7 @@ def test_two_ranks_send_the_policy_in_chunks_cut_across_their_shards_bit_for_bit
     receiver, port = BufferReceiver(chunked, torch.device("cpu")), free_port()
     sends = loop.run_until_complete(main())
     embed = [(p.first_row, p.rows) for c in chunked.chunks for p in c.pieces if p.name == "model.embed_tokens.weight"]
-    assert embed == [(0, 48), (48, 96), (144, 192), (336, 384), (720, 304)]  # rows 336-719: from both ranks
+    assert embed == [(0, 384), (384, 384), (768, 256)]  # rows 384-767 come from both ranks' shards
     for expected, received in sends:
         assert received.keys() == expected.keys()
         for name, tensor in expected.items():

@@ -11,13 +11,10 @@ import pytest
 import torch
 from support.gpus import gpus
 from support.vllm_checks import NEEDS_VLLM_GPU, vllm_run_config
-from support.weight_words import announcing
 
 from rlactors.controller import Controller
 from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.types import SamplingParams
-from rlactors.weight_sync.broadcast import GroupWords
-from rlactors.weight_sync.sync import WeightSyncError
 
 pytestmark = NEEDS_VLLM_GPU
 
@@ -41,7 +38,7 @@ async def _with_controller(config, body):
 
 
 @gpus(2)
-def test_nccl_weight_sync_reaches_every_replica_and_is_verified(ckpt, tmp_path, monkeypatch):
+def test_nccl_weight_sync_reaches_every_replica_and_is_verified(ckpt, tmp_path):
     replicas = min(2, torch.cuda.device_count() - 1)
     config = _config(ckpt, tmp_path, "trainer.ranks=1", f"generator.replicas={replicas}")
 
@@ -53,7 +50,6 @@ def test_nccl_weight_sync_reaches_every_replica_and_is_verified(ckpt, tmp_path, 
         await controller.push_weights()  # returns once verified; the load follows
         while await updates(controller) != done:
             await asyncio.sleep(0.01)
-        return await controller.weight_sync.settled()
 
     async def body(controller):
         prompt = list(range(5, 40))
@@ -67,22 +63,22 @@ def test_nccl_weight_sync_reaches_every_replica_and_is_verified(ckpt, tmp_path, 
         after = await controller.generate(prompt, sampling, "after")
         # Back to the first weights, loaded by the copy plan: the same greedy tokens as vLLM's own load.
         await controller.trainer.load_checkpoint.call(str(ckpt))
-        sent = await sync_and_wait(controller)
+        await sync_and_wait(controller)
         back = await controller.generate(prompt, sampling, "back")
         stats = await controller.router.stats.call_one()
-        # A broadcast of another version than the push announced is refused by every replica,
+        # A broadcast of another version than the replicas expect is refused by every replica,
         # which keep serving what they had.
-        monkeypatch.setattr(GroupWords, "say", announcing(lambda version: 7))
-        with pytest.raises(WeightSyncError) as refused:
-            await controller.weight_sync.push(0)
+        sent, refused = await asyncio.gather(controller.trainer.send_weights.call(),
+                                             controller.router.receive_weights.call_one(7, "hot_swap"),
+                                             return_exceptions=True)
         again = await controller.generate(prompt, sampling, "again")
-        return before, after, back, again, stats, sent, refused.value
+        return before, after, back, again, stats, sent.item(gpus=0), refused
 
     before, after, back, again, stats, sent, refused = asyncio.run(_with_controller(config, body))
     assert before.token_ids != after.token_ids
     assert back.token_ids == before.token_ids == again.token_ids and set(again.versions) == {0}
     assert "rejected" in str(refused) and "weights version 7 expected, the broadcast carried version 0" in str(refused)
-    assert 0 < sent["pack_s"] <= sent["send_s"] and stats["states"]["serving"] == replicas
+    assert sent["version"] == 0 and 0 < sent["pack_s"] <= sent["send_s"] and stats["states"]["serving"] == replicas
     assert [r["version"] for r in stats["replicas"]] == [0] * replicas
     assert all(r["engine"]["last_update"]["copy_plan"] == 1.0 for r in stats["replicas"])
 

@@ -57,8 +57,8 @@ class Generator(Actor):
         return await self.engine.updates.join_weight_group(host, port, rank_offset, world_size, layout)
 
     @concurrent_endpoint
-    async def receive_weights(self, version: int) -> dict[str, Any]:
-        return await self.engine.updates.receive_weights(version)
+    async def receive_weights(self, version: int, mode: str | None = None) -> dict[str, Any]:
+        return await self.engine.updates.receive_weights(version, mode)
 
     @concurrent_endpoint
     async def stats(self) -> dict[str, Any]:

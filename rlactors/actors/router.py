@@ -373,8 +373,8 @@ class GeneratorRouter(Actor):
         return {**self.weights.plan([r for r in self.replicas if r.up]), "restarting": sorted(self._restarts)}
 
     @concurrent_endpoint
-    async def join_weight_group(self, host: str, port: int, layout: Any) -> list[int]:
-        """The planned members join the trainer's new weight broadcast group; returns each one's first rank."""
+    async def join_weight_group(self, host: str, port: int, layout: Any) -> int:
+        """The planned members join the trainer's new weight broadcast group; returns its world size."""
         return await self.weights.join(host, port, layout)
 
     @concurrent_endpoint
@@ -389,12 +389,12 @@ class GeneratorRouter(Actor):
         return [r.index for r in self.replicas if r.state is ReplicaState.DEAD]
 
     @concurrent_endpoint
-    async def receive_weights(self, version: int) -> dict[str, Any]:
-        """The outcome of the trainer's broadcast of `version` on every member of the weight group
-        (called together with the broadcast); a restarted member serves from then on. A replica
+    async def receive_weights(self, version: int, mode: str | None = None) -> dict[str, Any]:
+        """Every member of the weight group receives the trainer's broadcast of `version` (called
+        together with the trainer's broadcast); a restarted member serves from then on. A replica
         whose checksum does not match, or that received another version, keeps its old weights
         and the call raises naming it; a replica that fails otherwise is marked dead."""
-        return await self.weights.receive(version)
+        return await self.weights.receive(version, mode)
 
     @concurrent_endpoint
     async def stats(self) -> dict[str, Any]:

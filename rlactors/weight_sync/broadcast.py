@@ -21,10 +21,6 @@ the weights, with no message through the replicas' actors. The load follows betw
 vLLM, loads after the first are plain copies from the buffer where a copy plan was proven equal to
 vLLM's loader.
 
-The push's control words travel through the group's own rendezvous store (`GroupWords`), not
-through Monarch: its word to each member that a broadcast begins, on which the member's posted
-receive starts, and the trainer's word that a broadcast ended and how many members verified it.
-
 Each engine names its receiving end (`Engine.broadcast_receiver()`, a `BroadcastReceiver`): the
 native engine a `LocalReceiver` in its own process, the vLLM engine a `VLLMReceiver` over its TP
 workers. A replica's `WeightUpdates` (rlactors.weight_sync.updates) calls it.
@@ -35,21 +31,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
-import torch.distributed
 
 from rlactors.weight_sync.checksum import ChecksumMismatch, RunningChecksum, unsigned
 from rlactors.weight_sync.copy_plan import CopyPlan
 from rlactors.weight_sync.packed import Chunk, PackedLayout
 
 GLOO_TIMEOUT = datetime.timedelta(minutes=5)  # a rendezvous or broadcast that waits longer fails
-# A member hears the push's word between syncs, however long a training step takes.
-WORD_TIMEOUT = datetime.timedelta(days=7)
 
 
 class UnexpectedVersion(RuntimeError):
@@ -67,8 +59,8 @@ class GlooGroup:
     def __init__(self, host: str, port: int, rank: int, world_size: int):
         import torch.distributed as dist
 
-        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=GLOO_TIMEOUT)
-        self.group = dist.ProcessGroupGloo(self.store, rank, world_size, GLOO_TIMEOUT)
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=GLOO_TIMEOUT)
+        self.group = dist.ProcessGroupGloo(store, rank, world_size, GLOO_TIMEOUT)
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
         self._run(lambda group: group.broadcast(tensor, src))
@@ -89,63 +81,6 @@ class GlooGroup:
             raise BroadcastBroken(f"the weight broadcast group broke: {e}") from None
 
 
-class GroupWords:
-    """Words through a weight group's rendezvous store, the TCPStore that the trainer's rank 0
-    serves for as long as the group lives: the push's word to the members (`go_key`) that its
-    next broadcast begins, and the trainer's to the push (`verified_key`) of how many members
-    verified it. They carry the push's critical path, where a Monarch message to an actor costs
-    0.6-0.9 ms on the GPU hosts measured (weight_sync.md) and a word ~0.2 ms. A word said stays
-    in the store; `hear` waits until it is said, and fails once the store is gone (the trainer
-    left the group). A hearer is woken from elsewhere by saying `STOP` under the key it waits for."""
-
-    STOP = "stop"
-
-    def __init__(self, host: str, port: int):
-        # Two clients: a client serves one call at a time, and a `hear` blocks its client.
-        self._saying, self._hearing = (torch.distributed.TCPStore(host, port, is_master=False, timeout=GLOO_TIMEOUT,
-                                                                  wait_for_workers=False) for _ in range(2))
-        self._hearing.set_timeout(WORD_TIMEOUT)  # connected: now it waits for words
-
-    def say(self, keys: list[str], word: str) -> None:
-        self._saying.multi_set(keys, [word] * len(keys))
-
-    def hear(self, key: str) -> asyncio.Future:
-        """A future of the word said under `key`; waited for on a thread of its own."""
-        loop = asyncio.get_running_loop()
-        heard = loop.create_future()
-
-        def wait() -> None:
-            try:
-                outcome: Any = self._hearing.get(key).decode()
-            except torch.distributed.DistError as e:  # the store is gone
-                outcome = BroadcastBroken(f"the weight group's store is gone: {e}")
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(_settle, heard, outcome)
-
-        threading.Thread(target=wait, name="weight-words", daemon=True).start()
-        return heard
-
-
-def go_key(member: int, broadcast: int) -> str:
-    """The push's word to the member whose first rank is `member`, that broadcast number
-    `broadcast` of the group (counted from 0) begins: `version mode`."""
-    return f"go/{member}/{broadcast}"
-
-
-def verified_key(broadcast: int) -> str:
-    """The trainer's word that broadcast number `broadcast` of the group ended: how many members verified it."""
-    return f"verified/{broadcast}"
-
-
-def _settle(future: asyncio.Future, outcome: Any) -> None:
-    if future.done():
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
-
-
 def broadcast_stream(device: torch.device) -> torch.cuda.Stream:
     """A stream of high priority for the broadcast: the GPU schedules its NCCL kernels before the
     blocks of the packing (or of the engine's step) queued beside them. On two H100s, 1.7B 1 -> 1
@@ -164,22 +99,14 @@ def join_group(host: str, port: int, rank: int, world_size: int, device: torch.d
     return PyNcclCommunicator(group, device=device)
 
 
-def group_store(group: Any) -> torch.distributed.Store:
-    """The group's rendezvous store (`join_group`'s): the server, on its rank 0."""
-    return group.store if isinstance(group, GlooGroup) else group.group.store
-
-
 class WeightSender:
-    """Trainer rank 0's side: a persistent send buffer and the pipelined broadcast of it. After
-    each broadcast it tells the push, as a word in the group's store (`verified_key`), how many
-    members verified it."""
+    """Trainer rank 0's side: a persistent send buffer and the pipelined broadcast of it."""
 
     def __init__(self, layout: PackedLayout, device: torch.device):
         self.layout = layout
         self.buffer = layout.empty(device).zero_()  # zeroed once: padding bytes count in the checksum
         self.group: Any = None
         self.receivers = 0  # the group's other members, each of which returns a verdict
-        self.sends = 0  # broadcasts to the current group
         self.aborted = False
         if self.buffer.is_cuda:  # the broadcast and the checksum each beside the packing
             self.send_stream, self.checksum_stream = broadcast_stream(device), torch.cuda.Stream(device)
@@ -190,7 +117,6 @@ class WeightSender:
         self.aborted = False
         self.group = join_group(host, port, 0, world_size, self.buffer.device)
         self.receivers = world_size - 1
-        self.sends = 0
 
     async def send(self, version: int, pack: Callable[[Chunk, torch.Tensor], None]) -> dict[str, Any]:
         """Packs the weights chunk by chunk (`pack(chunk, buffer)` writes its pieces) and sends
@@ -211,8 +137,6 @@ class WeightSender:
         except BaseException:  # a member left, or the packing failed halfway through the broadcast
             self.group = None  # over gloo this closes its connections: the members waiting on it fail
             raise
-        group_store(self.group).set(verified_key(self.sends), str(verified))
-        self.sends += 1
         return {"version": version, "checksum": self.layout.digest(*sums), "verified": verified,
                 "receivers": self.receivers, "bytes": float(self.layout.total_bytes),
                 "send_s": time.perf_counter() - start, "pack_s": pack_s, "started_at": started_at,

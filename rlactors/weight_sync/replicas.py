@@ -13,8 +13,8 @@ through two callbacks when a replica died on a push (`died`) and when one took a
   down, which counts the epoch on and tells the port given to `watch` at once, so that the push
   knows without asking whether the group it formed (or found current) may have gone stale.
   `join` has every TP worker of every planned member join the new group, member m's worker t as
-  rank 1 + m * tp + t (the trainer is rank 0); `receive` collects the outcome of a broadcast
-  from the members still up (and names those whose group broke: a member died, so the push broadcasts
+  rank 1 + m * tp + t (the trainer is rank 0); `receive` has the members still up receive a
+  broadcast (and names those whose group broke: a member died, so the push broadcasts
   again to a new group); `dead_members` names those that died, which a broadcast waits for.
 
 Each replica a push reaches either takes the version (its `version` is set), rejects the weights
@@ -115,31 +115,28 @@ class ReplicaWeights:
         return {"stale": stale, "members": [r.index for r in up], "world_size": 1 + len(up) * self.tp,
                 "epoch": self.epoch}
 
-    async def join(self, host: str, port: int, layout: Any) -> list[int]:
+    async def join(self, host: str, port: int, layout: Any) -> int:
         """Every TP worker of the planned members joins the trainer's new group (each keeps its
-        receive buffer). Called together with the trainer's side. Returns each member's first
-        rank, which the push's words to it are addressed to."""
+        receive buffer). Called together with the trainer's side. Returns the world size."""
         members, tp = self.planned, self.tp
         world_size = 1 + len(members) * tp
-        first_ranks = [1 + m * tp for m in range(len(members))]
-        await asyncio.gather(*(r.actor.join_weight_group.call_one(host, port, rank, world_size, layout)
-                               for rank, r in zip(first_ranks, members)))
+        await asyncio.gather(*(r.actor.join_weight_group.call_one(host, port, 1 + m * tp, world_size, layout)
+                               for m, r in enumerate(members)))
         self.group = members
         self.groups_formed += 1
-        return first_ranks
+        return world_size
 
     def dead_members(self) -> list[int]:
         """The members of the current group that died (a member is up until it dies)."""
         return [r.index for r in self.group or () if not r.up]
 
-    async def receive(self, version: int) -> dict[str, Any]:
-        """The outcome of the trainer's broadcast of `version` on every member still up (their
-        receives start on the push's word; called together with the broadcast); returns each
-        one's receive timings."""
+    async def receive(self, version: int, mode: str | None) -> dict[str, Any]:
+        """Every member still up receives the trainer's broadcast of `version` (called together
+        with it); returns each one's receive timings."""
         start = time.perf_counter()
         members = [r for r in self.group or () if r.up]
         rejected, broken, timings = await self._fan_out(
-            version, lambda r: r.actor.receive_weights.call_one(version), members)
+            version, lambda r: r.actor.receive_weights.call_one(version, mode), members)
         _raise_if_rejected(version, rejected)
         return {"version": version, "seconds": time.perf_counter() - start, "replicas": timings, "broken": broken}
 

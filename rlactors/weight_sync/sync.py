@@ -39,24 +39,19 @@ to a group that nothing changed since its plan needs no step 1:
    `Generator.join_weight_group` -> `WeightUpdates.join_weight_group`
    (rlactors.weight_sync.updates) join through its engine's `broadcast_receiver()`: a
    `BufferReceiver` per native engine or vLLM TP worker, whose receive buffer, and a version in
-   it waiting for its load, survive the change of group), and returns each member's first rank.
-   Each member then posts the receive of the group's first broadcast, waiting on the host for
-   the push's word, and the push holds `GroupWords` over the group's store.
-3. A push, after the plan of step 1: its word to every member (`version mode`, through the
-   group's store in ~0.2 ms; the message path controller -> router -> generator costs 1.6-1.8 ms
-   on the GPU hosts measured), which starts each member's receive (the chunks land in the receive buffer, checksummed
-   as they come, beside the running engine, and the whole must match the trainer's checksum
-   and the announced version; the receiver's `load` follows at a step boundary); then, together,
-   `trainer.send_weights()` on every rank (all ranks gather into rank 0's send buffer chunk by
-   chunk, and rank 0 broadcasts each chunk once packed, then the version and checksum) and
-   `router.receive_weights(version)` (each member's `WeightUpdates.receive_weights` collects its
-   receive's outcome). Each member's verdict is summed over the group, and the trainer says the
-   sum as a word in the group's store: when every member verified the weights, the push is done.
-   The trainer's answer (its timings) and the router's (its record of which replica holds which
-   version) follow through Monarch (`settled`, awaited before the next push); a push that went
-   wrong waits for the router's, as it names who rejected the weights or found the group broken.
-   A restarted member serves from the first broadcast it receives, once the router has recorded
-   it: so a push that formed a new group waits for the router's answer too.
+   it waiting for its load, survive the change of group).
+3. A push, after the plan of step 1: together, `trainer.send_weights()` on every rank (all ranks
+   gather into rank 0's send buffer chunk by chunk, and rank 0 broadcasts each chunk once packed,
+   then the version and checksum) and `router.receive_weights(version, mode)` (each member's
+   `WeightUpdates.receive_weights` -> its receiver's `receive`: the chunks land in the receive
+   buffer, checksummed as they come, beside the running engine, and the whole must match the
+   trainer's checksum and version; the receiver's `load` follows at a step boundary). Each
+   member's verdict is summed over the group, so the trainer's answer says how many verified
+   the weights: when all did, the push is done. The router's answer, its record of which replica
+   holds which version, follows through the replicas' actors (`settled`, awaited before the next
+   push); a push that went wrong waits for it, as it names who rejected the weights or found the
+   group broken. A restarted member serves from the first broadcast it receives, once the router
+   has recorded it: so a push that formed a new group waits for the router's answer too.
 4. While the broadcast runs, `router.dead_weight_group_members()` every 0.5 s: NCCL waits for a
    dead member for ever (gloo fails at once: `BroadcastBroken`), so a broadcast that outlives a
    member's death by `BROADCAST_DEATH_GRACE_S` is given up (the trainer waits for every
@@ -81,16 +76,14 @@ and the push raises `WeightSyncError` naming it, with or without `restart_dead`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any, NoReturn
 
-import torch.distributed
 from monarch.actor import ActorError, Channel, PortReceiver
 
 from rlactors.config import Config
 from rlactors.placement import first_value
-from rlactors.weight_sync.broadcast import BroadcastBroken, GroupWords, go_key, verified_key
+from rlactors.weight_sync.broadcast import BroadcastBroken
 
 # A weight broadcast still running this long after one of its members died is stuck: NCCL waits
 # for every member for ever (gloo fails by itself at once).
@@ -184,21 +177,13 @@ class BroadcastSync(WeightSync):
     def __init__(self, trainer: Any, router: Any, dtype: str, update_mode: str, restart_dead: bool):
         super().__init__(trainer, router, dtype, update_mode)
         self.restart_dead = restart_dead
-        # The last push's broadcast: the router's and the trainer's answers, which follow it, and
-        # the wall clock when it was asked for and when the push learned that it ended.
-        self._receipt: tuple[asyncio.Future, asyncio.Future, float, float] | None = None
+        # The router's answer to the last push's broadcast, and the wall clock when it was asked.
+        self._receipt: tuple[asyncio.Future, float] | None = None
         # The epochs (rlactors.weight_sync.replicas): the last the router told of, and the one
         # the current group was planned in (None: no group, or one that broke).
         self._listening: asyncio.Future | None = None
         self._heard_epoch = 0
         self._group_epoch: int | None = None
-        # The current group: the words through its store, its members' first ranks (the words'
-        # addresses), how many verdicts a broadcast sums, the bytes it moves, and its broadcasts so far.
-        self._words: GroupWords | None = None
-        self._member_ranks: list[int] = []
-        self._receivers = 0
-        self._bytes = 0.0
-        self._broadcasts = 0
 
     async def start(self) -> None:
         port, changes = Channel.open()
@@ -248,11 +233,8 @@ class BroadcastSync(WeightSync):
             raise NoReplicaUp("no generator replica is up to receive the weights")
         host, port = first_value(await self.trainer.weight_sync_address.call())
         layout = first_value(await self.trainer.weight_layout.call(self.dtype))
-        _, self._member_ranks = await asyncio.gather(
-            self.trainer.init_weight_sender.call(host, port, plan["world_size"], layout),
-            self.router.join_weight_group.call_one(host, port, layout))
-        self._words = await asyncio.to_thread(GroupWords, host, port)
-        self._receivers, self._bytes, self._broadcasts = plan["world_size"] - 1, float(layout.total_bytes), 0
+        await asyncio.gather(self.trainer.init_weight_sender.call(host, port, plan["world_size"], layout),
+                             self.router.join_weight_group.call_one(host, port, layout))
         self._group_epoch = plan["epoch"]
 
     async def push(self, version: int) -> dict[str, float]:
@@ -267,7 +249,8 @@ class BroadcastSync(WeightSync):
                 formed = True
             try:
                 began = time.time()  # wall clock: compared with the sides' own, in other processes
-                await self._broadcast(version, began)
+                sent = await self._broadcast(version, began)
+                ended = time.time()
                 break
             except BaseException as e:
                 self._group_epoch = None  # broken: the next broadcast goes to a new group
@@ -279,75 +262,50 @@ class BroadcastSync(WeightSync):
             # requests sent before then would find no replica serving where it was the only one.
             await self.settled()
         self.version = version
-        # The router's plan, if one was asked for; where the rest went is `settled`'s. The
-        # replicas load after this returns.
-        return {"total_s": time.perf_counter() - start, "bytes": self._bytes, "plan_s": plan_s,
-                "broadcast_tries": float(tries)}
+        sender = first_value(sent)
+        # Where the time went: the router's plan, if one was asked for; the trainer's send (packing,
+        # and the broadcast beside it, which waits for every receiver and their verdicts); and the
+        # messaging around it: how late the send started after the push asked for it, and how long
+        # its answer took. The replicas' side is `settled`'s. They load after this returns.
+        return {"total_s": time.perf_counter() - start, "bytes": sender["bytes"], "send_s": sender["send_s"],
+                "pack_s": sender["pack_s"], "plan_s": plan_s, "send_lag_s": sender["started_at"] - began,
+                "reply_lag_s": ended - sender["ended_at"], "broadcast_tries": float(tries)}
 
     async def settled(self) -> dict[str, float]:
-        """The sides' answers to the last push ({} before the first push), which follow its end:
-        the trainer's send (packing, and the broadcast beside it until every member's verdict
-        reached it) and the packing within it; the slowest member's receive + checksum; how late
-        the send and the last receive started after the push asked for them, and how long after
-        the send ended the push learned it."""
+        """The router's answer to the last push: the slowest member's receive + checksum, and how
+        late the last receive started after the push asked for it ({} before the first push)."""
         if self._receipt is None:
             return {}
-        receiving, sending, began, ended = self._receipt
+        receiving, began = self._receipt
         try:
             replicas = (await receiving)["replicas"]
         except ActorError as e:
             raise WeightSyncError(f"weight sync: the router failed to record the last push: {e.exception}") from None
-        try:
-            sender = first_value(await sending)
-        except ActorError as e:
-            raise WeightSyncError(f"weight sync: the trainer's send of the last push failed after every member "
-                                  f"verified it: {e.exception}") from None
-        timings = {"send_s": sender["send_s"], "pack_s": sender["pack_s"],
-                   "send_lag_s": sender["started_at"] - began, "reply_lag_s": ended - sender["ended_at"]}
-        if replicas:  # else every member died since it verified the weights
-            timings.update(replica_receive_verify_s=max(r["receive_verify_s"] for r in replicas),
-                           receive_lag_s=max(r["started_at"] for r in replicas) - began)
-        return timings
+        if not replicas:  # every member died since it verified the weights
+            return {}
+        return {"replica_receive_verify_s": max(r["receive_verify_s"] for r in replicas),
+                "receive_lag_s": max(r["started_at"] for r in replicas) - began}
 
-    async def _broadcast(self, version: int, began: float) -> None:
+    async def _broadcast(self, version: int, began: float) -> Any:
         """The trainer's send together with every member's receive, watched for members that
-        die meanwhile (step 4 of the protocol); returns once every member verified the weights.
-        MembersDied when a member died and the broadcast did not reach every member still up."""
+        die meanwhile (step 4 of the protocol); returns the trainer's answer once every member
+        verified the weights. MembersDied when a member died and the broadcast did not reach
+        every member still up."""
         self._receipt = None
-        broadcast, self._broadcasts = self._broadcasts, self._broadcasts + 1
-        # The members' receives start on this word; the router's call below collects them.
-        self._words.say([go_key(member, broadcast) for member in self._member_ranks],
-                        f"{version} {self.update_mode}")
-        verified = self._words.hear(verified_key(broadcast))
         sending = asyncio.ensure_future(self.trainer.send_weights.call())
-        receiving = asyncio.ensure_future(self.router.receive_weights.call_one(version))
-        try:
-            await self._watch(version, verified, sending, receiving)
-            self._receipt = (receiving, sending, began, time.time())
-        finally:
-            if not verified.done():  # its thread waits for a word that will not come
-                with contextlib.suppress(torch.distributed.DistError):  # the store is gone
-                    self._words.say([verified_key(broadcast)], GroupWords.STOP)
-            verified.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-    async def _watch(self, version: int, verified: asyncio.Future, sending: asyncio.Future,
-                     receiving: asyncio.Future) -> None:
-        """Returns once the trainer's word says that every member verified the weights (its
-        answer, if it comes first), or the router's answer says that the members still up took
-        them; raises otherwise."""
+        receiving = asyncio.ensure_future(self.router.receive_weights.call_one(version, self.update_mode))
         transfer = asyncio.ensure_future(asyncio.gather(sending, receiving, return_exceptions=True))
         dead_since = None
         while True:
-            watched = [f for f in (verified, sending) if not f.done()] + [transfer]
+            watched = [transfer] if sending.done() else [sending, transfer]
             done, _ = await asyncio.wait(watched, timeout=BROADCAST_WATCH_S, return_when=asyncio.FIRST_COMPLETED)
             if transfer in done:
                 break
-            if verified in done and verified.exception() is None and int(verified.result()) == self._receivers:
-                return
             if sending in done:
                 failure = sending.exception()
                 if failure is None and _every_member_verified(sending.result()):
-                    return
+                    self._receipt = (receiving, began)
+                    return sending.result()
                 if failure and not (isinstance(failure, ActorError) and isinstance(failure.exception, BroadcastBroken)):
                     # The trainer failed on its own side, or is lost: the members may wait for the
                     # rest of the broadcast for ever (NCCL does).
@@ -356,8 +314,7 @@ class BroadcastSync(WeightSync):
                         raise failure
                     raise WeightSyncError(f"weight sync of policy version {version} failed: the trainer's send "
                                           f"failed: {failure.exception!r}")
-            if done - {transfer}:
-                continue  # not every member verified: the router's answer names who did not
+                continue  # the router's answer names who did not verify the weights
             dead = await self.router.dead_weight_group_members.call_one()
             if not dead:
                 continue
@@ -371,7 +328,8 @@ class BroadcastSync(WeightSync):
             if isinstance(outcome, BaseException) and not isinstance(outcome, ActorError):
                 raise outcome  # the trainer or the router is lost
         if not isinstance(sent, BaseException) and received["replicas"] and not received["broken"]:
-            return  # a member that died meanwhile, if any, missed this version only
+            self._receipt = (receiving, began)
+            return sent  # a member that died meanwhile, if any, missed this version only
         # The group broke, or nobody took the weights: every member the router did not find dead
         # by now (the receive fails over once its proc is lost) lives.
         dead = await self.router.dead_weight_group_members.call_one()

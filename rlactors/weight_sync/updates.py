@@ -11,12 +11,9 @@ already outdated.
 
 - By messages (`update_weights`) the tensors come with the call: their checksum, names and shapes
   are checked, and the load is the engine's `load_weights`.
-- By broadcast they land in the engine's receive buffer (`Engine.broadcast_receiver()`,
-  rlactors.weight_sync.broadcast), where their checksum is checked; the load copies them from
-  there. Once a replica has joined a group (`join_weight_group`), the receive of the group's next
-  broadcast is posted: it waits on the host for the push's word (`GroupWords`, the version and
-  the load's mode), so it starts as the trainer's send does, and the push's message through the
-  router (`receive_weights`) only collects its outcome. The buffer holds one version: a version still waiting
+- By broadcast (`join_weight_group`, `receive_weights`) they land in the engine's receive buffer
+  (`Engine.broadcast_receiver()`, rlactors.weight_sync.broadcast), where their checksum is
+  checked; the load copies them from there. The buffer holds one version: a version still waiting
   for its load is overwritten by the next receive, a load in progress is waited for, and a receive
   that fails its check after overwriting an accepted version makes that version's load fail, which
   ends the engine loop (the replica can no longer serve what it accepted). A receive whose group
@@ -28,9 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
-import itertools
 import time
 import typing
 from collections.abc import Callable, Mapping
@@ -41,7 +36,7 @@ import torch
 
 from rlactors.config import UpdateMode
 from rlactors.engines.base import Engine
-from rlactors.weight_sync.broadcast import BroadcastBroken, GroupWords, UnexpectedVersion, go_key
+from rlactors.weight_sync.broadcast import BroadcastBroken
 from rlactors.weight_sync.checksum import ChecksumMismatch, state_checksum
 
 UPDATE_MODES = typing.get_args(UpdateMode)
@@ -60,24 +55,6 @@ class PendingLoad:
     applying: bool = False
 
 
-@dataclass
-class PostedReceives:
-    """The receives posted for a group's broadcasts, each as the push's word for it arrives."""
-
-    words: GroupWords
-    member: int  # the replica's first rank in the group, which the words are addressed to
-    hearing: int = 0  # the broadcast whose word is awaited
-    asked: int = 0  # the broadcasts whose outcome the router has asked for
-    outcomes: dict[int, asyncio.Future] = field(default_factory=dict)
-    task: asyncio.Task | None = None
-    stopping: bool = False
-
-    def outcome(self, broadcast: int) -> asyncio.Future:
-        if broadcast not in self.outcomes:
-            self.outcomes[broadcast] = asyncio.get_running_loop().create_future()
-        return self.outcomes[broadcast]
-
-
 class WeightUpdates:
     """The weight updates of one engine. `check_alive` raises once the engine loop is dead or
     closed; `wake` has the loop look for a load. Loads and, for an engine that cannot stage while
@@ -93,7 +70,6 @@ class WeightUpdates:
         self.wake = wake
         self.receiver = engine.broadcast_receiver()
         self.pending: PendingLoad | None = None
-        self.posted: PostedReceives | None = None
         self._receive_lock = asyncio.Lock()  # one incoming version at a time, in order
         self.counters = {"updates": 0, "superseded": 0}
         self.last_update: dict[str, Any] = {}  # timings of the last weights loaded
@@ -118,59 +94,10 @@ class WeightUpdates:
                                     mode, asyncio.get_running_loop().create_future()))
             return {"version": version, "mode": mode, "verify_s": time.perf_counter() - start}
 
-    async def receive_weights(self, version: int) -> dict[str, Any]:
-        """The outcome of the group's next broadcast, which the push announced as `version`:
-        received into the engine's buffer and verified (ChecksumMismatch or UnexpectedVersion if
-        not), its load queued for a step boundary. BroadcastBroken when the group broke or is gone."""
-        posted = self.posted
-        if posted is None:
-            raise BroadcastBroken(f"weights version {version}: this replica is in no weight group")
-        broadcast, posted.asked = posted.asked, posted.asked + 1
-        outcome = posted.outcome(broadcast)
-        if posted.task.done() and not outcome.done():
-            raise BroadcastBroken(f"weights version {version}: this replica's weight group is gone")
-        try:
-            received = await asyncio.shield(outcome)
-        finally:
-            posted.outcomes.pop(broadcast, None)
-        if received["version"] != version:
-            raise UnexpectedVersion(f"the router asked for weights version {version}; the push announced "
-                                    f"version {received['version']}")
-        return received
-
-    async def _post_receives(self, posted: PostedReceives) -> None:
-        """Receives each broadcast of the group once the push's word for it arrives, until the
-        group breaks or another is joined."""
-        for broadcast in itertools.count():
-            posted.hearing = broadcast
-            if posted.stopping:
-                return
-            try:
-                word = await posted.words.hear(go_key(posted.member, broadcast))
-            except BroadcastBroken as e:
-                self._fail_outcomes(posted, e)
-                return
-            if word == GroupWords.STOP:
-                return
-            version, mode = word.split()
-            outcome = posted.outcome(broadcast)
-            try:
-                outcome.set_result(await self._receive(int(version), mode))
-            except BroadcastBroken as e:
-                outcome.set_exception(e)
-                return
-            except Exception as e:  # noqa: BLE001 - refused, or the engine died: the router's call says so
-                outcome.set_exception(e)
-
-    @staticmethod
-    def _fail_outcomes(posted: PostedReceives, error: BaseException) -> None:
-        for outcome in posted.outcomes.values():
-            if not outcome.done():
-                outcome.set_exception(error)
-
-    async def _receive(self, version: int, mode: str) -> dict[str, Any]:
-        """The trainer's broadcast (which must carry `version`), received into the engine's
-        buffer and verified now, loaded between engine steps later."""
+    async def receive_weights(self, version: int, mode: str | None = None) -> dict[str, Any]:
+        """The trainer's next broadcast (which must carry `version`), received into the engine's
+        buffer and verified now, loaded between engine steps later. Returns once verified
+        (ChecksumMismatch or UnexpectedVersion if not)."""
         mode = self._checked_mode(mode)
         async with self._receive_lock:
             self.check_alive()
@@ -194,31 +121,13 @@ class WeightUpdates:
 
     async def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
                                 layout: Any) -> list[int]:
-        """Joins a weight broadcast group, in place of any earlier one, and posts the receive of
-        its first broadcast. Runs between receives, where receives run; the receive buffer and a
-        version in it that waits for its load stay. Returns the ranks taken."""
-        await self._stop_receives()
-        loop = asyncio.get_running_loop()
+        """Joins a weight broadcast group, in place of any earlier one. Runs between receives,
+        where receives run; the receive buffer and a version in it that waits for its load stay.
+        Returns the ranks taken."""
         async with self._receive_lock:
             self.check_alive()
-            ranks = await loop.run_in_executor(
+            return await asyncio.get_running_loop().run_in_executor(
                 self._staging_executor, self.receiver.join, host, port, rank_offset, world_size, layout)
-        words = await loop.run_in_executor(self.side_executor, GroupWords, host, port)
-        self.posted = PostedReceives(words, rank_offset)
-        self.posted.task = asyncio.ensure_future(self._post_receives(self.posted))
-        return ranks
-
-    async def _stop_receives(self) -> None:
-        """Stops the receives posted for the current group: one under way finishes first."""
-        posted, self.posted = self.posted, None
-        if posted is None:
-            return
-        posted.stopping = True
-        if not posted.task.done():
-            with contextlib.suppress(torch.distributed.DistError):  # the store is gone: so is the word awaited
-                posted.words.say([go_key(posted.member, posted.hearing)], GroupWords.STOP)
-            await asyncio.wait([posted.task])
-        self._fail_outcomes(posted, BroadcastBroken("this replica joined another weight group"))
 
     @property
     def _staging_executor(self) -> concurrent.futures.Executor:
@@ -317,12 +226,6 @@ class WeightUpdates:
     def close(self) -> None:
         # A receive waits for its sender, which may be gone (the trainer died; NCCL waits for
         # ever): do not wait for it; the proc is stopped next.
-        posted, self.posted = self.posted, None
-        if posted is not None:
-            posted.stopping = True
-            posted.task.cancel()
-            with contextlib.suppress(torch.distributed.DistError):  # wakes the word's thread; the store may be gone
-                posted.words.say([go_key(posted.member, posted.hearing)], GroupWords.STOP)
         self.side_executor.shutdown(wait=False, cancel_futures=True)
 
 

@@ -20,7 +20,7 @@ from rlactors.engines.async_engine import AsyncEngine, EngineDeadError
 from rlactors.engines.native import NativeEngine
 from rlactors.models.checkpoint import from_pretrained
 from rlactors.types import SamplingParams
-from rlactors.weight_sync.broadcast import BroadcastBroken, GroupWords, UnexpectedVersion, go_key
+from rlactors.weight_sync.broadcast import BroadcastBroken
 from rlactors.weight_sync.checksum import ChecksumMismatch, state_checksum
 
 VOCAB = 1024
@@ -227,37 +227,9 @@ def staging_engine(ckpt) -> AsyncEngine:
                                                             max_model_len=512)))
 
 
-class Group:
-    """The push's side of one weight group, for a replica that is its member 1: the group's store
-    (a real one, as the trainer's rank 0 serves it) and the word that starts each broadcast."""
-
-    def __init__(self):
-        self.store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.broadcasts = 0
-
-    async def join(self, engine: AsyncEngine) -> list[int]:
-        return await engine.updates.join_weight_group("127.0.0.1", self.store.port, 1, 2, None)
-
-    def go(self, version: int, mode: str = "drain") -> None:
-        self.store.set(go_key(1, self.broadcasts), f"{version} {mode}")
-        self.broadcasts += 1
-
-    async def broadcast(self, engine: AsyncEngine, version: int) -> dict:
-        """The push's word for `version`, and the router's call for its outcome."""
-        self.go(version)
-        return await engine.updates.receive_weights(version)
-
-
-async def joined(engine: AsyncEngine) -> Group:
-    group = Group()
-    await group.join(engine)
-    return group
-
-
 def test_broadcast_weights_are_verified_at_once_and_the_newest_is_loaded_after_the_drain(tiny_ckpt):
     async def main():
         engine = staging_engine(tiny_ckpt)
-        group = await joined(engine)
         versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
         running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
         await until(lambda: engine.stats()["generated_tokens"] >= 2)
@@ -265,18 +237,18 @@ def test_broadcast_weights_are_verified_at_once_and_the_newest_is_loaded_after_t
         corrupted = {**versions[0], "model.norm.weight": versions[0]["model.norm.weight"] + 1}  # in transit
         engine.engine.send(corrupted, sent=versions[0])
         with pytest.raises(ChecksumMismatch, match="version 1"):
-            await group.broadcast(engine, 1)
+            await engine.updates.receive_weights(1)
         assert not engine.stats()["updating"]
 
         engine.engine.send(versions[0])
-        staged = await group.broadcast(engine, 1)
+        staged = await engine.updates.receive_weights(1)
         # Verified while the old request still runs; it finishes on the old weights, and a request
         # sent now waits for the load.
         assert staged["version"] == 1 and not running.done() and engine.stats()["updating"]
         later = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "new"))
         # Version 2 overwrites the buffer before version 1 was loaded: no wait for the drain.
         engine.engine.send(versions[1])
-        await group.broadcast(engine, 2)
+        await engine.updates.receive_weights(2)
         assert not running.done() and engine.stats()["superseded"] == 1
         assert (await running).versions == [0] * 200
         assert (await later).versions == [2] * 4
@@ -286,7 +258,7 @@ def test_broadcast_weights_are_verified_at_once_and_the_newest_is_loaded_after_t
 
         # Verified weights that then fail to load leave the engine dead, not half-loaded and serving.
         engine.engine.send({"model.norm.weight": versions[1]["model.norm.weight"]})  # not a whole set
-        await group.broadcast(engine, 3)
+        await engine.updates.receive_weights(3)
         await until(lambda: not engine.stats()["healthy"])
         with pytest.raises(EngineDeadError):
             await engine.generate([5, 6], SamplingParams(max_tokens=2), "after")
@@ -295,44 +267,16 @@ def test_broadcast_weights_are_verified_at_once_and_the_newest_is_loaded_after_t
     asyncio.run(main())
 
 
-def test_a_broadcast_is_received_on_the_pushs_word_and_the_routers_call_collects_its_outcome(tiny_ckpt):
-    """The receive is posted at the join and starts when the push's word comes (as the trainer's
-    send does), not when the router's message arrives; that message collects the outcome, which
-    must be of the version it names. Once the group's store is gone, so is the group."""
-    async def main():
-        engine = staging_engine(tiny_ckpt)
-        group = await joined(engine)
-        versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
-        engine.engine.send(versions[0])
-        group.go(1)
-        await until(lambda: engine.stats()["updates"] == 1)  # received, verified and loaded: nobody asked
-        assert (await engine.updates.receive_weights(1))["version"] == 1 and engine.stats()["version"] == 1
-
-        engine.engine.send(versions[1])
-        group.go(2)
-        with pytest.raises(UnexpectedVersion, match="asked for weights version 3; the push announced version 2"):
-            await engine.updates.receive_weights(3)
-
-        group.store = None  # the trainer left the group: its store closes
-        with pytest.raises(BroadcastBroken, match="store is gone"):
-            await engine.updates.receive_weights(3)
-        assert engine.stats()["healthy"]
-        await engine.close()
-
-    asyncio.run(main())
-
-
 def test_a_receive_never_overwrites_the_buffer_while_it_loads(tiny_ckpt):
     async def main():
         engine = staging_engine(tiny_ckpt)
-        group = await joined(engine)
         versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
         engine.engine.load_gate = threading.Event()
         engine.engine.send(versions[0])
-        await group.broadcast(engine, 1)  # nothing in flight: loads at once
+        await engine.updates.receive_weights(1)  # nothing in flight: loads at once
         await asyncio.sleep(0.05)
         engine.engine.send(versions[1])
-        second = asyncio.create_task(group.broadcast(engine, 2))
+        second = asyncio.create_task(engine.updates.receive_weights(2))
         await asyncio.sleep(0.05)
         assert not second.done() and engine.engine.stages == 1  # waits for the load of version 1
         engine.engine.load_gate.set()
@@ -347,25 +291,18 @@ def test_a_receive_never_overwrites_the_buffer_while_it_loads(tiny_ckpt):
 def test_a_new_weight_group_is_joined_beside_the_drain_and_keeps_the_waiting_version(tiny_ckpt):
     async def main():
         engine = staging_engine(tiny_ckpt)
-        old = await joined(engine)
         version = perturbed(engine.engine.model.state_dict(), seed=1)
         running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
         await until(lambda: engine.stats()["generated_tokens"] >= 2)
         engine.engine.send(version)
-        await old.broadcast(engine, 1)
+        await engine.updates.receive_weights(1)
         # A member died: the controller forms a new group while version 1 waits for the drain.
-        new = Group()
-        assert await new.join(engine) == [1]
+        assert await engine.updates.join_weight_group("10.0.0.1", 29500, 1, 2, None) == [1]
         assert not running.done() and engine.stats()["updating"]
         assert (await running).versions == [0] * 200
         await until(lambda: engine.stats()["updates"] == 1)
         assert engine.stats()["version"] == 1
-        assert engine.engine.joins[-1] == ("engine-side_0", ("127.0.0.1", new.store.port, 1, 2, None))
-        # The receive posted for the old group was stopped: a word there starts nothing.
-        assert old.store.get(go_key(1, 1)) == GroupWords.STOP.encode()
-        old.go(2)
-        await asyncio.sleep(0.1)
-        assert engine.engine.stages == 1
+        assert engine.engine.joins == [("engine-side_0", ("10.0.0.1", 29500, 1, 2, None))]
         await engine.close()
 
     asyncio.run(main())
@@ -375,23 +312,22 @@ async def version_1_accepted_beside_requests(tiny_ckpt):
     """A staging engine generating a long request on version 0 that has accepted version 1 (not
     loaded yet), and a request that waits for version 1; the next version's weights too."""
     engine = staging_engine(tiny_ckpt)
-    group = await joined(engine)
     versions = [perturbed(engine.engine.model.state_dict(), seed=s) for s in (1, 2)]
     running = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=200), "old"))
     await until(lambda: engine.stats()["generated_tokens"] >= 2)
     engine.engine.send(versions[0])
-    await group.broadcast(engine, 1)
+    await engine.updates.receive_weights(1)
     waiting = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=4), "promised-v1"))
-    return engine, group, versions, running, waiting
+    return engine, versions, running, waiting
 
 
 def test_a_bad_receive_over_an_accepted_version_kills_the_replica(tiny_ckpt):
     async def main():
-        engine, group, versions, running, waiting = await version_1_accepted_beside_requests(tiny_ckpt)
+        engine, versions, running, waiting = await version_1_accepted_beside_requests(tiny_ckpt)
         engine.engine.send({**versions[1], "model.norm.weight": versions[1]["model.norm.weight"] + 1},
                            sent=versions[1])
         with pytest.raises(ChecksumMismatch):
-            await group.broadcast(engine, 2)
+            await engine.updates.receive_weights(2)
         # Version 1 was accepted, then its buffer overwritten: the in-flight request finishes on
         # version 0, and the replica dies rather than serve version 0 to requests promised version 1.
         assert (await running).versions == [0] * 200
@@ -405,19 +341,18 @@ def test_a_bad_receive_over_an_accepted_version_kills_the_replica(tiny_ckpt):
 
 def test_a_broken_receive_over_an_accepted_version_holds_it_until_the_broadcast_goes_again(tiny_ckpt):
     async def main():
-        engine, group, versions, running, waiting = await version_1_accepted_beside_requests(tiny_ckpt)
+        engine, versions, running, waiting = await version_1_accepted_beside_requests(tiny_ckpt)
         engine.engine.send(versions[1])
         engine.engine.break_next = True
         with pytest.raises(BroadcastBroken):  # a member died: the push forms a new group and goes again
-            await group.broadcast(engine, 2)
+            await engine.updates.receive_weights(2)
         # Version 1's buffer was overwritten: it is never loaded, and nothing new is admitted.
         assert (await running).versions == [0] * 200
         await asyncio.sleep(0.1)
         assert engine.stats()["healthy"] and engine.stats()["updating"] and not waiting.done()
         assert engine.stats()["version"] == 0
-        new = Group()
-        await new.join(engine)
-        await new.broadcast(engine, 2)
+        await engine.updates.join_weight_group("10.0.0.1", 29501, 1, 2, None)
+        await engine.updates.receive_weights(2)
         assert (await asyncio.wait_for(waiting, timeout=30)).versions == [2] * 4
         assert engine.stats()["version"] == 2 and engine.stats()["superseded"] == 1
         await engine.close()

@@ -21,7 +21,6 @@ import time
 import pytest
 import torch
 from faultkit import CliProcess, child_pids, kill_replica, run_cli, small_run_overrides, wait_until
-from support.weight_words import announcing
 
 from rlactors.config import load_config
 from rlactors.controller import Controller, TrainingError
@@ -29,7 +28,6 @@ from rlactors.metrics import read_metrics
 from rlactors.run_dir import RunDir
 from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir, partial_dir
 from rlactors.weight_sync import sync
-from rlactors.weight_sync.broadcast import GroupWords
 
 # FaultyEnv's schedule (see fault_envs.py): per step, 2 groups of 4 rollouts, of which 3 end in
 # error_env, 1 in error_timeout, 2 in error_parse, and 2 have no fault.
@@ -365,25 +363,27 @@ def test_corrupted_weight_sync_stops_the_run_and_the_replicas_keep_the_old_polic
 BROADCAST = ("generator.replicas=2", 'generator.weight_sync="broadcast"')
 
 
-class _RecordedReceives(_StandIn):
-    """`receive_weights`, as it is: records what the replicas hold after it."""
+class _OtherVersionReceives(_StandIn):
+    """`receive_weights`: the replicas are told to expect another version than the one the
+    trainer broadcasts (the checksum travels with the broadcast, so the corruption a test can make
+    from outside the procs is the expected version; a flipped bit on the wire is
+    tests/weight_sync/test_broadcast_group.py's)."""
 
-    async def call_one(self, version):
-        return await self._call(version)
+    async def call_one(self, version, mode=None):
+        return await self._call(version + 1, mode)
 
 
-class RecordedReceivesController(Controller):
+class OtherVersionBroadcastController(Controller):
     async def start(self) -> None:
         await super().start()
         self.router = self.weight_sync.router = _ActorWith(
-            self.router, receive_weights=_RecordedReceives(self.router.receive_weights, self.router))
+            self.router, receive_weights=_OtherVersionReceives(self.router.receive_weights, self.router))
 
 
 def test_a_broadcast_the_replicas_refuse_stops_the_run_and_they_keep_the_old_policy(
-        tiny_ckpt, tmp_path, fault_record, monkeypatch):
-    monkeypatch.setattr(GroupWords, "say", announcing(lambda version: version + 1))
+        tiny_ckpt, tmp_path, fault_record):
     config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, *BROADCAST))
-    controller = RecordedReceivesController(config)
+    controller = OtherVersionBroadcastController(config)
     with pytest.raises(TrainingError) as raised:
         asyncio.run(controller.run())
     message = str(raised.value)
@@ -393,7 +393,7 @@ def test_a_broadcast_the_replicas_refuse_stops_the_run_and_they_keep_the_old_pol
     replicas = controller.router.receive_weights.after["replicas"]
     assert [(r["state"] == "serving", r["version"], r["engine"]["version"]) for r in replicas] == [(True, 0, 0)] * 2
     assert (checkpoint_dir(tmp_path / "checkpoints", 1) / COMPLETE_FILE).is_file()
-    fault_record("weight-sync mismatch (broadcast)", "the push's word to the replicas announces another version than "
+    fault_record("weight-sync mismatch (broadcast)", "the replicas told to expect another version than "
                  "the step-1 broadcast carries", None, "no served token: both replicas kept version 0; the run "
                  f"stopped with `{message[:120]}...`; checkpoint 1 (complete) resumes it")
 

@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import types
 
 import pytest
-import torch
-import torch.distributed
 from monarch.actor import ActorError
 
-from rlactors.weight_sync.broadcast import BroadcastBroken, verified_key
+from rlactors.weight_sync.broadcast import BroadcastBroken
 from rlactors.weight_sync.checksum import ChecksumMismatch
-from rlactors.weight_sync.packed import PackedLayout
 from rlactors.weight_sync.sync import (
     BROADCAST_TRIES,
     BroadcastStuck,
@@ -75,40 +71,15 @@ def unverified():
 
 
 BROKEN = ActorError(BroadcastBroken("the weight broadcast group broke: Connection closed by peer"))
-LAYOUT = PackedLayout.of([("w", torch.empty(4, dtype=torch.bfloat16, device="meta"))])
 
 
 class Trainer:
-    """The trainer's side. Each group's rendezvous store is a real one, on a port of its own (as
-    each group's is), where each send says how many members verified it (as `WeightSender` does)
-    before its answer reaches the push (once `answer_gate` is set, when given); a send that raises
-    says nothing."""
-
-    def __init__(self, *broadcasts, broadcast_s=0.0, answer_gate: asyncio.Event | None = None):
-        self.sends = Call(*(broadcasts or (sent,)), seconds=broadcast_s)
-        self.send_weights = types.SimpleNamespace(call=self._send, calls=self.sends.calls)
-        self.answer_gate = answer_gate
-        self.stores: list[torch.distributed.TCPStore] = []
-        self.broadcasts = 0
-        self.weight_sync_address = Call(self._address)
-        self.weight_layout = Call(Rank0(LAYOUT))
-        self.init_weight_sender = Call(self._join)
+    def __init__(self, *broadcasts, broadcast_s=0.0):
+        self.send_weights = Call(*(broadcasts or (sent,)), seconds=broadcast_s)
+        self.weight_sync_address = Call(Rank0(("10.0.0.1", 29500)))
+        self.weight_layout = Call(Rank0("layout"))
+        self.init_weight_sender = Call(None)
         self.abort_weight_broadcast = Call(None)
-
-    def _address(self):
-        self.stores.append(torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
-        return Rank0(("127.0.0.1", self.stores[-1].port))
-
-    def _join(self):
-        self.broadcasts = 0
-
-    async def _send(self):
-        answer = await self.sends.call()
-        self.stores[-1].set(verified_key(self.broadcasts), str(answer.value["verified"]))
-        self.broadcasts += 1
-        if self.answer_gate is not None:
-            await self.answer_gate.wait()
-        return answer
 
 
 def plan(members, stale=False, restarting=(), epoch=0):
@@ -133,7 +104,7 @@ class Router:
         self.plan_weight_group = Call(*(plans or [plan([0])]))
         self.receive_weights = Call(*(receives or [received(0)]))
         self.dead_weight_group_members = Call(*(list(d) for d in dead))
-        self.join_weight_group = Call([1])
+        self.join_weight_group = Call(2)
 
 
 class LateRouter(Router):
@@ -145,7 +116,7 @@ class LateRouter(Router):
         self.recorded = asyncio.Event()
         self.receive_weights.call_one = self._receive
 
-    async def _receive(self, version):
+    async def _receive(self, version, mode):
         await self.recorded.wait()
         return received(0)()
 
@@ -155,7 +126,6 @@ def push(trainer, router, restart_dead=False):
     sync = BroadcastSync(trainer, router, "bfloat16", "hot_swap", restart_dead)
 
     async def push_and_settle():
-        await sync.start()  # forms the group of the router's first plan
         timings = await sync.push(1)
         return {**timings, **await sync.settled()}
     return asyncio.run(push_and_settle())
@@ -170,9 +140,8 @@ def fast_watch(monkeypatch):
 def test_a_push_that_a_member_received_completes():
     router = Router()
     timings = push(Trainer(), router)
-    assert router.receive_weights.calls == [(1,)]  # the version every member must receive
-    assert timings["bytes"] == LAYOUT.total_bytes and timings["broadcast_tries"] == 1
-    assert timings["replica_receive_verify_s"] == 0.2
+    assert router.receive_weights.calls == [(1, "hot_swap")]  # the version every member must receive
+    assert timings["bytes"] == 8.0 and timings["replica_receive_verify_s"] == 0.2 and timings["broadcast_tries"] == 1
     assert timings["send_s"] == 0.1 and timings["pack_s"] == 0.05 and timings["total_s"] >= 0
 
 
@@ -188,41 +157,21 @@ def test_a_push_times_the_messaging_around_the_broadcast_by_the_slowest_side():
 def test_a_push_that_every_member_verified_ends_on_the_trainers_answer_and_the_next_waits_for_the_routers():
     """The members' verdicts reach the trainer over the group: the router's answer, its record
     of who holds what, is not waited for until the next push plans."""
-    router, trainer = LateRouter(), Trainer()
+    router = LateRouter()
 
     async def two_pushes():
-        sync = BroadcastSync(trainer, router, "bfloat16", "hot_swap", restart_dead=False)
-        await sync.start()
+        sync = BroadcastSync(Trainer(), router, "bfloat16", "hot_swap", restart_dead=False)
         await sync.push(1)  # returns although the router has not answered
         second = asyncio.ensure_future(sync.push(2))
         await asyncio.sleep(0.05)
-        waiting = not second.done() and len(trainer.send_weights.calls) == 1
+        waiting = not second.done() and len(router.plan_weight_group.calls) == 1
         router.recorded.set()
         await second
         return waiting, await sync.settled()
 
     waiting, settled = asyncio.run(two_pushes())
-    assert waiting and len(trainer.send_weights.calls) == 2
+    assert waiting and len(router.plan_weight_group.calls) == 2
     assert settled["replica_receive_verify_s"] == 0.2
-
-
-def test_a_push_ends_on_the_trainers_word_and_its_answer_brings_the_send_timings_later():
-    """Every member verified: the trainer's word through the group's store ends the push, and
-    its answer (a Monarch message, slower) brings the send's timings to `settled`."""
-    async def run():
-        trainer = Trainer(answer_gate=asyncio.Event())
-        sync = BroadcastSync(trainer, Router(), "bfloat16", "hot_swap", restart_dead=False)
-        await sync.start()
-        timings = await sync.push(1)  # the trainer's answer is held back
-        settling = asyncio.ensure_future(sync.settled())
-        await asyncio.sleep(0.05)
-        waiting = not settling.done()
-        trainer.answer_gate.set()
-        return timings, waiting, await settling
-
-    timings, waiting, settled = asyncio.run(run())
-    assert "send_s" not in timings and timings["broadcast_tries"] == 1 and waiting
-    assert settled["send_s"] == 0.1 and settled["pack_s"] == 0.05
 
 
 def test_a_push_that_formed_a_new_group_returns_once_the_router_recorded_it():
@@ -248,7 +197,6 @@ def test_a_router_that_fails_to_record_a_verified_push_stops_the_next_one():
 
     async def two_pushes():
         sync = BroadcastSync(Trainer(), router, "bfloat16", "hot_swap", restart_dead=True)
-        await sync.start()
         await sync.push(1)  # every member verified
         await sync.push(2)
 
@@ -282,7 +230,7 @@ def test_a_broken_broadcast_without_restart_dead_stops_naming_the_dead_member():
     router = Router(receives=[received(0, broken=[0])], dead=[[1]], plans=[plan([0, 1])])
     with pytest.raises(MembersDied, match=r"replica\(s\) \[1\] died during the broadcast, which did not reach"):
         push(Trainer(BROKEN), router)
-    assert len(router.join_weight_group.calls) == 1  # the group's, formed at start only
+    assert router.join_weight_group.calls == []
 
 
 def test_with_restart_dead_a_broken_broadcast_goes_again_to_a_new_group_of_the_members_up():
@@ -292,8 +240,8 @@ def test_with_restart_dead_a_broken_broadcast_goes_again_to_a_new_group_of_the_m
     timings = push(trainer, router, restart_dead=True)
     assert timings["broadcast_tries"] == 2 and timings["replica_receive_verify_s"] == 0.2
     # The survivor formed a new group with the trainer (world size 2), and took version 1 from it.
-    assert trainer.init_weight_sender.calls[-1] == ("127.0.0.1", trainer.stores[-1].port, 2, LAYOUT)
-    assert len(router.join_weight_group.calls) == 2 and len(router.receive_weights.calls) == 2
+    assert trainer.init_weight_sender.calls == [("10.0.0.1", 29500, 2, "layout")]
+    assert len(router.join_weight_group.calls) == 1 and len(router.receive_weights.calls) == 2
 
 
 def test_with_restart_dead_a_push_whose_only_member_died_waits_for_its_restart(monkeypatch):
@@ -335,7 +283,7 @@ def test_with_restart_dead_a_stuck_broadcast_is_aborted_and_goes_again(fast_watc
     router = Router(receives=[received(), received(0)], plans=[plan([0]), plan([0], stale=True)])
     router.dead_weight_group_members.call_one = dead_members
     assert push(trainer, router, restart_dead=True)["broadcast_tries"] == 2
-    assert broadcast.calls == 2 and len(router.join_weight_group.calls) == 2
+    assert broadcast.calls == 2 and len(router.join_weight_group.calls) == 1
 
 
 def test_with_restart_dead_a_trainer_still_stuck_after_the_abort_stops_the_run(fast_watch, monkeypatch):

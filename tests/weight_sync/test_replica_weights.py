@@ -67,8 +67,8 @@ def test_a_group_is_planned_joined_with_its_ranks_and_goes_stale_when_a_member_d
         replicas = [_Replica(0), _Replica(1, up=False), _Replica(2)]
         up = [r for r in replicas if r.up]
         assert weights.plan(up) == {"stale": True, "members": [0, 2], "world_size": 5, "epoch": 0}
-        assert await weights.join("10.0.0.1", 29500, "layout") == [1, 3]  # the members' first ranks
-        # Member m's TP workers from rank 1 + m * tp on: the trainer is rank 0; the world is 5.
+        assert await weights.join("10.0.0.1", 29500, "layout") == 5
+        # Member m's TP workers from rank 1 + m * tp on: the trainer is rank 0.
         assert replicas[0].actor.join_weight_group.calls == [("10.0.0.1", 29500, 1, 5, "layout")]
         assert replicas[2].actor.join_weight_group.calls == [("10.0.0.1", 29500, 3, 5, "layout")]
         assert replicas[1].actor.join_weight_group.calls == []
@@ -102,15 +102,15 @@ def test_a_broadcast_reaches_the_members_up_and_each_takes_it_rejects_it_or_dies
         await weights.join("10.0.0.1", 29500, None)
         down.up = False
         with pytest.raises(RuntimeError) as raised:
-            await weights.receive(7)
+            await weights.receive(7, "drain")
         assert str(raised.value) == ("weights version 7 rejected by replica 1: "
                                      "ChecksumMismatch('received checksum 1, trainer sent 2')")
         assert [r.version for r in members] == [7, 0, 0, 0, 0]
         assert received == [0] and died == [(2, "ActorError"), (3, "ConnectionError")]
-        assert down.actor.receive_weights.calls == [] and took.actor.receive_weights.calls == [(7,)]
+        assert down.actor.receive_weights.calls == [] and took.actor.receive_weights.calls == [(7, "drain")]
 
         rejected.outcome = None
-        result = await weights.receive(8)
+        result = await weights.receive(8, None)
         assert result["version"] == 8 and result["replicas"] == [{"receive_verify_s": 0.0}, {"receive_verify_s": 0.1}]
         assert received == [0, 0, 1]
 
@@ -123,7 +123,7 @@ def test_a_member_whose_broadcast_group_broke_lives_on_without_the_version():
         took, broken = _Replica(0), _Replica(1, outcome=ActorError(BroadcastBroken("the group broke")))
         weights.plan([took, broken])
         await weights.join("10.0.0.1", 29500, None)
-        result = await weights.receive(7)
+        result = await weights.receive(7, None)
         assert result["broken"] == [1] and len(result["replicas"]) == 1
         assert [r.version for r in (took, broken)] == [7, 0] and died == [] and received == [0]
 

@@ -136,8 +136,13 @@ class PackedLayout:
 
     def digest(self, plain: int, weighted: int) -> str:
         """`checksum`'s digest from the buffer's (plain, weighted) sums (`RunningChecksum`)."""
-        text = "\n".join(f"{s.name}:{s.dtype}:{s.shape}:{s.offset}" for s in self.specs)
-        return hashlib.blake2b(f"{text}\n{plain:016x}{weighted:016x}".encode(), digest_size=16).hexdigest()
+        return hashlib.blake2b(f"{self._text}\n{plain:016x}{weighted:016x}".encode(), digest_size=16).hexdigest()
+
+    @functools.cached_property
+    def _text(self) -> str:
+        # Made once: a sender digests every broadcast before it answers (0.16 ms for 1.7B's 310
+        # tensors each time, on a 2-core CI box).
+        return "\n".join(f"{s.name}:{s.dtype}:{s.shape}:{s.offset}" for s in self.specs)
 
 
 def _chunks(specs: list[TensorSpec], total_bytes: int, chunk_bytes: int) -> tuple[Chunk, ...]:

@@ -31,8 +31,7 @@ def _weights(device: torch.device, scale: float) -> dict[str, torch.Tensor]:
     return {name: (tensor * scale).to(device) for name, tensor in weights.items()}
 
 
-def _member(rank: int, gpus: list[str], port: int, results) -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank]  # before CUDA starts in this process
+def _member(rank: int, port: int, results) -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     first, second = _weights(device, 1.0), _weights(device, 2.0)
@@ -68,14 +67,16 @@ def _member(rank: int, gpus: list[str], port: int, results) -> None:
         results.put((rank, repr(e)))
 
 
-def test_a_lone_receiver_gets_the_chunks_by_copy_engine_verified_and_only_while_it_receives():
+def test_a_lone_receiver_gets_the_chunks_by_copy_engine_verified_and_only_while_it_receives(monkeypatch):
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = [g.strip() for g in visible.split(",")][:2] if visible else ["0", "1"]
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    members = [ctx.Process(target=_member, args=(rank, gpus, port, results)) for rank in (0, 1)]
-    for member in members:
+    members = [ctx.Process(target=_member, args=(rank, port, results)) for rank in (0, 1)]
+    for gpu, member in zip(gpus, members):
+        # Each sees its own GPU only, from its start: importing this module in it starts CUDA.
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpu)
         member.start()
     try:
         got = dict(results.get(timeout=120) for _ in members)

@@ -136,12 +136,33 @@ def borrow_buffer(group: Any, device: torch.device) -> torch.Tensor | None:
     return borrowed
 
 
+def packed_buffer(layout: PackedLayout, device: torch.device) -> torch.Tensor:
+    """The layout's bytes on `device`; on GPU, never in one of the caching allocator's expandable
+    segments, whatever the process's settings (PYTORCH_CUDA_ALLOC_CONF): the trainer's copy
+    engine writes into a lone receiver's buffer through a CUDA IPC mapping, and into a mapped
+    expandable segment that took 1.5x as long (1.7B on two H100s: 15.1 ms against 10.1;
+    weight_sync.md)."""
+    if device.type != "cuda" or not expandable_segments():
+        return layout.empty(device)
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+    try:
+        return layout.empty(device)
+    finally:
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+
+
+def expandable_segments() -> bool:
+    """Whether the CUDA caching allocator grows expandable segments now (set by PYTORCH_CUDA_ALLOC_CONF,
+    or later by `torch._C._accelerator_setAllocatorSettings`)."""
+    return bool(torch.cuda.memory._snapshot()["allocator_settings"]["expandable_segments"])
+
+
 class WeightSender:
     """Trainer rank 0's side: a persistent send buffer and the pipelined broadcast of it."""
 
     def __init__(self, layout: PackedLayout, device: torch.device):
         self.layout = layout
-        self.buffer = layout.empty(device).zero_()  # zeroed once: padding bytes count in the checksum
+        self.buffer = packed_buffer(layout, device).zero_()  # zeroed once: padding bytes count in the checksum
         self.group: Any = None
         self.receivers = 0  # the group's other members, each of which returns a verdict
         self.borrowed: torch.Tensor | None = None  # a lone receiver's buffer, written by the copy engine
@@ -272,7 +293,7 @@ class BufferReceiver:
 
     def __init__(self, layout: PackedLayout, device: torch.device):
         self.layout = layout
-        self.buffer = layout.empty(device)
+        self.buffer = packed_buffer(layout, device)
         self.group: Any = None
         self.lent = False  # whether the sender copies the chunks into the buffer (a lone receiver on GPU)
         self.checksum_stream = torch.cuda.Stream(device) if self.buffer.is_cuda else None

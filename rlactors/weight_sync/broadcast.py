@@ -31,7 +31,7 @@ harmless to the trainer (its mapping keeps the memory), and the next broadcast o
 waits for the dead member as before, so the abort and the new group work unchanged. On two H100s,
 1.7B in bf16 from fp32 parameters: 10.0 ms against 11.4 by NCCL chunks, in one process pair
 (weight_sync.md). Several receivers share the sender's links, where NCCL's broadcast relays, so
-they get NCCL chunks.
+they get NCCL chunks; so does a receiver whose buffer lies in an expandable segment (`lend_buffer`).
 
 Each engine names its receiving end (`Engine.broadcast_receiver()`, a `BroadcastReceiver`): the
 native engine a `LocalReceiver` in its own process, the vLLM engine a `VLLMReceiver` over its TP
@@ -114,19 +114,24 @@ def join_group(host: str, port: int, rank: int, world_size: int, device: torch.d
 
 def lend_buffer(group: Any, buffer: torch.Tensor) -> bool:
     """A one-receiver group's receiver, on GPU: offers its buffer to the trainer (rank 0) by CUDA
-    IPC; returns whether the trainer copies the chunks into it (else they come by broadcast)."""
+    IPC; returns whether the trainer copies the chunks into it (else they come by broadcast). A
+    buffer in one of the caching allocator's expandable segments (PYTORCH_CUDA_ALLOC_CONF=
+    expandable_segments:True) is not offered: the copy engine wrote into such a mapping at 2/3 of
+    the speed (1.7B on two H100s: 15.1 ms against 10.1; weight_sync.md), slower than NCCL."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    group.group.send_obj((socket.gethostname(), reduce_tensor(buffer)), dst=0)
+    offer = None if in_expandable_segment(buffer) else reduce_tensor(buffer)
+    group.group.send_obj((socket.gethostname(), offer), dst=0)
     return group.group.recv_obj(src=0)
 
 
 def borrow_buffer(group: Any, device: torch.device) -> torch.Tensor | None:
     """The trainer's side of `lend_buffer`: the receiver's buffer mapped on `device`, or None
-    where it cannot be (another host, or CUDA IPC refused); the receiver is told which."""
-    host, (rebuild, args) = group.group.recv_obj(src=1)
+    where it cannot be (not offered, another host, or CUDA IPC refused); the receiver is told which."""
+    host, offer = group.group.recv_obj(src=1)
     borrowed = None
-    if host == socket.gethostname():
+    if offer is not None and host == socket.gethostname():
+        rebuild, args = offer
         try:
             # Mapped into this process's own device, whatever index the receiver's process gave its GPU.
             borrowed = rebuild(*args[:6], device.index, *args[7:])
@@ -136,25 +141,13 @@ def borrow_buffer(group: Any, device: torch.device) -> torch.Tensor | None:
     return borrowed
 
 
-def packed_buffer(layout: PackedLayout, device: torch.device) -> torch.Tensor:
-    """The layout's bytes on `device`; on GPU, never in one of the caching allocator's expandable
-    segments, whatever the process's settings (PYTORCH_CUDA_ALLOC_CONF): the trainer's copy
-    engine writes into a lone receiver's buffer through a CUDA IPC mapping, and into a mapped
-    expandable segment that took 1.5x as long (1.7B on two H100s: 15.1 ms against 10.1;
-    weight_sync.md)."""
-    if device.type != "cuda" or not expandable_segments():
-        return layout.empty(device)
-    torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
-    try:
-        return layout.empty(device)
-    finally:
-        torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
-
-
-def expandable_segments() -> bool:
-    """Whether the CUDA caching allocator grows expandable segments now (set by PYTORCH_CUDA_ALLOC_CONF,
-    or later by `torch._C._accelerator_setAllocatorSettings`)."""
-    return bool(torch.cuda.memory._snapshot()["allocator_settings"]["expandable_segments"])
+def in_expandable_segment(tensor: torch.Tensor) -> bool:
+    """Whether the CUDA caching allocator placed `tensor` in one of its expandable segments."""
+    if not tensor.is_cuda:
+        return False
+    address = tensor.data_ptr()
+    return any(segment["is_expandable"] for segment in torch.cuda.memory_snapshot()
+               if segment["address"] <= address < segment["address"] + segment["total_size"])
 
 
 class WeightSender:
@@ -162,7 +155,7 @@ class WeightSender:
 
     def __init__(self, layout: PackedLayout, device: torch.device):
         self.layout = layout
-        self.buffer = packed_buffer(layout, device).zero_()  # zeroed once: padding bytes count in the checksum
+        self.buffer = layout.empty(device).zero_()  # zeroed once: padding bytes count in the checksum
         self.group: Any = None
         self.receivers = 0  # the group's other members, each of which returns a verdict
         self.borrowed: torch.Tensor | None = None  # a lone receiver's buffer, written by the copy engine
@@ -293,7 +286,7 @@ class BufferReceiver:
 
     def __init__(self, layout: PackedLayout, device: torch.device):
         self.layout = layout
-        self.buffer = packed_buffer(layout, device)
+        self.buffer = layout.empty(device)
         self.group: Any = None
         self.lent = False  # whether the sender copies the chunks into the buffer (a lone receiver on GPU)
         self.checksum_stream = torch.cuda.Stream(device) if self.buffer.is_cuda else None

@@ -201,6 +201,13 @@ def test_a_lone_receiver_lends_its_buffer_and_learns_whether_the_trainer_copies_
     assert host == socket.gethostname() and callable(rebuild) and args
 
 
+def test_a_buffer_not_offered_is_not_mapped_and_the_receiver_is_told_the_chunks_come_by_broadcast():
+    members = _TwoMembers()
+    members.inboxes[0].put((socket.gethostname(), None))  # the receiver's buffer lies in an expandable segment
+    assert borrow_buffer(members.side(0), torch.device("cuda", 3)) is None
+    assert members.inboxes[1].get_nowait() is False
+
+
 @pytest.mark.parametrize("host, refused, borrowed", [
     ("another-host", False, False),  # not mapped at all: CUDA IPC is within one host
     (socket.gethostname(), True, False),  # CUDA IPC refused the handle

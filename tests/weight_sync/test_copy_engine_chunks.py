@@ -1,7 +1,8 @@
 """On two GPUs, a group of one receiver: the trainer copies the packed chunks into the receiver's
-own buffer with the copy engine (CUDA IPC), and they arrive bit for bit and verified; the trainer
-writes nothing into the buffer before the receiver receives, so a version still in it (waiting
-for its load) stays intact until then. Real processes, each seeing only its own GPU, as the
+own buffer with the copy engine (CUDA IPC), unless that buffer lies in an expandable segment (then
+NCCL broadcasts them), and they arrive bit for bit and verified; the trainer writes nothing into
+the buffer before the receiver receives, so a version still in it (waiting for its load) stays
+intact until then. Real processes, each seeing only its own GPU, as the
 trainer's and a replica's do."""
 
 from __future__ import annotations
@@ -67,13 +68,20 @@ def _member(rank: int, port: int, results) -> None:
         results.put((rank, repr(e)))
 
 
-def test_a_lone_receiver_gets_the_chunks_by_copy_engine_verified_and_only_while_it_receives(monkeypatch):
+@pytest.mark.parametrize("alloc_conf, copy_engine", [
+    ("expandable_segments:False", 1.0),
+    # The receiver's buffer lies in an expandable segment, which it does not lend: NCCL chunks.
+    ("expandable_segments:True", 0.0),
+])
+def test_a_lone_receiver_gets_the_chunks_by_copy_engine_verified_and_only_while_it_receives(
+        monkeypatch, alloc_conf, copy_engine):
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = [g.strip() for g in visible.split(",")][:2] if visible else ["0", "1"]
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     members = [ctx.Process(target=_member, args=(rank, port, results)) for rank in (0, 1)]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)
     for gpu, member in zip(gpus, members):
         # Each sees its own GPU only, from its start: importing this module in it starts CUDA.
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpu)
@@ -85,5 +93,5 @@ def test_a_lone_receiver_gets_the_chunks_by_copy_engine_verified_and_only_while_
             member.join(timeout=30)
             if member.is_alive():
                 member.kill()
-    assert got[0] == [(1.0, 1), (1.0, 1)], got
-    assert got[1] == [True, True, True, True], got
+    assert got[0] == [(copy_engine, 1), (copy_engine, 1)], got
+    assert got[1] == [copy_engine == 1.0, True, True, True], got

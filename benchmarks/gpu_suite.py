@@ -61,7 +61,8 @@ NAMED = {a for g in SINGLE for a in g.args if a.startswith("tests/")}
 SINGLE.append(Group("other", [*ONE, "tests", *(f"--ignore={p}" for p in sorted(NAMED))], 1))
 TWO = ["-m", "two_gpus"]
 DOUBLE = [
-    Group("fsdp and nccl sync", [*TWO, "tests/test_gpu_system.py", "-k", "not tensor_parallel"], 2),
+    Group("fsdp and nccl sync", [*TWO, "tests/test_gpu_system.py", "tests/weight_sync/test_copy_engine_chunks.py",
+                                 "-k", "not tensor_parallel"], 2),
     Group("tensor parallel", [*TWO, "tests/test_gpu_system.py", "-k", "tensor_parallel"], 2),
     Group("nccl faults", [*TWO, "tests/faults/test_nccl_faults.py"], 2),
     Group("expert parallel", [*TWO, "tests/trainer/test_expert_parallel.py"], 2),

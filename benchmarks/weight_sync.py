@@ -39,10 +39,11 @@ TITLE = "Weight sync: trainer -> every generator replica, verified by checksum"
 # for them (lag), and how long the trainer's answer took once its send ended (reply). By
 # messages: gather (full tensors on rank 0, checksummed) and transfer. served: until every replica
 # has loaded them (apply: the load, by the copy plan or vLLM's load_weights, and the prefix-cache
-# reset), between engine steps. Medians over --iters.
+# reset), between engine steps. chunks by: the copy engine into a lone replica's buffer, or NCCL (gloo)
+# broadcast (rlactors.weight_sync.broadcast). Medians over --iters.
 COLUMNS = ("model", "trainer GPUs", "replicas", "total ms (min-max)", "served ms", "send ms", "pack ms",
            "gather ms", "transfer ms", "replica receive+verify ms", "plan ms", "send lag ms", "receive lag ms",
-           "reply ms", "replica apply ms", "copy plan",
+           "reply ms", "replica apply ms", "copy plan", "chunks by",
            "GB/s (bytes / total)", "NCCL ceiling ms", "total / ceiling")
 
 
@@ -108,6 +109,12 @@ async def measure(config, iters: int) -> list[dict[str, float]]:
         await controller.shutdown()
 
 
+def _chunks_by(runs: list[dict[str, float]]) -> str:
+    if "copy_engine" not in runs[0]:
+        return "messages"
+    return "copy engine" if all(r["copy_engine"] == 1.0 for r in runs) else "broadcast"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -154,7 +161,8 @@ def main() -> None:
                median_ms("send_s"), median_ms("pack_s"), median_ms("gather_s"), median_ms("transfer_s"),
                median_ms("replica_receive_verify_s"), median_ms("plan_s"), median_ms("send_lag_s"),
                median_ms("receive_lag_s"), median_ms("reply_lag_s"), median_ms("replica_apply_s"),
-               "yes" if all(r.get("copy_plan") == 1.0 for r in runs) else "no", f"{num_bytes / total / 1e9:.1f}",
+               "yes" if all(r.get("copy_plan") == 1.0 for r in runs) else "no", _chunks_by(runs),
+               f"{num_bytes / total / 1e9:.1f}",
                ceiling, ratio]
     print(append_row(RESULTS / "weight_sync.md", TITLE, COLUMNS, figures, device=args.device))
 

@@ -269,7 +269,8 @@ class BroadcastSync(WeightSync):
         # its answer took. The replicas' side is `settled`'s. They load after this returns.
         return {"total_s": time.perf_counter() - start, "bytes": sender["bytes"], "send_s": sender["send_s"],
                 "pack_s": sender["pack_s"], "plan_s": plan_s, "send_lag_s": sender["started_at"] - began,
-                "reply_lag_s": ended - sender["ended_at"], "broadcast_tries": float(tries)}
+                "reply_lag_s": ended - sender["ended_at"], "broadcast_tries": float(tries),
+                "copy_engine": sender["copy_engine"]}
 
     async def settled(self) -> dict[str, float]:
         """The router's answer to the last push: the slowest member's receive + checksum, and how

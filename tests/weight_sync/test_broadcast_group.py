@@ -3,7 +3,9 @@ chunks, arrives bit for bit and verified; a broadcast of another version than ex
 bit flipped on the way, is refused; the sender learns how many members verified each broadcast; a
 member that dies fails the sender's next broadcast at once instead of hanging it, and the
 survivors then form a new group that delivers the next version into the buffers they already
-hold. The engines' receiving ends: one refuses a receive before any join, and the vLLM one's calls
+hold. A lone receiver on GPUs lends its buffer to the trainer, which copies the chunks into it
+only where it can map it (same host, CUDA IPC granted), and tells the receiver which way they
+come. The engines' receiving ends: one refuses a receive before any join, and the vLLM one's calls
 over its TP workers."""
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import multiprocessing
 import os
 import queue
 import re
+import socket
 
 import pytest
 import torch
@@ -25,6 +28,8 @@ from rlactors.weight_sync.broadcast import (
     UnexpectedVersion,
     VLLMReceiver,
     WeightSender,
+    borrow_buffer,
+    lend_buffer,
     worker_join,
     worker_load_staged,
     worker_stage,
@@ -166,3 +171,61 @@ def test_a_vllm_receiver_reaches_every_tp_worker_and_tells_the_engine_after_a_lo
     assert receiver.load(4) == {"worker": 0}
     assert events == [(worker_join, ("10.0.0.1", 29500, 1, 3, "layout")), (worker_stage, (4,)),
                       (worker_load_staged, ()), ("loaded", 4)]
+
+
+class _TwoMembers:
+    """The object channel of a two-member group (vLLM's StatelessProcessGroup: `send_obj`,
+    `recv_obj`), both ends in this process; `side(rank).group` is what a member's group holds."""
+
+    def __init__(self):
+        self.inboxes = {0: queue.Queue(), 1: queue.Queue()}
+
+    def side(self, rank: int):
+        inboxes = self.inboxes
+
+        class Side:
+            def send_obj(self, obj, dst):
+                inboxes[dst].put(obj)
+
+            def recv_obj(self, src):
+                return inboxes[rank].get(timeout=5)
+
+        return type("Group", (), {"group": Side()})()
+
+
+def test_a_lone_receiver_lends_its_buffer_and_learns_whether_the_trainer_copies_into_it():
+    members = _TwoMembers()
+    members.inboxes[1].put(True)  # the trainer's answer, waiting
+    assert lend_buffer(members.side(1), torch.zeros(8)) is True
+    host, (rebuild, args) = members.inboxes[0].get_nowait()
+    assert host == socket.gethostname() and callable(rebuild) and args
+
+
+def test_a_buffer_not_offered_is_not_mapped_and_the_receiver_is_told_the_chunks_come_by_broadcast():
+    members = _TwoMembers()
+    members.inboxes[0].put((socket.gethostname(), None))  # the receiver's buffer lies in an expandable segment
+    assert borrow_buffer(members.side(0), torch.device("cuda", 3)) is None
+    assert members.inboxes[1].get_nowait() is False
+
+
+@pytest.mark.parametrize("host, refused, borrowed", [
+    ("another-host", False, False),  # not mapped at all: CUDA IPC is within one host
+    (socket.gethostname(), True, False),  # CUDA IPC refused the handle
+    (socket.gethostname(), False, True),
+])
+def test_the_trainer_copies_into_a_lent_buffer_only_where_it_can_map_it(host, refused, borrowed):
+    calls = []
+
+    def rebuild(*args):
+        calls.append(args)
+        if refused:
+            raise RuntimeError("CUDA error: invalid resource handle")
+        return "the receiver's buffer"
+
+    members = _TwoMembers()
+    members.inboxes[0].put((host, (rebuild, tuple(range(15)))))
+    got = borrow_buffer(members.side(0), torch.device("cuda", 3))
+    assert got == ("the receiver's buffer" if borrowed else None)
+    assert members.inboxes[1].get_nowait() is borrowed  # the receiver is told which way the chunks come
+    # Mapped on the trainer's own device, whatever index the receiver's process gave its GPU.
+    assert calls == ([] if host == "another-host" else [(0, 1, 2, 3, 4, 5, 3, *range(7, 15))])

@@ -63,7 +63,7 @@ def sent(verified=1, receivers=1):
     `verified` of its `receivers` summed a verdict of 1 (they verified the weights)."""
     now = time.time()
     return Rank0({"version": 1, "checksum": "c" * 32, "verified": verified, "receivers": receivers, "bytes": 8.0,
-                  "send_s": 0.1, "pack_s": 0.05, "started_at": now, "ended_at": now})
+                  "copy_engine": 0.0, "send_s": 0.1, "pack_s": 0.05, "started_at": now, "ended_at": now})
 
 
 def unverified():

@@ -1,0 +1,97 @@
+"""On two GPUs, a group of one receiver: the trainer copies the packed chunks into the receiver's
+own buffer with the copy engine (CUDA IPC), unless that buffer lies in an expandable segment (then
+NCCL broadcasts them), and they arrive bit for bit and verified; the trainer writes nothing into
+the buffer before the receiver receives, so a version still in it (waiting for its load) stays
+intact until then. Real processes, each seeing only its own GPU, as the
+trainer's and a replica's do."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+from support.vllm_checks import NEEDS_VLLM_GPU
+
+from rlactors.placement import free_port
+from rlactors.weight_sync.broadcast import BufferReceiver, WeightSender
+from rlactors.weight_sync.packed import PackedLayout
+
+pytestmark = [*NEEDS_VLLM_GPU, pytest.mark.two_gpus,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+
+CHUNK_BYTES = 4096  # the 38 KB embedding goes in 10 chunks
+
+
+def _weights(device: torch.device, scale: float) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    weights = {"embed": torch.randn(300, 64, generator=g).to(torch.bfloat16), "norm": torch.randn(64, generator=g)}
+    return {name: (tensor * scale).to(device) for name, tensor in weights.items()}
+
+
+def _member(rank: int, port: int, results) -> None:
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    first, second = _weights(device, 1.0), _weights(device, 2.0)
+    layout = PackedLayout.of(first, chunk_bytes=CHUNK_BYTES)
+    try:
+        if rank == 0:
+            sender = WeightSender(layout, device)
+            sender.join("127.0.0.1", port, 2)
+
+            def pack_from(weights):
+                def pack(chunk, buffer):
+                    for piece in chunk.pieces:
+                        rows = weights[piece.name][piece.first_row:piece.first_row + piece.rows]
+                        layout.piece_view(buffer, piece).copy_(rows)
+                return pack
+
+            sent = [asyncio.run(sender.send(version, pack_from(w))) for version, w in ((1, first), (2, second))]
+            results.put((rank, [(s["copy_engine"], s["verified"]) for s in sent]))
+            return
+        receiver = BufferReceiver(layout, device)
+        receiver.join("127.0.0.1", port, 1, 2)
+
+        def holds(weights):
+            return all(torch.equal(receiver.weights()[name], tensor) for name, tensor in weights.items())
+
+        receiver.receive(1)
+        received_first = holds(first)
+        time.sleep(1.0)  # meanwhile the trainer packs version 2 and waits for this receiver
+        kept_first = holds(first)
+        receiver.receive(2)
+        results.put((rank, [receiver.lent, received_first, kept_first, holds(second)]))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        results.put((rank, repr(e)))
+
+
+@pytest.mark.parametrize("alloc_conf, copy_engine", [
+    ("expandable_segments:False", 1.0),
+    # The receiver's buffer lies in an expandable segment, which it does not lend: NCCL chunks.
+    ("expandable_segments:True", 0.0),
+])
+def test_a_lone_receiver_gets_the_chunks_by_copy_engine_verified_and_only_while_it_receives(
+        monkeypatch, alloc_conf, copy_engine):
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = [g.strip() for g in visible.split(",")][:2] if visible else ["0", "1"]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    members = [ctx.Process(target=_member, args=(rank, port, results)) for rank in (0, 1)]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)
+    for gpu, member in zip(gpus, members):
+        # Each sees its own GPU only, from its start: importing this module in it starts CUDA.
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpu)
+        member.start()
+    try:
+        got = dict(results.get(timeout=120) for _ in members)
+    finally:
+        for member in members:
+            member.join(timeout=30)
+            if member.is_alive():
+                member.kill()
+    assert got[0] == [(copy_engine, 1), (copy_engine, 1)], got
+    assert got[1] == [copy_engine == 1.0, True, True, True], got

@@ -60,6 +60,16 @@ def cuda_visible_devices(gpu_ids: Sequence[int]) -> str:
     return ",".join(visible[i] for i in gpu_ids)
 
 
+def expandable_segments(alloc_conf: str | None = None) -> bool:
+    """Whether PyTorch's CUDA caching allocator grows expandable segments under the settings
+    `alloc_conf`; by default this process's (PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF, the
+    order in which PyTorch reads them)."""
+    if alloc_conf is None:
+        alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF", "")
+    settings = dict(item.split(":", 1) for item in alloc_conf.replace(" ", "").split(",") if ":" in item)
+    return settings.get("expandable_segments") == "True"
+
+
 def local_address() -> str:
     """This host's address as the other hosts of the job reach it."""
     return socket.gethostbyname(socket.gethostname())

@@ -1,7 +1,10 @@
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlactors import config as config_module
 from rlactors.config import (
@@ -13,7 +16,7 @@ from rlactors.config import (
     build_dataclass,
     dump_toml,
 )
-from rlactors.placement import cuda_visible_devices, gpu_layout
+from rlactors.placement import cuda_visible_devices, expandable_segments, gpu_layout
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 
@@ -174,6 +177,22 @@ def test_child_gpus_stay_inside_the_parents_visible_devices(monkeypatch):
     assert cuda_visible_devices([0]) == "4" and cuda_visible_devices([2, 3]) == "6,7"
     with pytest.raises(ValueError, match="exceed the 4 GPUs"):
         cuda_visible_devices([4])
+
+
+def test_expandable_segments_are_read_from_the_allocator_settings_as_pytorch_reads_them(monkeypatch):
+    assert expandable_segments("max_split_size_mb:512, expandable_segments:True")
+    assert not expandable_segments("") and not expandable_segments("expandable_segments:False")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert expandable_segments()
+    # Where both are set, PyTorch takes PYTORCH_CUDA_ALLOC_CONF.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert not expandable_segments()
+    if hasattr(torch._C, "_accelerator_getAllocatorSettings"):  # what PyTorch itself read
+        reads = "import torch; print(torch._C._accelerator_getAllocatorSettings())"
+        read = subprocess.run([sys.executable, "-c", reads], capture_output=True, text=True, check=True,
+                              timeout=120).stdout.strip()
+        assert read == "expandable_segments:False"
 
 
 def test_file_errors(tmp_path):

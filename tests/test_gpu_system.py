@@ -6,7 +6,6 @@ skip on fewer."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from support.vllm_checks import NEEDS_VLLM_GPU, vllm_run_config
 
 from rlactors.controller import Controller
 from rlactors.models.tiny import make_tiny_checkpoint
+from rlactors.placement import expandable_segments
 from rlactors.types import SamplingParams
 
 pytestmark = NEEDS_VLLM_GPU
@@ -80,9 +80,8 @@ def test_nccl_weight_sync_reaches_every_replica_and_is_verified(ckpt, tmp_path):
     assert back.token_ids == before.token_ids == again.token_ids and set(again.versions) == {0}
     assert "rejected" in str(refused) and "weights version 7 expected, the broadcast carried version 0" in str(refused)
     assert sent["version"] == 0 and 0 < sent["pack_s"] <= sent["send_s"] and stats["states"]["serving"] == replicas
-    # A lone replica's chunks go by copy engine, unless its buffer lies in an expandable segment.
-    expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "")
-    assert sent["copy_engine"] == (1.0 if replicas == 1 and not expandable else 0.0)
+    # A lone replica's chunks go by copy engine, unless its process grows expandable segments.
+    assert sent["copy_engine"] == (1.0 if replicas == 1 and not expandable_segments() else 0.0)
     assert [r["version"] for r in stats["replicas"]] == [0] * replicas
     assert all(r["engine"]["last_update"]["copy_plan"] == 1.0 for r in stats["replicas"])
 

@@ -29,6 +29,7 @@ import torch
 
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.base import Engine, check_request
+from rlactors.placement import expandable_segments
 from rlactors.types import Completion, SamplingParams, TokenDelta
 from rlactors.weight_sync.broadcast import VLLMReceiver
 
@@ -56,13 +57,13 @@ def one_start_per_gpu(tp: int) -> Iterator[None]:
         yield
 
 
-def custom_all_reduce_works(tp: int, alloc_conf: str) -> bool:
+def custom_all_reduce_works(tp: int, alloc_conf: str | None = None) -> bool:
     """Whether vLLM's custom all-reduce can run for a replica of `tp` GPUs under PyTorch's
-    allocator settings `alloc_conf` (PYTORCH_CUDA_ALLOC_CONF). It shares its buffers between
-    GPUs by CUDA IPC handles, which memory from expandable segments cannot give: with those,
-    vLLM 0.26's TP workers exit at CUDA graph capture ('custom_all_reduce.cuh: invalid argument')."""
-    settings = dict(item.split(":", 1) for item in alloc_conf.replace(" ", "").split(",") if ":" in item)
-    return tp == 1 or settings.get("expandable_segments", "False") != "True"
+    allocator settings `alloc_conf` (by default this process's; `placement.expandable_segments`).
+    It shares its buffers between GPUs by CUDA IPC handles, which memory from expandable segments
+    cannot give: with those, vLLM 0.26's TP workers exit at CUDA graph capture
+    ('custom_all_reduce.cuh: invalid argument')."""
+    return tp == 1 or not expandable_segments(alloc_conf)
 
 
 @dataclass
@@ -151,7 +152,7 @@ class VLLMEngine(Engine):
             enable_prefix_caching=True,
             logprobs_mode="raw_logprobs",
             disable_log_stats=True,
-            disable_custom_all_reduce=not custom_all_reduce_works(g.tp, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")),
+            disable_custom_all_reduce=not custom_all_reduce_works(g.tp),
             load_format=load_format,
             **mode_args,
         )

@@ -31,7 +31,7 @@ harmless to the trainer (its mapping keeps the memory), and the next broadcast o
 waits for the dead member as before, so the abort and the new group work unchanged. On two H100s,
 1.7B in bf16 from fp32 parameters: 10.0 ms against 11.4 by NCCL chunks, in one process pair
 (weight_sync.md). Several receivers share the sender's links, where NCCL's broadcast relays, so
-they get NCCL chunks; so does a receiver whose buffer lies in an expandable segment (`lend_buffer`).
+they get NCCL chunks; so does a receiver in a process with expandable segments (`lend_buffer`).
 
 Each engine names its receiving end (`Engine.broadcast_receiver()`, a `BroadcastReceiver`): the
 native engine a `LocalReceiver` in its own process, the vLLM engine a `VLLMReceiver` over its TP
@@ -50,6 +50,7 @@ from typing import Any, Protocol
 
 import torch
 
+from rlactors.placement import expandable_segments
 from rlactors.weight_sync.checksum import ChecksumMismatch, RunningChecksum, unsigned
 from rlactors.weight_sync.copy_plan import CopyPlan
 from rlactors.weight_sync.packed import Chunk, PackedLayout
@@ -114,13 +115,13 @@ def join_group(host: str, port: int, rank: int, world_size: int, device: torch.d
 
 def lend_buffer(group: Any, buffer: torch.Tensor) -> bool:
     """A one-receiver group's receiver, on GPU: offers its buffer to the trainer (rank 0) by CUDA
-    IPC; returns whether the trainer copies the chunks into it (else they come by broadcast). A
-    buffer in one of the caching allocator's expandable segments (PYTORCH_CUDA_ALLOC_CONF=
-    expandable_segments:True) is not offered: the copy engine wrote into such a mapping at 2/3 of
-    the speed (1.7B on two H100s: 15.1 ms against 10.1; weight_sync.md), slower than NCCL."""
+    IPC; returns whether the trainer copies the chunks into it (else they come by broadcast). None
+    is offered where this process's allocator grows expandable segments (`expandable_segments:True`
+    in PYTORCH_CUDA_ALLOC_CONF): the copy engine wrote into a mapping of such memory at 2/3 of its
+    speed (1.7B on two H100s: 15.1 ms against 10.1; weight_sync.md), slower than NCCL."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    offer = None if in_expandable_segment(buffer) else reduce_tensor(buffer)
+    offer = None if expandable_segments() else reduce_tensor(buffer)
     group.group.send_obj((socket.gethostname(), offer), dst=0)
     return group.group.recv_obj(src=0)
 
@@ -139,15 +140,6 @@ def borrow_buffer(group: Any, device: torch.device) -> torch.Tensor | None:
             borrowed = None
     group.group.send_obj(borrowed is not None, dst=1)
     return borrowed
-
-
-def in_expandable_segment(tensor: torch.Tensor) -> bool:
-    """Whether the CUDA caching allocator placed `tensor` in one of its expandable segments."""
-    if not tensor.is_cuda:
-        return False
-    address = tensor.data_ptr()
-    return any(segment["is_expandable"] for segment in torch.cuda.memory_snapshot()
-               if segment["address"] <= address < segment["address"] + segment["total_size"])
 
 
 class WeightSender:

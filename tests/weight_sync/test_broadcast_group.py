@@ -193,7 +193,9 @@ class _TwoMembers:
         return type("Group", (), {"group": Side()})()
 
 
-def test_a_lone_receiver_lends_its_buffer_and_learns_whether_the_trainer_copies_into_it():
+def test_a_lone_receiver_lends_its_buffer_and_learns_whether_the_trainer_copies_into_it(monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     members = _TwoMembers()
     members.inboxes[1].put(True)  # the trainer's answer, waiting
     assert lend_buffer(members.side(1), torch.zeros(8)) is True
@@ -201,9 +203,17 @@ def test_a_lone_receiver_lends_its_buffer_and_learns_whether_the_trainer_copies_
     assert host == socket.gethostname() and callable(rebuild) and args
 
 
+def test_a_receiver_with_expandable_segments_offers_no_buffer(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    members = _TwoMembers()
+    members.inboxes[1].put(False)  # the trainer's answer, waiting
+    assert lend_buffer(members.side(1), torch.zeros(8)) is False
+    assert members.inboxes[0].get_nowait() == (socket.gethostname(), None)
+
+
 def test_a_buffer_not_offered_is_not_mapped_and_the_receiver_is_told_the_chunks_come_by_broadcast():
     members = _TwoMembers()
-    members.inboxes[0].put((socket.gethostname(), None))  # the receiver's buffer lies in an expandable segment
+    members.inboxes[0].put((socket.gethostname(), None))  # the receiver's process grows expandable segments
     assert borrow_buffer(members.side(0), torch.device("cuda", 3)) is None
     assert members.inboxes[1].get_nowait() is False
 

@@ -1,6 +1,6 @@
 """On two GPUs, a group of one receiver: the trainer copies the packed chunks into the receiver's
-own buffer with the copy engine (CUDA IPC), unless that buffer lies in an expandable segment (then
-NCCL broadcasts them), and they arrive bit for bit and verified; the trainer writes nothing into
+own buffer with the copy engine (CUDA IPC), unless the receiver's process grows expandable segments
+(then NCCL broadcasts them), and they arrive bit for bit and verified; the trainer writes nothing into
 the buffer before the receiver receives, so a version still in it (waiting for its load) stays
 intact until then. Real processes, each seeing only its own GPU, as the
 trainer's and a replica's do."""
@@ -70,7 +70,7 @@ def _member(rank: int, port: int, results) -> None:
 
 @pytest.mark.parametrize("alloc_conf, copy_engine", [
     ("expandable_segments:False", 1.0),
-    # The receiver's buffer lies in an expandable segment, which it does not lend: NCCL chunks.
+    # The receiver's process grows expandable segments, so it lends no buffer: NCCL chunks.
     ("expandable_segments:True", 0.0),
 ])
 def test_a_lone_receiver_gets_the_chunks_by_copy_engine_verified_and_only_while_it_receives(

@@ -1,9 +1,9 @@
 """On two GPUs, a group of one receiver: the trainer copies the packed chunks into the receiver's
-own buffer with the copy engine (CUDA IPC), unless the receiver's process grows expandable segments
-(then NCCL broadcasts them), and they arrive bit for bit and verified; the trainer writes nothing into
-the buffer before the receiver receives, so a version still in it (waiting for its load) stays
-intact until then. Real processes, each seeing only its own GPU, as the
-trainer's and a replica's do."""
+own buffer with the copy engine (CUDA IPC), unless the receiver's process grows expandable
+segments (then NCCL broadcasts them), and they arrive bit for bit and verified; the trainer writes
+nothing into the buffer before the receiver receives, so a version still in it (waiting for its
+load) stays intact until then. Real processes, each seeing only its own GPU, as the trainer's and
+a replica's do."""
 
 from __future__ import annotations
 

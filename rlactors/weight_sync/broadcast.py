@@ -30,8 +30,9 @@ trailer and the verdicts go over the group as always. Copies into a receiver tha
 harmless to the trainer (its mapping keeps the memory), and the next broadcast over the group
 waits for the dead member as before, so the abort and the new group work unchanged. On two H100s,
 1.7B in bf16 from fp32 parameters: 10.0 ms against 11.4 by NCCL chunks in one process pair, and
-11.3 ms against 12.8 for the whole push of the benchmark (weight_sync.md). Several receivers share the sender's links, where NCCL's broadcast relays, so
-they get NCCL chunks; so does a receiver in a process with expandable segments (`lend_buffer`).
+11.3 ms against 12.8 for the whole push of the benchmark (weight_sync.md). Several receivers
+share the sender's links, where NCCL's broadcast relays, so they get NCCL chunks; so does a
+receiver in a process with expandable segments (`lend_buffer`).
 
 Each engine names its receiving end (`Engine.broadcast_receiver()`, a `BroadcastReceiver`): the
 native engine a `LocalReceiver` in its own process, the vLLM engine a `VLLMReceiver` over its TP

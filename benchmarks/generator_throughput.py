@@ -170,8 +170,7 @@ def raw_vllm_run(ckpt: str, prompt_sets, max_tokens: int, config, shard: int = 0
                   max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                   max_num_batched_tokens=config.max_num_tokens, enable_prefix_caching=True,
                   # as the router's engines: vLLM's TP workers exit at start where it cannot work
-                  disable_custom_all_reduce=not custom_all_reduce_works(
-                      config.tp, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")))
+                  disable_custom_all_reduce=not custom_all_reduce_works(config.tp))
     params = [VLLMSamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True, logprobs=0,
                                  detokenize=False) for i in range(len(prompt_sets[0]))][shard::config.replicas]
     warm = [{"prompt_token_ids": p[:4]} for p in prompt_sets[0][:8]]

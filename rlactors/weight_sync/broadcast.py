@@ -28,11 +28,10 @@ runs beside the packing without slowing it or being slowed; a one-element broadc
 then says the chunk landed, and the receiver checksums it as it would a broadcast chunk. The
 trailer and the verdicts go over the group as always. Copies into a receiver that died are
 harmless to the trainer (its mapping keeps the memory), and the next broadcast over the group
-waits for the dead member as before, so the abort and the new group work unchanged. On two H100s,
-1.7B in bf16 from fp32 parameters: 10.0 ms against 11.4 by NCCL chunks in one process pair, and
-11.3 ms against 12.8 for the whole push of the benchmark (weight_sync.md). Several receivers
-share the sender's links, where NCCL's broadcast relays, so they get NCCL chunks; so does a
-receiver in a process with expandable segments (`lend_buffer`).
+waits for the dead member as before, so the abort and the new group work unchanged. It is faster
+than NCCL chunks (benchmarks/results/weight_sync.md). Several receivers share the sender's links,
+where NCCL's broadcast relays, so they get NCCL chunks; so does a receiver in a process with
+expandable segments (`lend_buffer`).
 
 Each engine names its receiving end (`Engine.broadcast_receiver()`, a `BroadcastReceiver`): the
 native engine a `LocalReceiver` in its own process, the vLLM engine a `VLLMReceiver` over its TP
@@ -114,12 +113,18 @@ def join_group(host: str, port: int, rank: int, world_size: int, device: torch.d
     return PyNcclCommunicator(group, device=device)
 
 
+def _lends_buffer(world_size: int, device: torch.device) -> bool:
+    """Whether a group of `world_size` on `device` starts with the lone receiver's `lend_buffer`
+    and the trainer's `borrow_buffer`: both sides must agree, as each waits for the other."""
+    return device.type == "cuda" and world_size == 2
+
+
 def lend_buffer(group: Any, buffer: torch.Tensor) -> bool:
     """A one-receiver group's receiver, on GPU: offers its buffer to the trainer (rank 0) by CUDA
     IPC; returns whether the trainer copies the chunks into it (else they come by broadcast). None
     is offered where this process's allocator grows expandable segments (`expandable_segments:True`
-    in PYTORCH_CUDA_ALLOC_CONF): the copy engine wrote into a mapping of such memory at 2/3 of its
-    speed (1.7B on two H100s: 15.1 ms against 10.1; weight_sync.md), slower than NCCL."""
+    in PYTORCH_CUDA_ALLOC_CONF): the copy engine writes into a mapping of such memory at 2/3 of its
+    speed, slower than NCCL (benchmarks/results/weight_sync.md)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     offer = None if expandable_segments() else reduce_tensor(buffer)
@@ -165,7 +170,7 @@ class WeightSender:
         self.aborted = False
         self.group = join_group(host, port, 0, world_size, self.buffer.device)
         self.receivers = world_size - 1
-        if self.buffer.is_cuda and self.receivers == 1:
+        if _lends_buffer(world_size, self.buffer.device):
             self.borrowed = borrow_buffer(self.group, self.buffer.device)
 
     async def send(self, version: int, pack: Callable[[Chunk, torch.Tensor], None]) -> dict[str, Any]:
@@ -289,7 +294,7 @@ class BufferReceiver:
         """Joins a group in place of the previous one; the buffer, and what it holds, stay."""
         self.group = None
         self.group = join_group(host, port, rank, world_size, self.buffer.device)
-        self.lent = self.buffer.is_cuda and world_size == 2 and lend_buffer(self.group, self.buffer)
+        self.lent = _lends_buffer(world_size, self.buffer.device) and lend_buffer(self.group, self.buffer)
 
     def receive(self, version: int, stream: Any = None) -> dict[str, float]:
         """Receives the next broadcast into the buffer, chunk by chunk, checksumming each chunk

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from monarch.actor import Actor, endpoint, this_host
 from results_table import RESULTS, append_row
 
 from rlactors.config import load_config
@@ -40,11 +41,37 @@ TITLE = "Weight sync: trainer -> every generator replica, verified by checksum"
 # messages: gather (full tensors on rank 0, checksummed) and transfer. served: until every replica
 # has loaded them (apply: the load, by the copy plan or vLLM's load_weights, and the prefix-cache
 # reset), between engine steps. chunks by: the copy engine into a lone replica's buffer, or NCCL (gloo)
-# broadcast (rlactors.weight_sync.broadcast). Medians over --iters.
+# broadcast (rlactors.weight_sync.broadcast). Monarch round trip: a call that does nothing, from the
+# controller to a proc of its own on this host and back, in the same run beside the system (median of
+# ROUND_TRIPS): the least the push's own call to the trainer and its answer cost, beyond its data.
+# Medians over --iters.
 COLUMNS = ("model", "trainer GPUs", "replicas", "total ms (min-max)", "served ms", "send ms", "pack ms",
            "gather ms", "transfer ms", "replica receive+verify ms", "plan ms", "send lag ms", "receive lag ms",
-           "reply ms", "replica apply ms", "copy plan", "chunks by",
+           "reply ms", "replica apply ms", "copy plan", "chunks by", "Monarch round trip ms",
            "GB/s (bytes / total)", "NCCL ceiling ms", "total / ceiling")
+ROUND_TRIPS = 200
+
+
+class Echo(Actor):
+    @endpoint
+    async def echo(self) -> None:
+        return None
+
+
+async def monarch_round_trip() -> float:
+    """The median seconds of a call that does nothing, to a proc of its own on this host and back."""
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        echo = procs.spawn("echo", Echo)
+        await echo.echo.call_one()  # the actor is up
+        times = []
+        for _ in range(ROUND_TRIPS):
+            start = time.perf_counter()
+            await echo.echo.call_one()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    finally:
+        await procs.stop()
 
 
 def _broadcast_worker(rank: int, world_size: int, num_bytes: int, gpus: list[int], port: int, iters: int, out) -> None:
@@ -84,9 +111,10 @@ async def _updates(controller: Controller) -> list[int]:
     return [r["engine"]["updates"] for r in (await controller.router.stats.call_one())["replicas"]]
 
 
-async def measure(config, iters: int) -> list[dict[str, float]]:
+async def measure(config, iters: int) -> tuple[list[dict[str, float]], float]:
     """`iters` timed syncs after a warm-up (first allocations, NCCL channels, and vLLM's own
-    load_weights, which proves the copy plan). Each also times until every replica serves it."""
+    load_weights, which proves the copy plan), each also timed until every replica serves it;
+    then, with the system still up, `monarch_round_trip()`."""
     controller = Controller(config)
     try:
         await controller.start()
@@ -104,7 +132,7 @@ async def measure(config, iters: int) -> list[dict[str, float]]:
             if all("copy_plan" in u for u in last):
                 timings["copy_plan"] = min(u["copy_plan"] for u in last)
             runs.append(timings)
-        return runs[1:]
+        return runs[1:], await monarch_round_trip()
     finally:
         await controller.shutdown()
 
@@ -144,7 +172,7 @@ def main() -> None:
         if not args.dtype:
             overrides.append('model.dtype="bfloat16"')
     config = load_config(None, overrides)
-    runs = asyncio.run(measure(config, args.iters))
+    runs, round_trip = asyncio.run(measure(config, args.iters))
 
     def median_ms(key: str) -> str:
         return f"{statistics.median(r[key] for r in runs) * 1e3:.1f}" if key in runs[0] else "n/a"
@@ -162,6 +190,7 @@ def main() -> None:
                median_ms("replica_receive_verify_s"), median_ms("plan_s"), median_ms("send_lag_s"),
                median_ms("receive_lag_s"), median_ms("reply_lag_s"), median_ms("replica_apply_s"),
                "yes" if all(r.get("copy_plan") == 1.0 for r in runs) else "no", _chunks_by(runs),
+               f"{round_trip * 1e3:.2f}",
                f"{num_bytes / total / 1e9:.1f}",
                ceiling, ratio]
     print(append_row(RESULTS / "weight_sync.md", TITLE, COLUMNS, figures, device=args.device))

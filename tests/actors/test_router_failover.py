@@ -113,7 +113,9 @@ def test_dead_replica_restarts_at_the_latest_weights_before_serving(tiny_ckpt):
         # The dead replica's slot holds its replacement, which starts, then serves.
         assert seen[-2:] == ["starting", "serving"] and "serving" not in seen[:-1], seen
         restarted = stats["replicas"][1]
-        assert restarted["engine"]["pid"] != old_pid and restarted["engine"]["version"] == 4
+        # Verified before it serves; its engine loads the weights at its next step boundary and
+        # admits no request before then, so the completions below are the proof of the load.
+        assert restarted["engine"]["pid"] != old_pid and restarted["version"] == 4
         assert stats["deaths"] == 1 and stats["states"]["dead"] == 0
         after = await asyncio.gather(*(router.generate.call_one(p, SamplingParams(max_tokens=4), f"a{i}")
                                        for i, p in enumerate(prompts(12, seed=3))))

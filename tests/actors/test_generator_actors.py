@@ -502,6 +502,12 @@ def test_router_serves_concurrent_requests_sticky_sessions_and_weight_updates(ti
             assert (ref - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
 
         stats = await router.stats.call_one()
+        # A replica that answered no probe loads version 1 when its idle loop wakes for it: waited
+        # for, so a busy machine cannot make the stats call come first.
+        deadline = time.monotonic() + 30
+        while any(r["engine"]["version"] != 1 for r in stats["replicas"]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            stats = await router.stats.call_one()
         assert stats["states"]["serving"] == 2 and stats["states"]["dead"] == 0 and stats["retries"] == 0
         assert sum(r["completed"] for r in stats["replicas"]) == 64 + 18 + 2 + 1 + 3
         assert all(r["engine"]["version"] == 1 and r["engine"]["healthy"] for r in stats["replicas"])

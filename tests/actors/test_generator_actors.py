@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from monarch.actor import ActorError, this_host
+from support.router_procs import stats_when
 from support.threads import one_thread  # noqa: F401 - this module's autouse fixture
 
 from rlactors.actors.router import GeneratorRouter, ReplicaPicker
@@ -501,13 +502,9 @@ def test_router_serves_concurrent_requests_sticky_sessions_and_weight_updates(ti
             ref = reference_logprobs(model, c.prompt_token_ids, c.token_ids)
             assert (ref - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
 
-        stats = await router.stats.call_one()
         # A replica that answered no probe loads version 1 when its idle loop wakes for it: waited
         # for, so a busy machine cannot make the stats call come first.
-        deadline = time.monotonic() + 30
-        while any(r["engine"]["version"] != 1 for r in stats["replicas"]) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            stats = await router.stats.call_one()
+        stats = await stats_when(router, lambda s: all(r["engine"]["version"] == 1 for r in s["replicas"]), timeout=30)
         assert stats["states"]["serving"] == 2 and stats["states"]["dead"] == 0 and stats["retries"] == 0
         assert sum(r["completed"] for r in stats["replicas"]) == 64 + 18 + 2 + 1 + 3
         assert all(r["engine"]["version"] == 1 and r["engine"]["healthy"] for r in stats["replicas"])

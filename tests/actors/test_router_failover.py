@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 from monarch.actor import ActorError
-from support.router_procs import spawn_router
+from support.router_procs import spawn_router, stats_when
 
 from rlactors.models.checkpoint import from_pretrained
 from rlactors.types import SamplingParams
@@ -25,24 +25,14 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(4, 40, (n,), generator=g)]
 
 
-async def wait_for(router, condition, timeout: float = 60.0) -> dict:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        stats = await router.stats.call_one()
-        if condition(stats):
-            return stats
-        assert asyncio.get_running_loop().time() < deadline, f"router never reached the state: {stats}"
-        await asyncio.sleep(0.05)
-
-
 def test_killed_replica_loses_no_request_and_is_reported_dead(tiny_ckpt):
     async def main():
         procs, router = spawn_router(tiny_ckpt, restart_dead=False)
         batch = prompts(40, seed=0)
         calls = [asyncio.ensure_future(router.generate.call_one(p, SamplingParams(max_tokens=120, seed=i), f"r{i}"))
                  for i, p in enumerate(batch)]
-        stats = await wait_for(router, lambda s: s["replicas"][0]["in_flight"] > 0
-                               and s["replicas"][0]["engine"]["generated_tokens"] > 0)
+        stats = await stats_when(router, lambda s: s["replicas"][0]["in_flight"] > 0
+                                 and s["replicas"][0]["engine"]["generated_tokens"] > 0)
         os.kill(stats["replicas"][0]["engine"]["pid"], signal.SIGKILL)
         completions = await asyncio.gather(*calls)
         assert [c.request_id for c in completions] == [f"r{i}" for i in range(40)]
@@ -96,8 +86,8 @@ def test_dead_replica_restarts_at_the_latest_weights_before_serving(tiny_ckpt):
         await router.update_weights.call_one(4, new, state_checksum(new))
         calls = [asyncio.ensure_future(router.generate.call_one(p, SamplingParams(max_tokens=60), f"r{i}"))
                  for i, p in enumerate(prompts(16, seed=2))]
-        stats = await wait_for(router, lambda s: s["replicas"][1]["in_flight"] > 0
-                               and s["replicas"][1]["engine"]["generated_tokens"] > 0)
+        stats = await stats_when(router, lambda s: s["replicas"][1]["in_flight"] > 0
+                                 and s["replicas"][1]["engine"]["generated_tokens"] > 0)
         old_pid = stats["replicas"][1]["engine"]["pid"]
         os.kill(old_pid, signal.SIGKILL)
         completions = await asyncio.gather(*calls)
@@ -109,17 +99,18 @@ def test_dead_replica_restarts_at_the_latest_weights_before_serving(tiny_ckpt):
                 seen.append(s["replicas"][1]["state"])
             return s["restarts"] == 1 and s["states"]["serving"] == 2
 
-        stats = await wait_for(router, restarted)
+        stats = await stats_when(router, restarted)
         # The dead replica's slot holds its replacement, which starts, then serves.
         assert seen[-2:] == ["starting", "serving"] and "serving" not in seen[:-1], seen
         restarted = stats["replicas"][1]
         # Verified before it serves; its engine loads the weights at its next step boundary and
-        # admits no request before then, so the completions below are the proof of the load.
+        # admits no request before then, so its engine's version is checked once it has answered.
         assert restarted["engine"]["pid"] != old_pid and restarted["version"] == 4
         assert stats["deaths"] == 1 and stats["states"]["dead"] == 0
         after = await asyncio.gather(*(router.generate.call_one(p, SamplingParams(max_tokens=4), f"a{i}")
                                        for i, p in enumerate(prompts(12, seed=3))))
         assert {c.replica for c in after} == {0, 1} and all(set(c.versions) == {4} for c in after)
+        assert (await router.stats.call_one())["replicas"][1]["engine"]["version"] == 4  # it answered: loaded
         await router.close.call_one()
         await procs.stop()
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from faultkit import rss_mb
 from monarch.actor import this_host
+from support.router_procs import stats_when
 
 from rlactors.actors.router import GeneratorRouter
 from rlactors.config import GeneratorConfig, ModelConfig
@@ -44,17 +45,6 @@ def spawn_router(ckpt, restart_dead: bool, replicas: int = 2):
     return procs, procs.spawn("router", GeneratorRouter, config, ModelConfig(path=str(ckpt)))
 
 
-async def poll(router, condition, timeout: float, interval: float = 0.02) -> dict:
-    """Router stats once `condition(stats)` holds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = await router.stats.call_one()
-        if condition(stats):
-            return stats
-        assert time.monotonic() < deadline, f"router never reached the state: {stats}"
-        await asyncio.sleep(interval)
-
-
 def test_replica_killed_mid_rollout_is_detected_in_2s_and_restarted_at_the_newest_weights(tiny_ckpt, fault_record):
     """Requests keep flowing while replica 1 is SIGKILLed and a new version is pushed during its
     restart: every request completes, and the restarted replica serves only the newest weights."""
@@ -76,24 +66,24 @@ def test_replica_killed_mid_rollout_is_detected_in_2s_and_restarted_at_the_newes
                 completions.extend(await asyncio.gather(*calls))
 
         workers = [asyncio.ensure_future(load(w)) for w in range(4)]
-        stats = await poll(router, lambda s: s["replicas"][1]["in_flight"] > 0
-                           and s["replicas"][1]["engine"]["generated_tokens"] > 0, timeout=60)
+        stats = await stats_when(router, lambda s: s["replicas"][1]["in_flight"] > 0
+                                 and s["replicas"][1]["engine"]["generated_tokens"] > 0, timeout=60, interval=0.02)
         old_pid = stats["replicas"][1]["engine"]["pid"]
         killed_at = time.monotonic()
         os.kill(old_pid, signal.SIGKILL)
-        await poll(router, lambda s: s["replicas"][1]["state"] != "serving", timeout=30)
+        await stats_when(router, lambda s: s["replicas"][1]["state"] != "serving", timeout=30, interval=0.02)
         detection_s = time.monotonic() - killed_at
         # A new policy arrives while replica 1 restarts: it must come up at this one, not at v3.
         pushed = await router.update_weights.call_one(4, v4, state_checksum(v4))
         assert pushed["replicas"] == [0]
-        stats = await poll(router, lambda s: s["restarts"] == 1 and s["states"]["serving"] == 2, timeout=90,
-                           interval=0.1)
+        stats = await stats_when(router, lambda s: s["restarts"] == 1 and s["states"]["serving"] == 2,
+                                 timeout=90, interval=0.1)
         restart_s = time.monotonic() - killed_at
         restarted = stats["replicas"][1]
         assert restarted["engine"]["pid"] != old_pid and restarted["version"] == 4
         # The restarted replica serves (load still flowing), then the load stops. Its engine loads
         # v4 at its next step boundary and admits no request before then.
-        answered = await poll(router, lambda s: s["replicas"][1]["completed"] > 0, timeout=30, interval=0.1)
+        answered = await stats_when(router, lambda s: s["replicas"][1]["completed"] > 0, timeout=30, interval=0.1)
         assert answered["replicas"][1]["engine"]["version"] == 4
         stop_load.set()
         await asyncio.gather(*workers)
@@ -236,11 +226,11 @@ def test_killed_replica_without_restart_leaves_the_run_degraded(router, fault_re
         assert stats["states"]["serving"] == 2
         calls = [asyncio.ensure_future(router.generate.call_one(p, SamplingParams(max_tokens=24, seed=i), f"d{i}"))
                  for i, p in enumerate(batch)]
-        stats = await poll(router, lambda s: s["replicas"][0]["in_flight"] > 0
-                           and s["replicas"][0]["engine"]["generated_tokens"] > 0, timeout=60)
+        stats = await stats_when(router, lambda s: s["replicas"][0]["in_flight"] > 0
+                                 and s["replicas"][0]["engine"]["generated_tokens"] > 0, timeout=60, interval=0.02)
         killed_at = time.monotonic()
         os.kill(stats["replicas"][0]["engine"]["pid"], signal.SIGKILL)
-        await poll(router, lambda s: s["replicas"][0]["state"] != "serving", timeout=30)
+        await stats_when(router, lambda s: s["replicas"][0]["state"] != "serving", timeout=30, interval=0.02)
         detection_s = time.monotonic() - killed_at
         completions = await asyncio.gather(*calls)
         await asyncio.sleep(1.0)  # a restart, were one (wrongly) started, would show in the stats

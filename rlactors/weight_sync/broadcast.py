@@ -26,17 +26,12 @@ way on GPUs: when it joins, the receiver lends its buffer to the trainer by CUDA
 trainer copies each packed chunk straight into it with the copy engine, which needs no SMs and so
 runs beside the packing without slowing it or being slowed; a one-element broadcast over the group
 then says the chunk landed, and the receiver checksums it as it would a broadcast chunk. The
-trailer and the verdicts go over the group as always. With the buffer the receiver lends a flag,
-`free`: 1 while nothing in the buffer waits for a load (none received yet, or the last one loaded),
-0 from the start of a receive until its version is loaded. Where the trainer finds it 1 it copies
-at once, without waiting for the receiver's call to arrive (it comes through more actors than the
-trainer's); where 0, a version may be loading from the buffer, so the copies wait for the
-receiver to be receiving, which holds that load back (rlactors.weight_sync.updates). Copies
-into a receiver that died are harmless to the trainer (its mapping keeps the memory), and the
-next broadcast over the group waits for the dead member as before, so the abort and the new
-group work unchanged. It is faster than NCCL chunks (benchmarks/results/weight_sync.md). Several
-receivers share the sender's links, where NCCL's broadcast relays, so they get NCCL chunks; so
-does a receiver in a process with expandable segments (`lend_buffer`).
+trailer and the verdicts go over the group as always. Copies into a receiver that died are
+harmless to the trainer (its mapping keeps the memory), and the next broadcast over the group
+waits for the dead member as before, so the abort and the new group work unchanged. It is faster
+than NCCL chunks (benchmarks/results/weight_sync.md). Several receivers share the sender's links,
+where NCCL's broadcast relays, so they get NCCL chunks; so does a receiver in a process with
+expandable segments (`lend_buffer`).
 
 Each engine names its receiving end (`Engine.broadcast_receiver()`, a `BroadcastReceiver`): the
 native engine a `LocalReceiver` in its own process, the vLLM engine a `VLLMReceiver` over its TP
@@ -51,7 +46,7 @@ import datetime
 import socket
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -124,36 +119,29 @@ def _lends_buffer(world_size: int, device: torch.device) -> bool:
     return device.type == "cuda" and world_size == 2
 
 
-class LentBuffer(NamedTuple):
-    """A lone receiver's buffer as the trainer maps it, and its `free` flag (see above)."""
-
-    buffer: torch.Tensor
-    free: torch.Tensor
-
-
-def lend_buffer(group: Any, buffer: torch.Tensor, free: torch.Tensor) -> bool:
-    """A one-receiver group's receiver, on GPU: offers its buffer and its `free` flag to the
-    trainer (rank 0) by CUDA IPC; returns whether the trainer copies the chunks into it (else they
-    come by broadcast). None is offered where this process's allocator grows expandable segments
-    (`expandable_segments:True` in PYTORCH_CUDA_ALLOC_CONF): the copy engine writes into a mapping
-    of such memory at 2/3 of its speed, slower than NCCL (benchmarks/results/weight_sync.md)."""
+def lend_buffer(group: Any, buffer: torch.Tensor) -> bool:
+    """A one-receiver group's receiver, on GPU: offers its buffer to the trainer (rank 0) by CUDA
+    IPC; returns whether the trainer copies the chunks into it (else they come by broadcast). None
+    is offered where this process's allocator grows expandable segments (`expandable_segments:True`
+    in PYTORCH_CUDA_ALLOC_CONF): the copy engine writes into a mapping of such memory at 2/3 of its
+    speed, slower than NCCL (benchmarks/results/weight_sync.md)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    offer = None if expandable_segments() else (reduce_tensor(buffer), reduce_tensor(free))
+    offer = None if expandable_segments() else reduce_tensor(buffer)
     group.group.send_obj((socket.gethostname(), offer), dst=0)
     return group.group.recv_obj(src=0)
 
 
-def borrow_buffer(group: Any, device: torch.device) -> LentBuffer | None:
-    """The trainer's side of `lend_buffer`: the receiver's buffer and flag mapped on `device`, or
-    None where they cannot be (not offered, another host, or CUDA IPC refused); the receiver is
-    told which."""
+def borrow_buffer(group: Any, device: torch.device) -> torch.Tensor | None:
+    """The trainer's side of `lend_buffer`: the receiver's buffer mapped on `device`, or None
+    where it cannot be (not offered, another host, or CUDA IPC refused); the receiver is told which."""
     host, offer = group.group.recv_obj(src=1)
     borrowed = None
     if offer is not None and host == socket.gethostname():
+        rebuild, args = offer
         try:
             # Mapped into this process's own device, whatever index the receiver's process gave its GPU.
-            borrowed = LentBuffer(*(rebuild(*args[:6], device.index, *args[7:]) for rebuild, args in offer))
+            borrowed = rebuild(*args[:6], device.index, *args[7:])
         except RuntimeError:
             borrowed = None
     group.group.send_obj(borrowed is not None, dst=1)
@@ -168,7 +156,7 @@ class WeightSender:
         self.buffer = layout.empty(device).zero_()  # zeroed once: padding bytes count in the checksum
         self.group: Any = None
         self.receivers = 0  # the group's other members, each of which returns a verdict
-        self.borrowed: LentBuffer | None = None  # a lone receiver's buffer, written by the copy engine
+        self.borrowed: torch.Tensor | None = None  # a lone receiver's buffer, written by the copy engine
         self.aborted = False
         if self.buffer.is_cuda:  # the broadcast, the copies and the checksum each beside the packing
             self.send_stream, self.checksum_stream = broadcast_stream(device), torch.cuda.Stream(device)
@@ -234,15 +222,12 @@ class WeightSender:
         started.record(packing)
         running = RunningChecksum(self.buffer.device)
         if self.borrowed is not None:
-            # The receiver says it is receiving (the landed chunks' broadcasts wait for this). A
-            # buffer that is not free may be loading a version: then the copies wait for it too.
+            # Only a receiver that is receiving may be written into (it may still be loading
+            # the last version from its buffer): all of the group in one collective says so.
             with torch.cuda.stream(self.send_stream):
                 receiving = torch.zeros(1, dtype=torch.int32, device=self.buffer.device)
             self.group.all_reduce(receiving, receiving, stream=self.send_stream)
-            with torch.cuda.stream(self.copy_stream):
-                free = bool(self.borrowed.free.item())
-            if not free:
-                self.copy_stream.wait_stream(self.send_stream)
+            self.copy_stream.wait_stream(self.send_stream)
         for chunk in self.layout.chunks:
             pack(chunk, self.buffer)
             ready = packing.record_event()
@@ -256,7 +241,7 @@ class WeightSender:
                 continue
             self.copy_stream.wait_event(ready)
             with torch.cuda.stream(self.copy_stream):
-                self.layout.chunk_view(self.borrowed.buffer, chunk).copy_(view, non_blocking=True)
+                self.layout.chunk_view(self.borrowed, chunk).copy_(view, non_blocking=True)
             self.send_stream.wait_stream(self.copy_stream)
             self.group.broadcast(self.landed, src=0, stream=self.send_stream)
         packed.record(packing)
@@ -302,7 +287,6 @@ class BufferReceiver:
         self.buffer = layout.empty(device)
         self.group: Any = None
         self.lent = False  # whether the sender copies the chunks into the buffer (a lone receiver on GPU)
-        self.free = torch.ones(1, dtype=torch.int32, device=device)  # nothing waits for a load (lent too)
         self.checksum_stream = torch.cuda.Stream(device) if self.buffer.is_cuda else None
         self.landed = torch.zeros(1, dtype=torch.int32, device=device)  # its value means nothing
 
@@ -310,7 +294,7 @@ class BufferReceiver:
         """Joins a group in place of the previous one; the buffer, and what it holds, stay."""
         self.group = None
         self.group = join_group(host, port, rank, world_size, self.buffer.device)
-        self.lent = _lends_buffer(world_size, self.buffer.device) and lend_buffer(self.group, self.buffer, self.free)
+        self.lent = _lends_buffer(world_size, self.buffer.device) and lend_buffer(self.group, self.buffer)
 
     def receive(self, version: int, stream: Any = None) -> dict[str, float]:
         """Receives the next broadcast into the buffer, chunk by chunk, checksumming each chunk
@@ -325,9 +309,7 @@ class BufferReceiver:
         running = RunningChecksum(self.buffer.device)
         trailer = torch.empty(3, dtype=torch.int64, device=self.buffer.device)
         try:
-            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                self.free.fill_(0)  # until this version is loaded (`loaded`)
-            if self.lent:  # says it is receiving: a sender that found the buffer busy copies now (WeightSender)
+            if self.lent:  # the sender writes into the buffer once this says it may (WeightSender)
                 self.group.all_reduce(self.landed, self.landed, stream=stream)
             for chunk in self.layout.chunks:
                 view = self.layout.chunk_view(self.buffer, chunk)
@@ -366,15 +348,6 @@ class BufferReceiver:
     def weights(self) -> dict[str, torch.Tensor]:
         """The received tensors: views into the buffer, valid until the next receive."""
         return dict(self.layout.views(self.buffer))
-
-    def loaded(self) -> None:
-        """Marks the buffer free once the load from it, enqueued on the current stream, has run:
-        the sender may then copy the next version in before this receiver's call to receive it
-        comes. Waits for that stream, so that a receive after it (on another stream) marks the
-        buffer busy after this."""
-        self.free.fill_(1)
-        if self.buffer.is_cuda:
-            torch.cuda.current_stream().synchronize()
 
 
 class BroadcastReceiver(Protocol):
@@ -417,7 +390,6 @@ class LocalReceiver:
     def load(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
         self.load_weights(self.buffer_receiver.weights(), version)
-        self.buffer_receiver.loaded()
         return {"load_s": time.perf_counter() - start}
 
 
@@ -483,5 +455,5 @@ def worker_load_staged(worker: Any) -> dict[str, float]:
         model.load_weights(layout.views(buffer))
         if not hasattr(worker, "rlactors_copy_plan"):
             worker.rlactors_copy_plan = CopyPlan.derive(model, layout, buffer)
-    receiver.loaded()  # waits for the load: the buffer may be overwritten by the next broadcast
+    torch.cuda.current_stream().synchronize()  # the buffer may be overwritten by the next broadcast
     return {"load_s": time.perf_counter() - start, "copy_plan": float(plan is not None)}

@@ -4,9 +4,7 @@ Broadcasting one buffer instead of hundreds of tensors keeps NCCL at full bandwi
 checksum over the buffer (plus the layout) verifies everything a replica received. The buffer is
 sent in chunks of about CHUNK_BYTES, cut at row boundaries (a large embedding spans several), so
 that the sender packs chunk k + 1 while chunk k is on the wire, and each side checksums a chunk as
-soon as it is packed or received; every member derives the same chunks from the layout. The first
-chunks are smaller (FIRST_CHUNK_BYTES, doubling up to CHUNK_BYTES), so that the wire starts soon
-after the packing does.
+soon as it is packed or received; every member derives the same chunks from the layout.
 """
 
 from __future__ import annotations
@@ -25,8 +23,6 @@ _ALIGN = 64  # bytes; every view starts aligned for any dtype
 # packed send and checksummed receive of 1.7B in bf16 took 11.3 ms in 256 MiB chunks, 11.5 in 128
 # and 19.9 in 32 (the host falls behind), against 9.3 for one plain broadcast (weight_sync.md).
 CHUNK_BYTES = 256 << 20
-# Nothing is on the wire until the first chunk is packed, which for 256 MiB took ~0.5 ms on an H100.
-FIRST_CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -83,17 +79,16 @@ class PackedLayout:
 
     @classmethod
     def of(cls, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-           chunk_bytes: int = CHUNK_BYTES, first_chunk_bytes: int = FIRST_CHUNK_BYTES) -> PackedLayout:
+           chunk_bytes: int = CHUNK_BYTES) -> PackedLayout:
         """The layout of `named` (name order kept; only shapes and dtypes are read), sent in
-        chunks of at most `first_chunk_bytes`, twice that, and so on up to `chunk_bytes` (each at
-        least one row)."""
+        chunks of at most `chunk_bytes` (or one row, where a row is longer)."""
         items = named.items() if isinstance(named, Mapping) else named
         specs, offset = [], 0
         for name, tensor in items:
             spec = TensorSpec(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset)
             specs.append(spec)
             offset += -(-spec.nbytes // _ALIGN) * _ALIGN
-        return cls(tuple(specs), offset, _chunks(specs, offset, chunk_bytes, first_chunk_bytes))
+        return cls(tuple(specs), offset, _chunks(specs, offset, chunk_bytes))
 
     def empty(self, device: torch.device | str) -> torch.Tensor:
         return torch.empty(self.total_bytes, dtype=torch.uint8, device=device)
@@ -150,22 +145,17 @@ class PackedLayout:
         return "\n".join(f"{s.name}:{s.dtype}:{s.shape}:{s.offset}" for s in self.specs)
 
 
-def _chunks(specs: list[TensorSpec], total_bytes: int, chunk_bytes: int,
-            first_chunk_bytes: int) -> tuple[Chunk, ...]:
-    """Consecutive chunks, chunk i of at most min(`first_chunk_bytes` * 2**i, `chunk_bytes`) (at
-    least one row each), cut between rows. A tensor is cut only where its rows are whole multiples
-    of the alignment, so every chunk starts aligned; the padding after a tensor goes with its last rows."""
+def _chunks(specs: list[TensorSpec], total_bytes: int, chunk_bytes: int) -> tuple[Chunk, ...]:
+    """Consecutive chunks of at most `chunk_bytes` (at least one row each), cut between rows.
+    A tensor is cut only where its rows are whole multiples of the alignment, so every chunk
+    starts aligned; the padding after a tensor goes with its last rows."""
     chunks: list[Chunk] = []
     start, pieces = 0, []
-
-    def limit() -> int:
-        return min(chunk_bytes, first_chunk_bytes << len(chunks))
-
     for spec, next_offset in zip(specs, [s.offset for s in specs[1:]] + [total_bytes]):
         splittable = spec.row_bytes % _ALIGN == 0 and spec.row_bytes > 0
         row = 0
         while row < spec.rows:
-            room = limit() - (spec.offset + row * spec.row_bytes - start)
+            room = chunk_bytes - (spec.offset + row * spec.row_bytes - start)
             rows = spec.rows - row if not splittable else min(spec.rows - row, max(room, 0) // spec.row_bytes)
             if rows == 0 and pieces:  # the chunk is full: cut before this row
                 chunks.append(Chunk(start, spec.offset + row * spec.row_bytes, tuple(pieces)))
@@ -174,7 +164,7 @@ def _chunks(specs: list[TensorSpec], total_bytes: int, chunk_bytes: int,
             rows = max(rows, 1)
             pieces.append(Piece(spec.name, row, rows))
             row += rows
-        if next_offset - start >= limit() or spec is specs[-1]:
+        if next_offset - start >= chunk_bytes or spec is specs[-1]:
             chunks.append(Chunk(start, next_offset, tuple(pieces)))
             start, pieces = next_offset, []
     return tuple(chunks)

@@ -1,7 +1,6 @@
 """The CPU weight broadcast (gloo) between real processes: the sender's buffer, packed and sent in
 chunks, arrives bit for bit and verified; a broadcast of another version than expected, or with a
-bit flipped on the way, is refused; the receive buffer is marked free only once its version is
-loaded; the sender learns how many members verified each broadcast; a
+bit flipped on the way, is refused; the sender learns how many members verified each broadcast; a
 member that dies fails the sender's next broadcast at once instead of hanging it, and the
 survivors then form a new group that delivers the next version into the buffers they already
 hold. A lone receiver on GPUs lends its buffer to the trainer, which copies the chunks into it
@@ -25,7 +24,6 @@ from rlactors.placement import free_port
 from rlactors.weight_sync.broadcast import (
     BroadcastBroken,
     BufferReceiver,
-    LentBuffer,
     LocalReceiver,
     UnexpectedVersion,
     VLLMReceiver,
@@ -96,18 +94,12 @@ def _member(rank: int, port: int, new_port: int, results) -> None:
             results.put((rank, "verified", verified))
             return
         receiver = BufferReceiver(layout, cpu)
-        flags = [receiver.free.item()]  # the buffer's `free` flag: 1 while nothing in it waits for a load
         receiver.join("127.0.0.1", port, rank, 3)
         receiver.receive(1)
-        flags.append(receiver.free.item())
         received = receiver.weights()
         same = all(torch.equal(received[k], v) and received[k].dtype == v.dtype for k, v in weights.items())
-        receiver.loaded()
-        flags.append(receiver.free.item())
         with pytest.raises(UnexpectedVersion, match="weights version 3 expected, the broadcast carried version 2"):
             receiver.receive(3)
-        flags.append(receiver.free.item())  # a refused receive overwrote the buffer: nothing to load, not free
-        results.put((rank, "flags", flags))
         receiver.group = _FlipsAByte(receiver.group)
         with pytest.raises(ChecksumMismatch, match="weights version 3: received checksum [0-9a-f]{32}, trainer sent"):
             receiver.receive(3)
@@ -135,7 +127,7 @@ def test_gloo_broadcast_delivers_verified_bits_a_dead_member_fails_it_and_surviv
         member.start()
     reports = []
     try:
-        while len(reports) < 8:
+        while len(reports) < 6:
             reports.append(results.get(timeout=90))
     except queue.Empty:
         raise AssertionError(f"members reported only {reports}") from None
@@ -144,10 +136,8 @@ def test_gloo_broadcast_delivers_verified_bits_a_dead_member_fails_it_and_surviv
             member.join(30)
             if member.is_alive():
                 member.kill()
-    assert sorted(r[:2] for r in reports) == [(0, "error"), (0, "sent"), (0, "verified"), (1, "flags"),
-                                              (1, "received"), (1, "regrouped"), (2, "flags"),
-                                              (2, "received")], reports
-    assert [r[2] for r in reports if r[1] == "flags"] == [[1, 0, 1, 0]] * 2, reports
+    assert sorted(r[:2] for r in reports) == [(0, "error"), (0, "sent"), (0, "verified"), (1, "received"),
+                                              (1, "regrouped"), (2, "received")], reports
     assert all(ok for _, what, ok in reports if what in ("sent", "received", "regrouped")), reports
     # Both members verified version 1, neither the one they did not expect nor the flipped one;
     # the survivor verified version 5 in the new group.
@@ -208,18 +198,16 @@ def test_a_lone_receiver_lends_its_buffer_and_learns_whether_the_trainer_copies_
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     members = _TwoMembers()
     members.inboxes[1].put(True)  # the trainer's answer, waiting
-    assert lend_buffer(members.side(1), torch.zeros(8), torch.ones(1, dtype=torch.int32)) is True
-    host, offer = members.inboxes[0].get_nowait()
-    # The buffer and its `free` flag, each rebuilt where mapped.
-    assert host == socket.gethostname() and len(offer) == 2
-    assert [rebuild(*args).tolist() for rebuild, args in offer] == [[0.0] * 8, [1]]
+    assert lend_buffer(members.side(1), torch.zeros(8)) is True
+    host, (rebuild, args) = members.inboxes[0].get_nowait()
+    assert host == socket.gethostname() and callable(rebuild) and args
 
 
 def test_a_receiver_with_expandable_segments_offers_no_buffer(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     members = _TwoMembers()
     members.inboxes[1].put(False)  # the trainer's answer, waiting
-    assert lend_buffer(members.side(1), torch.zeros(8), torch.ones(1, dtype=torch.int32)) is False
+    assert lend_buffer(members.side(1), torch.zeros(8)) is False
     assert members.inboxes[0].get_nowait() == (socket.gethostname(), None)
 
 
@@ -238,20 +226,16 @@ def test_a_buffer_not_offered_is_not_mapped_and_the_receiver_is_told_the_chunks_
 def test_the_trainer_copies_into_a_lent_buffer_only_where_it_can_map_it(host, refused, borrowed):
     calls = []
 
-    def rebuilder(what):
-        def rebuild(*args):
-            calls.append((what, args))
-            if refused:
-                raise RuntimeError("CUDA error: invalid resource handle")
-            return f"the receiver's {what}"
-        return rebuild
+    def rebuild(*args):
+        calls.append(args)
+        if refused:
+            raise RuntimeError("CUDA error: invalid resource handle")
+        return "the receiver's buffer"
 
     members = _TwoMembers()
-    members.inboxes[0].put((host, ((rebuilder("buffer"), tuple(range(15))), (rebuilder("flag"), tuple(range(15))))))
+    members.inboxes[0].put((host, (rebuild, tuple(range(15)))))
     got = borrow_buffer(members.side(0), torch.device("cuda", 3))
-    assert got == (LentBuffer("the receiver's buffer", "the receiver's flag") if borrowed else None)
+    assert got == ("the receiver's buffer" if borrowed else None)
     assert members.inboxes[1].get_nowait() is borrowed  # the receiver is told which way the chunks come
     # Mapped on the trainer's own device, whatever index the receiver's process gave its GPU.
-    mapped = (0, 1, 2, 3, 4, 5, 3, *range(7, 15))
-    assert calls == {"another-host": [], True: [("buffer", mapped)],
-                     False: [("buffer", mapped), ("flag", mapped)]}[host if host == "another-host" else refused]
+    assert calls == ([] if host == "another-host" else [(0, 1, 2, 3, 4, 5, 3, *range(7, 15))])

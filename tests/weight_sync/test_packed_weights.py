@@ -67,18 +67,3 @@ def test_chunks_cover_the_buffer_in_order_cut_between_rows_and_every_row_is_in_o
         rows = [layout.piece_view(buffer, p) for p in pieces]
         assert torch.equal(torch.cat(rows), tensor)
     assert len(PackedLayout.of(w).chunks) == 1
-
-
-def test_the_first_chunks_are_smaller_doubling_up_to_the_chunk_size():
-    g = torch.Generator().manual_seed(2)
-    w = {"embed": torch.randn(300, 32, generator=g).to(torch.bfloat16),  # 64-byte rows
-         "proj": torch.randn(40, 16, generator=g)}
-    layout = PackedLayout.of(w, chunk_bytes=2048, first_chunk_bytes=256)
-    buffer = layout.pack(w, layout.empty("cpu").zero_())
-    sizes = [c.end - c.start for c in layout.chunks]
-    # 256, 512, 1024 bytes, then 2048 each, across both tensors (their rows are 64 bytes), and
-    # the rest of the 21760.
-    assert sizes == [256, 512, 1024] + [2048] * 9 + [1536], sizes
-    embed = [p for c in layout.chunks for p in c.pieces if p.name == "embed"]
-    assert [(p.first_row, p.rows) for p in embed[:5]] == [(0, 4), (4, 8), (12, 16), (28, 32), (60, 32)]
-    assert torch.equal(torch.cat([layout.piece_view(buffer, p) for p in embed]), w["embed"])

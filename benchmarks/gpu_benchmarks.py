@@ -36,6 +36,7 @@ PY = "python"  # run as this interpreter (sys.executable)
 GENERATOR = [PY, "benchmarks/generator_throughput.py", "--device", "cuda"]
 TRAINER = [PY, "benchmarks/trainer_throughput.py", "--device", "cuda"]
 SYNC = [PY, "benchmarks/weight_sync.py", "--iters", "5"]
+SYNC_DATA_PATH = [PY, "benchmarks/weight_sync_data_path.py", "--iters", "9"]
 COST = [PY, "benchmarks/on_policy_cost.py", "--device", "cuda", "--engines", "vllm", "--repeats", "3",
         "--train-steps", "2"]
 
@@ -64,6 +65,8 @@ def training(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
 def weight_sync(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
     steps = [(f"{size}, 1 -> 1", [*SYNC, "--size", size, "--trainer-gpus", "1", "--replicas", "1"])
              for size in ("1.7b", "0.6b")]
+    steps += [(f"{size}, the data path alone", [*SYNC_DATA_PATH, "--size", size, "--chunk-mib", "128", "256", "512"])
+              for size in ("1.7b", "0.6b")]
     if gpus == 4:
         steps.append(("1.7b, 2 -> 2", [*SYNC, "--size", "1.7b", "--trainer-gpus", "2", "--replicas", "2"]))
     return steps

@@ -33,7 +33,7 @@ from results_table import RESULTS, append_row
 from rlactors.models.checkpoint import model_shapes
 from rlactors.models.tiny import TOKENIZER_VOCAB_SIZE, size_args
 from rlactors.placement import free_port
-from rlactors.trainer.gather import plan_chunked
+from rlactors.trainer.gather import plan_packing
 from rlactors.weight_sync.broadcast import BufferReceiver, WeightSender
 from rlactors.weight_sync.packed import CHUNK_BYTES, PackedLayout
 
@@ -81,10 +81,7 @@ def _send(layout: PackedLayout, params: dict[str, torch.nn.Parameter], device: t
           options: dict[str, Any], trace: str) -> dict[str, Any]:
     sender = WeightSender(layout, device)
     sender.join("127.0.0.1", port, 2)
-    parts = [[(p.name, p.first_row, p.rows) for p in chunk.pieces] for chunk in layout.chunks]
-    destinations = [lambda i, chunk=chunk: layout.piece_view(sender.buffer, chunk.pieces[i]) for chunk in layout.chunks]
-    gathers = dict(zip((c.start for c in layout.chunks),
-                       plan_chunked(params, parts, torch.bfloat16, destinations, device)))
+    gathers = plan_packing(params, layout, torch.bfloat16, sender.buffer, device)
 
     def pack(chunk, _buffer) -> None:
         gathers[chunk.start].run()

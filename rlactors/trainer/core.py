@@ -43,7 +43,7 @@ from rlactors.on_policy.sides import TrainerSide
 from rlactors.trainer import checkpoint as ckpt
 from rlactors.trainer import expert_parallel
 from rlactors.trainer.batch import MicroBatch
-from rlactors.trainer.gather import RowGather, gather_rows, plan_chunked
+from rlactors.trainer.gather import RowGather, gather_rows, plan_packing
 from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, local_rows, make_mesh
 from rlactors.weight_sync.broadcast import WeightSender
 from rlactors.weight_sync.checksum import state_checksum
@@ -342,21 +342,10 @@ class PolicyTrainerCore:
             self._sync_layout = layout
             if self.rank == 0:
                 self.sender = WeightSender(layout, self.device)
-            self._chunk_gathers = self._plan_chunk_gathers(DTYPES[dtypes.pop()])
+            self._chunk_gathers = plan_packing(dict(self.model.named_parameters()), layout, DTYPES[dtypes.pop()],
+                                               self.sender.buffer if self.rank == 0 else None, self.device)
         if self.rank == 0:
             self.sender.join(host, port, world_size)
-
-    def _plan_chunk_gathers(self, dtype: torch.dtype) -> dict[int, RowGather]:
-        """Packing a chunk of the send buffer is one planned gather of its pieces' rows
-        (`rlactors.trainer.gather`): the views are made once, here, not at every sync."""
-        chunks = self._sync_layout.chunks
-        pieces = [[(p.name, p.first_row, p.rows) for p in chunk.pieces] for chunk in chunks]
-        destinations = None
-        if self.rank == 0:
-            layout, buffer = self._sync_layout, self.sender.buffer
-            destinations = [lambda i, chunk=chunk: layout.piece_view(buffer, chunk.pieces[i]) for chunk in chunks]
-        gathers = plan_chunked(dict(self.model.named_parameters()), pieces, dtype, destinations, self.device)
-        return {chunk.start: gather for chunk, gather in zip(chunks, gathers)}
 
     async def send_weights(self) -> dict[str, Any] | None:
         """Gathers the policy into rank 0's send buffer chunk by chunk (a collective: all ranks

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlactors.trainer.parallel import held_rows, local_rows
+from rlactors.weight_sync.packed import PackedLayout
 
 Part = tuple[str, int, int]  # parameter name, first row, rows
 
@@ -116,6 +117,19 @@ def plan_chunked(params: Mapping[str, nn.Parameter], chunks: Sequence[Sequence[P
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
     return [RowGather(params, parts, into, s, flat[:s.size], gathered and [g[:s.size] for g in gathered])
             for parts, into, s in zip(chunks, targets, slots)]
+
+
+def plan_packing(params: Mapping[str, nn.Parameter], layout: PackedLayout, dtype: torch.dtype,
+                 buffer: torch.Tensor | None, device: torch.device) -> dict[int, RowGather]:
+    """The weight sync's packing (rlactors.weight_sync.packed): each chunk of `layout` into
+    `buffer` (rank 0's send buffer; None on the other ranks) is one planned gather of its pieces'
+    rows (`plan_chunked`), by the chunk's start; the views are made once, here, not at every sync."""
+    chunks = layout.chunks
+    pieces = [[(p.name, p.first_row, p.rows) for p in chunk.pieces] for chunk in chunks]
+    destinations = None if buffer is None else [
+        lambda i, chunk=chunk: layout.piece_view(buffer, chunk.pieces[i]) for chunk in chunks]
+    gathers = plan_chunked(params, pieces, dtype, destinations, device)
+    return {chunk.start: gather for chunk, gather in zip(chunks, gathers)}
 
 
 def _overlap(first: int, rows: int, held_first: int, held: int) -> tuple[int, int]:

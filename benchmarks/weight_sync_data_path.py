@@ -146,7 +146,9 @@ def main() -> None:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
 
     results = measure(options)
-    num_bytes = _layout(model_shapes(size_args(args.size, TOKENIZER_VOCAB_SIZE)), CHUNK_BYTES >> 20).total_bytes
+    shapes = model_shapes(size_args(args.size, TOKENIZER_VOCAB_SIZE))
+    layouts = {mib: _layout(shapes, mib) for mib in args.chunk_mib}
+    num_bytes = next(iter(layouts.values())).total_bytes  # the same at any chunk size
     ceiling = None
     if args.device == "cuda":
         from weight_sync import nccl_ceiling
@@ -155,8 +157,7 @@ def main() -> None:
     for mib, timings in results.items():
         sends = timings["send_s"]
         send = statistics.median(sends)
-        chunks = len(_layout(model_shapes(size_args(args.size, TOKENIZER_VOCAB_SIZE)), mib).chunks)
-        row = [f"{args.size} ({num_bytes / 1e6:.0f} MB)", str(mib), str(chunks),
+        row = [f"{args.size} ({num_bytes / 1e6:.0f} MB)", str(mib), str(len(layouts[mib].chunks)),
                "copy engine" if timings["copy_engine"] else "broadcast",
                f"{send * 1e3:.2f} ({min(sends) * 1e3:.2f}-{max(sends) * 1e3:.2f})",
                f"{statistics.median(timings['pack_s']) * 1e3:.2f}",

@@ -1,10 +1,13 @@
 """benchmarks/weight_sync_data_path.py on CPU (gloo): the sender packs and sends, the receiver
 verifies every sync, each chunk size in a group of its own, and --profile writes each side's
-trace. (On GPUs its chunks go by copy engine; that run is the device machine's.)"""
+trace; bad options fail before anything starts. (On GPUs its chunks go by copy engine; that
+run is the device machine's.)"""
 
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "benchmarks"))  # as when run from there
@@ -23,3 +26,15 @@ def test_every_sync_is_verified_at_every_chunk_size_and_each_side_leaves_a_trace
     traces = sorted(p.name for p in tmp_path.iterdir())
     assert len(traces) == 4 and {t.split("_")[0] for t in traces} == {"send", "receive"}, traces
     assert all(json.loads((tmp_path / t).read_text())["traceEvents"] for t in traces)
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--iters", "0"], "error: --iters: at least 1, got 0"),
+    (["--chunk-mib", "256", "0"], "error: --chunk-mib: each at least 1, got [256, 0]"),
+])
+def test_bad_options_fail_with_one_line_before_anything_starts(monkeypatch, capsys, argv, error):
+    monkeypatch.setattr(sys, "argv", ["weight_sync_data_path.py", "--device", "cpu", *argv])
+    monkeypatch.setattr(weight_sync_data_path, "measure", lambda options: pytest.fail("it started"))
+    with pytest.raises(SystemExit) as exited:
+        weight_sync_data_path.main()
+    assert exited.value.code == 2 and capsys.readouterr().err.strip().endswith(error)

@@ -44,8 +44,8 @@ TITLE = "Weight sync: trainer -> every generator replica, verified by checksum"
 # broadcast (rlactors.weight_sync.broadcast). Monarch round trip: a call that does nothing, from the
 # controller to a proc of its own on this host and back, in the same run beside the system (median of
 # ROUND_TRIPS), back to back and each after IDLE_S of idling: a push meets its procs idle (they train
-# or wait between pushes), and Monarch answers the first call after a pause about as slowly as the
-# push's send lag + reply (on the 2-core CPU box, 1.5 ms after 5 ms idle against 0.8 back to back).
+# or wait between pushes), and Monarch answers a call after a pause more slowly (weight_sync.md, notes
+# of 2026-11-27).
 # Medians over --iters.
 COLUMNS = ("model", "trainer GPUs", "replicas", "total ms (min-max)", "served ms", "send ms", "pack ms",
            "gather ms", "transfer ms", "replica receive+verify ms", "plan ms", "send lag ms", "receive lag ms",

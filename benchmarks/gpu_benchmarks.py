@@ -7,7 +7,7 @@ own table in benchmarks/results/ (index: benchmarks/results/README.md).
     python benchmarks/gpu_benchmarks.py weight-sync [--gpus 4]   # 2 GPUs: 1 -> 1; 4 GPUs: 2 -> 2 too
     python benchmarks/gpu_benchmarks.py end-to-end [--gpus 2|4]  # sync vs async, configs/alphabet_sort_<N>gpu.toml
     python benchmarks/gpu_benchmarks.py on-policy-cost           # 1 GPU: true on-policy cost, matmul vs cuBLAS
-    python benchmarks/gpu_benchmarks.py learning-curve [--gpus 2] [--true-on-policy]  # the GPU demo, 100 steps
+    python benchmarks/gpu_benchmarks.py learning-curve [--gpus 2|4] [--true-on-policy]  # the GPU demo, 100 steps
     python benchmarks/gpu_benchmarks.py moe                      # 1 GPU: Qwen3-MoE generation, training, a run
 
 Which GPUs a mode may use and what each runs: `MODES` below. Needs vLLM and Monarch importable
@@ -157,7 +157,7 @@ MODES = {
     "weight-sync": Mode((2, 4), weight_sync),
     "end-to-end": Mode((1, 2, 4), end_to_end),
     "on-policy-cost": Mode((1,), on_policy_cost),
-    "learning-curve": Mode((1, 2), learning_curve),
+    "learning-curve": Mode((1, 2, 4), learning_curve),
     "moe": Mode((1,), moe),
 }
 

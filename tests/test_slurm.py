@@ -186,7 +186,7 @@ def test_a_run_on_slurm_trains_like_one_host_a_scancel_stops_it_and_resume_conti
         probe.bind((socket.gethostname(), run.worker_port))  # the job's worker holds job.worker_port
     subprocess.run(["scancel", job], check=True)
     code, out, err = run.wait()
-    assert code == 2, err[-3000:]
+    assert code == 2, f"exit code {code}; stdout:\n{out[-1500:]}\nstderr:\n{err[-3000:]}"
     node = socket.gethostname()  # the cluster's only node
     assert f"trainer ranks on {node}, {node}; generator replicas on {node}, {node}" in out
     done = len(read_metrics(run.run_dir))  # step 1, or 2 if it completed before the scancel

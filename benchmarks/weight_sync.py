@@ -5,11 +5,14 @@
                                                            # native replicas on CPU: gloo broadcast
                                                            # (or `messages`: full tensors over Monarch)
 
-Each sync is the controller's own path: the full weights gathered from the FSDP shards into one
+Each sync is the controller's own path after one optimizer step of the trainer (on one short
+sequence per rank, `Controller._train_on`): the full weights gathered from the FSDP shards into one
 packed buffer (bf16) chunk by chunk, each chunk NCCL-broadcast from trainer rank 0 to every replica
-worker once packed, then the checksum; each replica verifies it and loads the weights. The ceiling is a plain NCCL
-broadcast of the same number of bytes from GPU 0 to the replicas' GPUs, measured in the same run.
-Adds a row to benchmarks/results/weight_sync.md (results_table.py).
+worker once packed, then the checksum; each replica verifies it and loads the weights. By broadcast
+to vLLM replicas of one GPU each, the push goes with the optimizer step and the trainer sends as
+the step ends. The ceiling is a plain NCCL broadcast of the same number of bytes from GPU 0 to the
+replicas' GPUs, measured in the same run. Adds a row to benchmarks/results/weight_sync.md
+(results_table.py).
 """
 
 from __future__ import annotations
@@ -28,16 +31,21 @@ from results_table import RESULTS, append_row
 from rlactors.config import load_config
 from rlactors.controller import Controller
 from rlactors.models.tiny import make_tiny_checkpoint
+from rlactors.rollout.types import Episode, RolloutStatus
 from rlactors.supervision import use_fast_supervision
 
 TITLE = "Weight sync: trainer -> every generator replica, verified by checksum"
-# total: what the trainer waits for, as the controller times it, until every replica holds the
-# weights verified. By broadcast: send, the trainer's side (packing the bf16 weights from the FSDP
-# shards chunk by chunk, each chunk broadcast once packed, then the checksum; pack: the packing
-# within it; it ends once every replica's verdict on the checksum has reached it over the group)
-# and, on the slowest replica, receive + checksum; the rest is Monarch messaging: the router's
-# plan before them, how late the send and the last replica's receive started after the push asked
-# for them (lag), and how long the trainer's answer took once its send ended (reply). By
+# total: what the training step waits for after its optimizer step has answered, as the controller
+# times it, until every replica holds the weights verified. By broadcast: send, the trainer's side
+# (packing the bf16 weights from the FSDP shards chunk by chunk, each chunk broadcast once packed,
+# then the checksum; pack: the packing within it; it ends once every replica's verdict on the
+# checksum has reached it over the group; step wait: how long the send, made with the optimizer
+# step, waited for it to end) and, on the slowest replica, receive + checksum; the rest is Monarch
+# messaging: the router's plan before them, how late the send call and the last replica's receive
+# started after the push asked for them (lag: with the push made with the optimizer step, while
+# it runs), and how long the trainer's answer took once its send ended (reply). train step: the
+# step's forward, backward and optimizer step on one short sequence per rank, as the controller
+# times it. By
 # messages: gather (full tensors on rank 0, checksummed) and transfer. served: until every replica
 # has loaded them (apply: the load, by the copy plan or vLLM's load_weights, and the prefix-cache
 # reset), between engine steps. chunks by: the copy engine into a lone replica's buffer, or NCCL (gloo)
@@ -47,10 +55,11 @@ TITLE = "Weight sync: trainer -> every generator replica, verified by checksum"
 # or wait between pushes), and Monarch answers a call after a pause more slowly (weight_sync.md, notes
 # of 2026-11-27).
 # Medians over --iters.
-COLUMNS = ("model", "trainer GPUs", "replicas", "total ms (min-max)", "served ms", "send ms", "pack ms",
-           "gather ms", "transfer ms", "replica receive+verify ms", "plan ms", "send lag ms", "receive lag ms",
-           "reply ms", "replica apply ms", "copy plan", "chunks by", "Monarch round trip ms",
-           "Monarch round trip after idle ms", "GB/s (bytes / total)", "NCCL ceiling ms", "total / ceiling")
+COLUMNS = ("model", "trainer GPUs", "replicas", "push with the optimizer step", "total ms (min-max)", "served ms",
+           "send ms", "pack ms", "gather ms", "transfer ms", "replica receive+verify ms", "plan ms",
+           "send lag ms", "receive lag ms", "step wait ms", "reply ms", "train step ms", "replica apply ms",
+           "copy plan", "chunks by", "Monarch round trip ms", "Monarch round trip after idle ms",
+           "GB/s (bytes / total)", "NCCL ceiling ms", "total / ceiling")
 ROUND_TRIPS = 200
 IDLE_S = 0.005
 
@@ -119,21 +128,36 @@ async def _updates(controller: Controller) -> list[int]:
     return [r["engine"]["updates"] for r in (await controller.router.stats.call_one())["replicas"]]
 
 
+def _episodes(ranks: int, policy_version: int) -> list[Episode]:
+    """One short sequence per trainer rank: 32 prompt tokens, 32 generated ones to train on."""
+    return [Episode(token_ids=list(range(1, 65)), loss_mask=[False] * 32 + [True] * 32,
+                    generator_logprobs=[0.0] * 32 + [-1.0] * 32, advantages=[0.0] * 32 + [1.0] * 32,
+                    versions=[-1] * 32 + [policy_version] * 32, group_id=f"g{i}", rollout_index=0, branch=0,
+                    reward=1.0, status=RolloutStatus.COMPLETED) for i in range(ranks)]
+
+
 async def measure(config, iters: int) -> tuple[list[dict[str, float]], tuple[float, float]]:
-    """`iters` timed syncs after a warm-up (first allocations, NCCL channels, and vLLM's own
-    load_weights, which proves the copy plan), each also timed until every replica serves it;
-    then, with the system still up, `monarch_round_trip()`."""
+    """`iters` timed optimizer steps, each with the push of its policy, after a warm-up (first
+    allocations, compiles, NCCL channels, and vLLM's own load_weights, which proves the copy plan),
+    each also timed until every replica serves it; then, with the system still up,
+    `monarch_round_trip()`."""
     controller = Controller(config)
     try:
         await controller.start()
         runs = []
-        for _ in range(iters + 1):
+        for step in range(1, iters + 2):
             loaded = [n + 1 for n in await _updates(controller)]
-            start = time.perf_counter()
-            timings = await controller.push_weights()
+            episodes = _episodes(config.trainer.ranks, controller.policy_version)
+            train_start = time.perf_counter()
+            _, pushing = await controller._train_on(episodes, step)
+            stepped = time.perf_counter()
+            timings = await (pushing or controller.push_weights(controller.policy_version))
+            timings["total_s"] = time.perf_counter() - stepped
             while await _updates(controller) != loaded:
                 await asyncio.sleep(0.001)
-            timings["served_s"] = time.perf_counter() - start
+            timings["served_s"] = time.perf_counter() - stepped
+            timings["train_step_s"] = stepped - train_start
+            timings["with_step"] = pushing is not None
             timings.update(await controller.weight_sync.settled())
             last = [r["engine"]["last_update"] for r in (await controller.router.stats.call_one())["replicas"]]
             timings["replica_apply_s"] = max(u["apply_s"] for u in last)
@@ -171,7 +195,8 @@ def main() -> None:
     overrides = [f'model.path="{ckpt}"', f"trainer.ranks={args.trainer_gpus}", f"generator.replicas={args.replicas}",
                  f'controller.device="{args.device}"', f'controller.run_dir="{ckpt.parent / "run"}"',
                  "generator.max_model_len=512", "rollout.max_total_tokens=512",
-                 f'generator.weight_sync="{args.weight_sync}"']
+                 f'generator.weight_sync="{args.weight_sync}"',
+                 "controller.steps=1000000", "controller.checkpoint_every=0"]  # no step checkpoints
     if args.dtype:
         overrides.append(f'model.dtype="{args.dtype}"')
     if cuda:
@@ -193,10 +218,12 @@ def main() -> None:
         seconds = nccl_ceiling(int(num_bytes), [0, *replica_gpus], args.iters)
         ceiling, ratio = f"{seconds * 1e3:.1f} ({num_bytes / seconds / 1e9:.0f} GB/s)", f"{total / seconds:.2f}x"
     figures = [f"{args.size} ({num_bytes / 1e6:.0f} MB)", args.trainer_gpus, args.replicas,
+               "yes" if all(r["with_step"] for r in runs) else "no",
                f"{total * 1e3:.1f} ({min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f})", median_ms("served_s"),
                median_ms("send_s"), median_ms("pack_s"), median_ms("gather_s"), median_ms("transfer_s"),
                median_ms("replica_receive_verify_s"), median_ms("plan_s"), median_ms("send_lag_s"),
-               median_ms("receive_lag_s"), median_ms("reply_lag_s"), median_ms("replica_apply_s"),
+               median_ms("receive_lag_s"), median_ms("step_wait_s"), median_ms("reply_lag_s"),
+               median_ms("train_step_s"), median_ms("replica_apply_s"),
                "yes" if all(r.get("copy_plan") == 1.0 for r in runs) else "no", _chunks_by(runs),
                f"{round_trip * 1e3:.2f}", f"{idle_round_trip * 1e3:.2f}",
                f"{num_bytes / total / 1e9:.1f}",

@@ -115,7 +115,7 @@ class Controller:
             self.rollouter.load_state_dict(state.rollouter)
             self.step, self.policy_version = state.step, state.policy_version
             # The generators start from model.path: give them the resumed policy before any rollout.
-            await self.push_weights()
+            await self._sync_call(self.push_weights(self.policy_version))
             print(f"resumed from {resume_from} at step {self.step} (policy version {self.policy_version})", flush=True)
 
     async def shutdown(self) -> None:
@@ -132,9 +132,10 @@ class Controller:
         """One completion from the router: what rollouts (`on_tokens`: streamed) and evaluations call."""
         return await generate(self.router, prompt_token_ids, sampling, request_id, session_id, on_tokens=on_tokens)
 
-    async def push_weights(self) -> dict[str, float]:
-        """The trainer's current policy to every replica (`WeightSync.push`); its timings."""
-        return await self._sync_call(self.weight_sync.push(self.policy_version))
+    async def push_weights(self, version: int) -> dict[str, float]:
+        """The trainer's policy `version` to every replica (`WeightSync.push`): its current one, or
+        the one its optimizer step under way makes (`WeightSync.pushes_with_step`); its timings."""
+        return await self.weight_sync.push(version)
 
     async def _sync_call(self, call: Awaitable[Any]) -> Any:
         """`call` (a WeightSync step), its failure as the TrainingError that stops the run."""
@@ -258,7 +259,7 @@ class Controller:
 
         train_start = time.perf_counter()
         version_before = self.policy_version
-        train_metrics = await self._train_on(episodes, step) if episodes else {}
+        train_metrics, pushing = await self._train_on(episodes, step) if episodes else ({}, None)
         trained = self.policy_version != version_before
         train_s = time.perf_counter() - train_start
 
@@ -270,7 +271,12 @@ class Controller:
             checkpoint_s = time.perf_counter() - checkpoint_start
 
         sync_start = time.perf_counter()
-        sync = await self.push_weights() if await self.weight_sync.due(self.policy_version) else {}
+        if pushing is not None:
+            sync = await self._sync_call(pushing)
+        elif await self.weight_sync.due(self.policy_version):
+            sync = await self._sync_call(self.push_weights(self.policy_version))
+        else:
+            sync = {}
         sync_s = time.perf_counter() - sync_start
         await self.producer.reached(step)
         step_s = time.perf_counter() - step_start
@@ -290,25 +296,43 @@ class Controller:
             raise TrainingError(f"step {step}: {lost}; {await self._save_step_once()}; continue with --resume")
         return metrics
 
-    async def _train_on(self, episodes: list[Episode], step: int) -> dict[str, float]:
-        from rlactors.actors.trainer import train_step
+    async def _train_on(self, episodes: list[Episode],
+                        step: int) -> tuple[dict[str, float], asyncio.Future[dict[str, float]] | None]:
+        """One optimizer step on `episodes`: its metrics, and the push of the policy it made where
+        that push went out with the step (to be awaited)."""
+        from rlactors.actors.trainer import forward_backward
 
         c = self.config
         packed = self.batcher.pack(episodes)
         max_tokens = c.rollout.max_tokens_per_turn * c.rollout.max_turns
         norm = LossNorm.for_step([mb for mbs in packed.per_rank for mb in mbs], c.loss.name, max_tokens)
         if norm.num_tokens == 0:
-            return dict(packed.metrics)
-        optim = await train_step(self.trainer, packed.per_rank, norm, c.loss)
+            return dict(packed.metrics), None
+        await forward_backward(self.trainer, packed.per_rank, norm, c.loss)
+        # The new policy goes out as the optimizer step ends, with no call between them. A step that
+        # checkpoints pushes after its save, so that a push that fails stops the run with it saved.
+        pushing = None
+        if self.weight_sync.pushes_with_step and not c.controller.checkpoint_due(step):
+            pushing = asyncio.ensure_future(self.push_weights(self.policy_version + 1))
+        try:
+            optim = first_value(await self.trainer.optim_step.call())
+        except BaseException:
+            _let_go(pushing)
+            raise
         if not math.isfinite(optim["loss"]) or optim["update_skipped"]:
             # optim_step skipped the update (a non-finite gradient, even under a finite loss): the
             # weights are still those of the last step, and the next steps would only repeat the
-            # overflow. A complete checkpoint of that state is kept as is.
+            # overflow. A complete checkpoint of that state is kept as is. A push sent with the
+            # step sent those weights, which every replica refused as another version: it ends
+            # before the save, which reads the weights too.
+            if pushing is not None:
+                await asyncio.wait([pushing])
+                _let_go(pushing)
             saved = await self._save_step_once()
             raise TrainingError(f"step {step}: the loss is {optim['loss']} (gradient norm {optim['grad_norm']}); "
                                 f"{saved}")
         self.policy_version = int(optim.pop("policy_version"))
-        return {**optimizer_metrics(optim), **packed.metrics}
+        return {**optimizer_metrics(optim), **packed.metrics}, pushing
 
     async def _save_step_once(self) -> str:
         """Saves the current step before the run stops, unless its checkpoint is complete already
@@ -328,3 +352,9 @@ class Controller:
             raise TrainingError(f"saving the checkpoint of step {self.step} failed: {reason}; "
                                 f"{self.run_dir.last_checkpoint()}") from None
         return Path(first_value(path))
+
+
+def _let_go(pushing: asyncio.Future | None) -> None:
+    """Leaves a push that the step's failure makes moot to end by itself, its outcome unread."""
+    if pushing is not None:
+        pushing.add_done_callback(lambda f: f.cancelled() or f.exception())

@@ -72,13 +72,48 @@ def test_true_on_policy_async_training_has_no_mismatch_on_any_step(tmp_path):
     assert any(m["policy/age_max"] > 0 for m in history)  # async: some tokens came from the older policy
 
 
+class CallOrderController(Controller):
+    """Records when the trainer's `optim_step` and `send_weights` were called and answered."""
+
+    async def start(self) -> None:
+        await super().start()
+        self.calls: list[str] = []
+        trainer, calls = self.trainer, self.calls
+
+        class Recorded:
+            def __init__(self, name):
+                self.name = name
+
+            def call(self, *args):
+                async def recorded():
+                    calls.append(f"{self.name} called")
+                    answer = await getattr(trainer, self.name).call(*args)
+                    calls.append(f"{self.name} answered")
+                    return answer
+                return recorded()
+
+        class Trainer:
+            optim_step, send_weights = Recorded("optim_step"), Recorded("send_weights")
+
+            def __getattr__(self, name):
+                return getattr(trainer, name)
+
+        self.trainer = self.weight_sync.trainer = Trainer()
+
+
 def test_weights_by_broadcast_train_like_weights_by_messages(tmp_path, short_run):
     """generator.weight_sync = 'broadcast' on CPU: trainer rank 0 sends one packed buffer over a
-    gloo group to both replicas, which verify it beside their engines and load it between steps."""
+    gloo group to both replicas, which verify it beside their engines and load it between steps.
+    The push of a step's policy goes with its optimizer step, except on a step that checkpoints
+    (the last), which pushes after its save."""
     messages = short_run[1][:2]  # weights by messages: the default on CPU
-    broadcast = _run(_config(WARM_CHECKPOINT, tmp_path / "broadcast", "controller.steps=2",
-                             'generator.weight_sync="broadcast"'))
+    controller = CallOrderController(_config(WARM_CHECKPOINT, tmp_path / "broadcast", "controller.steps=2",
+                                             'generator.weight_sync="broadcast"'))
+    broadcast = asyncio.run(controller.run())
     assert [m["policy/version"] for m in broadcast] == [1.0, 2.0]
+    assert controller.calls == ["optim_step called", "send_weights called", "optim_step answered",
+                                "send_weights answered", "optim_step called", "optim_step answered",
+                                "send_weights called", "send_weights answered"]
     for by_message, by_broadcast in zip(messages, broadcast):
         assert "weight_sync/send_s" in by_broadcast and "weight_sync/send_s" not in by_message
         # broadcast bytes include alignment

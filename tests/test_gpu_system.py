@@ -48,7 +48,7 @@ def test_nccl_weight_sync_reaches_every_replica_and_is_verified(ckpt, tmp_path):
 
     async def sync_and_wait(controller):
         done = [n + 1 for n in await updates(controller)]
-        await controller.push_weights()  # returns once verified; the load follows
+        await controller.push_weights(controller.policy_version)  # returns once verified; the load follows
         while await updates(controller) != done:
             await asyncio.sleep(0.01)
 
@@ -69,7 +69,7 @@ def test_nccl_weight_sync_reaches_every_replica_and_is_verified(ckpt, tmp_path):
         stats = await controller.router.stats.call_one()
         # A broadcast of another version than the replicas expect is refused by every replica,
         # which keep serving what they had.
-        sent, refused = await asyncio.gather(controller.trainer.send_weights.call(),
+        sent, refused = await asyncio.gather(controller.trainer.send_weights.call(0),
                                              controller.router.receive_weights.call_one(7, "hot_swap"),
                                              return_exceptions=True)
         again = await controller.generate(prompt, sampling, "again")

@@ -74,10 +74,11 @@ class PolicyTrainer(Actor):
     async def init_weight_sender(self, host: str, port: int, world_size: int, layout: PackedLayout) -> None:
         self._core().init_weight_sender(host, port, world_size, layout)
 
-    # Concurrent, so that an abort is served while a broadcast waits for a dead member (NCCL).
+    # Concurrent, so that an abort is served while a broadcast waits for a dead member (NCCL),
+    # and so that a send called with the optimizer step that makes `version` waits for it.
     @concurrent_endpoint
-    async def send_weights(self):
-        return await self._core().send_weights()
+    async def send_weights(self, version: int):
+        return await self._core().send_weights(version)
 
     @concurrent_endpoint
     async def abort_weight_broadcast(self) -> None:
@@ -120,11 +121,18 @@ async def spawn_trainer(hosts: HostMesh, model: ModelConfig, trainer: TrainerCon
     return procs, actors, ranks
 
 
-async def train_step(trainer: Any, per_rank: Sequence[Sequence[MicroBatch]], norm: LossNorm,
-                     loss: LossConfig) -> dict[str, Any]:
-    """One optimizer step of `trainer` (a PolicyTrainer mesh) on each rank's microbatches; the
-    answer of optim_step, which reduces the step's loss stats over every rank and microbatch."""
+async def forward_backward(trainer: Any, per_rank: Sequence[Sequence[MicroBatch]], norm: LossNorm,
+                           loss: LossConfig) -> None:
+    """The gradients of one optimizer step of `trainer` (a PolicyTrainer mesh), accumulated over
+    each rank's microbatches."""
     # Sent together: an actor serves its calls in order, and the trainer never waits for the host.
     await asyncio.gather(*(trainer.forward_backward.call([mbs[j] for mbs in per_rank], norm, loss)
                            for j in range(len(per_rank[0]))))
+
+
+async def train_step(trainer: Any, per_rank: Sequence[Sequence[MicroBatch]], norm: LossNorm,
+                     loss: LossConfig) -> dict[str, Any]:
+    """One optimizer step of `trainer` on each rank's microbatches (`forward_backward`); the
+    answer of optim_step, which reduces the step's loss stats over every rank and microbatch."""
+    await forward_backward(trainer, per_rank, norm, loss)
     return first_value(await trainer.optim_step.call())

@@ -22,4 +22,11 @@ def create_engine(generator_config: GeneratorConfig, model_config: ModelConfig) 
     raise ValueError(f"generator.engine must be 'native' or 'vllm', got {generator_config.engine!r}")
 
 
-__all__ = ["Engine", "create_engine"]
+def stages_concurrently(generator_config: GeneratorConfig) -> bool:
+    """Whether the replicas `generator_config` makes receive a weight broadcast beside their
+    engine's steps (`Engine.stages_concurrently`): those whose one GPU worker runs in the
+    replica's own process (the native engine; vLLM at tp = 1)."""
+    return generator_config.tp == 1
+
+
+__all__ = ["Engine", "create_engine", "stages_concurrently"]

@@ -11,7 +11,9 @@ changes: no rank is left waiting in a collective, and gradients, optimizer and v
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,6 +143,10 @@ class PolicyTrainerCore:
                 module.gate.register_forward_hook(lambda _, inputs, logits: self._router_logits.append(logits))
         self.optimizer = self._new_optimizer()
         self.version = 0
+        # The version the last optim_step aimed at (one more than the version before it, reached
+        # or not), and the sends waiting for a step to end (each an event it sets).
+        self._tried_version = 0
+        self._step_waiters: list[asyncio.Event] = []
         self._stats = LossStats()
         self._accumulated = 0  # forward_backward calls since the last optim_step
         self.sender: WeightSender | None = None  # rank 0, once weights go by broadcast
@@ -188,6 +194,16 @@ class PolicyTrainerCore:
         A non-finite gradient norm skips the update (`update_skipped` = 1, version unchanged).
         Also returns the step's loss stats reduced over all ranks and microbatches.
         """
+        target = self.version + 1
+        try:
+            return self._optim_step()
+        finally:
+            self._tried_version = target
+            for waiter in self._step_waiters:
+                waiter.set()
+            self._step_waiters.clear()
+
+    def _optim_step(self) -> dict[str, float]:
         if self._accumulated == 0:
             raise ValueError("optim_step called with no gradients: call forward_backward first")
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.config.max_grad_norm)
@@ -347,16 +363,25 @@ class PolicyTrainerCore:
         if self.rank == 0:
             self.sender.join(host, port, world_size)
 
-    async def send_weights(self) -> dict[str, Any] | None:
+    async def send_weights(self, version: int) -> dict[str, Any] | None:
         """Gathers the policy into rank 0's send buffer chunk by chunk (a collective: all ranks
         call it), while rank 0 broadcasts each chunk once packed (called together with the
-        replicas' receive). Rank 0 returns the version, the checksum the replicas verified, and
-        timings (`WeightSender.send`)."""
+        replicas' receive). The send waits until this rank's policy is `version` or an
+        optim_step has tried to make it: so it may be called with the optimizer step that makes
+        `version`, and starts as that step ends, with no call in between. A step that did not
+        make it sends the policy it left, which the replicas reject as another version. Rank 0
+        returns the version, the checksum the replicas verified, and timings (`WeightSender.send`,
+        and `step_wait_s`: how long the send waited for the step)."""
+        waiting = time.perf_counter()
+        while max(self.version, self._tried_version) < version:
+            self._step_waiters.append(stepped := asyncio.Event())
+            await stepped.wait()
+        step_wait_s = time.perf_counter() - waiting
         if self.rank != 0:
             for chunk in self._sync_layout.chunks:
                 self._pack_chunk(chunk, None)
             return None
-        return await self.sender.send(self.version, self._pack_chunk)
+        return {**await self.sender.send(self.version, self._pack_chunk), "step_wait_s": step_wait_s}
 
     def _pack_chunk(self, chunk: Chunk, _: torch.Tensor | None) -> None:
         """The rows of `chunk`'s pieces into rank 0's send buffer (a collective on several ranks)."""

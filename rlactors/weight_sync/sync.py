@@ -7,7 +7,10 @@ The controller holds one `WeightSync`, made by `create_weight_sync(config, train
 `generator.weight_sync` (a concrete value once the config is loaded: "auto" is resolved then),
 calls `await sync.start()` once the meshes are up and `await sync.push(policy_version)` whenever
 `await sync.due(policy_version)`: the trainer's policy version differs from `sync.version`, or (by
-broadcast) a restarted replica waits for weights. `push` returns once every replica has verified the
+broadcast) a restarted replica waits for weights. Where `sync.pushes_with_step` (by broadcast to
+replicas that receive beside their engine's steps), the push of the version an optimizer step
+makes is started with that step instead, and the trainer sends the moment the step ends, with no
+call in between (step 3). `push` returns once every replica has verified the
 weights; each replica loads them at its next engine step boundary (`generator.update_mode`: after
 its in-flight requests finish, or at once as a hot swap) and admits no new request before then
 (`rlactors.weight_sync.updates`).
@@ -40,9 +43,10 @@ to a group that nothing changed since its plan needs no step 1:
    (rlactors.weight_sync.updates) join through its engine's `broadcast_receiver()`: a
    `BufferReceiver` per native engine or vLLM TP worker, whose receive buffer, and a version in
    it waiting for its load, survive the change of group).
-3. A push, after the plan of step 1: together, `trainer.send_weights()` on every rank (all ranks
-   gather into rank 0's send buffer chunk by chunk, and rank 0 broadcasts each chunk once packed,
-   then the version and checksum) and `router.receive_weights(version, mode)` (each member's
+3. A push, after the plan of step 1: together, `trainer.send_weights(version)` on every rank (once
+   the rank's policy is `version` or an optimizer step has tried to make it, all ranks gather into
+   rank 0's send buffer chunk by chunk, and rank 0 broadcasts each chunk once packed, then the
+   version and checksum) and `router.receive_weights(version, mode)` (each member's
    `WeightUpdates.receive_weights` -> its receiver's `receive`: the chunks land in the receive
    buffer, checksummed as they come, beside the running engine, and the whole must match the
    trainer's checksum and version; the receiver's `load` follows at a step boundary). Each
@@ -82,6 +86,7 @@ from typing import Any, NoReturn
 from monarch.actor import ActorError, Channel, PortReceiver
 
 from rlactors.config import Config
+from rlactors.engines import stages_concurrently
 from rlactors.placement import first_value
 from rlactors.weight_sync.broadcast import BroadcastBroken
 
@@ -122,7 +127,11 @@ class BroadcastStuck(WeightSyncError):
 
 class WeightSync:
     """The trainer's policy to every replica. `version`: the policy version every replica has
-    verified (0: the weights of `model.path`, which every replica starts from)."""
+    verified (0: the weights of `model.path`, which every replica starts from).
+    `pushes_with_step`: whether a push of the version the trainer's next optimizer step makes may
+    start with that step, the trainer sending as it ends."""
+
+    pushes_with_step = False
 
     def __init__(self, trainer: Any, router: Any, dtype: str, update_mode: str):
         self.trainer = trainer
@@ -148,7 +157,8 @@ class WeightSync:
         return {}
 
     async def push(self, version: int) -> dict[str, float]:
-        """Sends the trainer's current policy, `version`; returns once every replica has verified it.
+        """Sends the trainer's policy `version` (its current one or, where `pushes_with_step`,
+        the one its optimizer step under way makes); returns once every replica has verified it.
 
         Returns the seconds until then (`total_s`), the bytes moved to each replica, and the
         variant's own timings."""
@@ -174,9 +184,13 @@ class MessagesSync(WeightSync):
 
 
 class BroadcastSync(WeightSync):
-    def __init__(self, trainer: Any, router: Any, dtype: str, update_mode: str, restart_dead: bool):
+    def __init__(self, trainer: Any, router: Any, dtype: str, update_mode: str, restart_dead: bool,
+                 pushes_with_step: bool = False):
         super().__init__(trainer, router, dtype, update_mode)
         self.restart_dead = restart_dead
+        # Only where the replicas receive beside their engine's steps: a receive started with the
+        # optimizer step waits through it, and would stall an engine that receives between steps.
+        self.pushes_with_step = pushes_with_step
         # The router's answer to the last push's broadcast, and the wall clock when it was asked.
         self._receipt: tuple[asyncio.Future, float] | None = None
         # The epochs (rlactors.weight_sync.replicas): the last the router told of, and the one
@@ -264,11 +278,13 @@ class BroadcastSync(WeightSync):
         self.version = version
         sender = first_value(sent)
         # Where the time went: the router's plan, if one was asked for; the trainer's send (packing,
-        # and the broadcast beside it, which waits for every receiver and their verdicts); and the
-        # messaging around it: how late the send started after the push asked for it, and how long
-        # its answer took. The replicas' side is `settled`'s. They load after this returns.
+        # and the broadcast beside it, which waits for every receiver and their verdicts), and how
+        # long it waited for the optimizer step it was sent with; and the messaging around it: how
+        # late the send call reached the trainer after the push made it, and how long its answer
+        # took. The replicas' side is `settled`'s. They load after this returns.
         return {"total_s": time.perf_counter() - start, "bytes": sender["bytes"], "send_s": sender["send_s"],
-                "pack_s": sender["pack_s"], "plan_s": plan_s, "send_lag_s": sender["started_at"] - began,
+                "pack_s": sender["pack_s"], "plan_s": plan_s, "step_wait_s": sender["step_wait_s"],
+                "send_lag_s": sender["started_at"] - sender["step_wait_s"] - began,
                 "reply_lag_s": ended - sender["ended_at"], "broadcast_tries": float(tries),
                 "copy_engine": sender["copy_engine"]}
 
@@ -293,7 +309,7 @@ class BroadcastSync(WeightSync):
         verified the weights. MembersDied when a member died and the broadcast did not reach
         every member still up."""
         self._receipt = None
-        sending = asyncio.ensure_future(self.trainer.send_weights.call())
+        sending = asyncio.ensure_future(self.trainer.send_weights.call(version))
         receiving = asyncio.ensure_future(self.router.receive_weights.call_one(version, self.update_mode))
         transfer = asyncio.ensure_future(asyncio.gather(sending, receiving, return_exceptions=True))
         dead_since = None
@@ -382,5 +398,5 @@ def create_weight_sync(config: Config, trainer: Any, router: Any) -> WeightSync:
     """The variant `config.generator.weight_sync` names, between `trainer` and `router`."""
     if config.generator.weight_sync == "broadcast":
         return BroadcastSync(trainer, router, config.model.dtype, config.generator.update_mode,
-                             config.generator.restart_dead)
+                             config.generator.restart_dead, stages_concurrently(config.generator))
     return MessagesSync(trainer, router, config.model.dtype, config.generator.update_mode)

@@ -209,7 +209,8 @@ def test_two_ranks_send_the_policy_in_chunks_cut_across_their_shards_bit_for_bit
     the trailer; a receiver gets the policy bit for bit, verified, at the trainer's version, and
     again after an optimizer step (the ranks plan their gathers once, when the group forms)."""
     async def send(version):
-        sent, _ = await asyncio.gather(two_ranks.send_weights.call(), asyncio.to_thread(receiver.receive, version))
+        sent, _ = await asyncio.gather(two_ranks.send_weights.call(version),
+                                       asyncio.to_thread(receiver.receive, version))
         assert sent.item(gpus=1) is None and sent.item(gpus=0)["version"] == version
         assert sent.item(gpus=0)["checksum"] == chunked.checksum(receiver.buffer)
         expected = (await two_ranks.state_dict_for_sync.call("bfloat16")).item(gpus=0).weights

@@ -34,8 +34,8 @@ class ReplicaKilledBetweenSyncs(Controller):
     """SIGKILLs the replica after step 1 has trained, before its weight sync; records how long the
     router took to count it dead and to have its restart up, then lets the sync go on."""
 
-    async def push_weights(self):
-        if self.step == 1:
+    async def push_weights(self, version):
+        if version == 1:
             killed = await kill_replica(self.router, 0)
             while (await self.router.stats.call_one())["deaths"] != 1:
                 assert time.monotonic() - killed < 30, "the router did not count the replica dead"
@@ -45,7 +45,7 @@ class ReplicaKilledBetweenSyncs(Controller):
                 assert time.monotonic() - killed < 300, "the replica was not restarted"
                 await asyncio.sleep(0.1)
             self.restart_s = time.monotonic() - killed
-        timings = await super().push_weights()
+        timings = await super().push_weights(version)
         await self.weight_sync.settled()  # the router has recorded the push
         self.router_stats = await self.router.stats.call_one()
         return timings
@@ -77,11 +77,11 @@ class ReplicaKilledDuringBroadcast(Controller):
         trainer, controller = self.trainer, self
 
         class Broadcast:
-            def call(self):
+            def call(self, version):
                 async def kill_then_broadcast():
                     if controller.killed_at is None:
                         controller.killed_at = await kill_replica(controller.router, 0)
-                    return await trainer.send_weights.call()
+                    return await trainer.send_weights.call(version)
                 return kill_then_broadcast()
 
         class Trainer:
@@ -92,9 +92,9 @@ class ReplicaKilledDuringBroadcast(Controller):
 
         self.trainer = self.weight_sync.trainer = Trainer()
 
-    async def push_weights(self):
+    async def push_weights(self, version):
         try:
-            timings = await super().push_weights()
+            timings = await super().push_weights(version)
         finally:
             self.given_up_at = time.monotonic()
         await self.weight_sync.settled()  # the router has recorded the push
@@ -130,7 +130,7 @@ def test_a_replica_killed_during_an_nccl_broadcast_with_restart_dead_is_restarte
     stats = controller.router_stats
     assert stats["deaths"] == 1 and stats["restarts"] == 1 and stats["weight_groups"] == 2
     assert [(r["state"], r["version"]) for r in stats["replicas"]] == [("serving", 3)]
-    recovered_s = metrics[0]["time/weight_sync_s"]  # step 1's push, from its start to its return
+    recovered_s = metrics[0]["time/weight_sync_s"]  # step 1's push, from its optimizer step to its return
     fault_record("generator replica SIGKILLed during an NCCL broadcast (generator.restart_dead)",
                  "the only replica's proc, as step 1's NCCL broadcast starts", None,
                  f"nothing: step 1's push went again to a new group of the restarted replica ({recovered_s:.1f} s "

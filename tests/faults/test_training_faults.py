@@ -252,18 +252,22 @@ class CorruptingController(Controller):
         return completion
 
 
-@pytest.mark.parametrize("overflow", ["loss", "gradient"])
+@pytest.mark.parametrize("overflow,weight_sync", [("loss", "messages"), ("gradient", "messages"),
+                                                  ("gradient", "broadcast")])
 def test_nonfinite_logprobs_are_excluded_and_a_nonfinite_step_stops_with_the_state_saved(
-        tiny_ckpt, tmp_path, fault_record, overflow):
+        tiny_ckpt, tmp_path, fault_record, overflow, weight_sync):
     # Step 2: rollout 0 of each group earns a finite but absurd reward x; Dr.GRPO advantages
     # (reward - group mean) are then +-x/2. x = 1.7e38 (about the largest reward allowed) with a
     # ratio of e: rollout 1's per-token losses (x/2) * e sum past fp32, so the loss is inf or NaN.
     # x = 1e30: the loss stays finite but the gradient norm overflows and optim_step skips the
-    # update; that must stop the run too.
+    # update; that must stop the run too. By broadcast, with no checkpoint due at step 2, step 2's
+    # push went with its optimizer step: it sent the unchanged policy, which the replicas refused.
     reward = {"loss": 1.7e38, "gradient": 1e30}[overflow]
+    by_weight_sync = {"messages": ['generator.weight_sync="messages"'],
+                      "broadcast": [*BROADCAST, "controller.checkpoint_every=0"]}[weight_sync]
     config = load_config(None, small_run_overrides(
         tiny_ckpt, tmp_path, f"env.args={{ huge_reward = {reward}, huge_reward_from_group = 2 }}",
-        'loss.name="dr_grpo"', 'rollout.advantage="dr_grpo"'))
+        'loss.name="dr_grpo"', 'rollout.advantage="dr_grpo"', *by_weight_sync))
     controller = CorruptingController(config)
     controller.shift_step2 = overflow == "loss"
     with pytest.raises(TrainingError) as raised:
@@ -277,8 +281,9 @@ def test_nonfinite_logprobs_are_excluded_and_a_nonfinite_step_stops_with_the_sta
     (step1,) = read_metrics(tmp_path)
     assert step1["loss/nonfinite_logprob_tokens"] == 4 and math.isfinite(step1["loss/loss"])
     assert step1["loss/tokens"] == 4 * 8 - 4 and step1["policy/version"] == 1
-    # The state after step 1 is saved and complete, controller state included; written once, at
-    # step 1 (controller.checkpoint_every=1), not again over itself when step 2 failed.
+    # The state after step 1 is saved and complete, controller state included; written once: at
+    # step 1 (controller.checkpoint_every=1), not again over itself when step 2 failed, or (by
+    # broadcast, no checkpoint due) when step 2 failed.
     assert controller.saves == 1
     saved = checkpoint_dir(tmp_path / "checkpoints", 1)
     assert (saved / COMPLETE_FILE).is_file() and not checkpoint_dir(tmp_path / "checkpoints", 2).exists()
@@ -292,7 +297,9 @@ def test_nonfinite_logprobs_are_excluded_and_a_nonfinite_step_stops_with_the_sta
                         "by 1 (Dr.GRPO: the clipped loss terms overflow fp32)",
                 "gradient": "a reward of 1e30 in 2 of 4 rollouts of step 2 (Dr.GRPO: the loss stays finite, "
                             "the gradient norm overflows; optim_step skips the update)"}[overflow]
-    fault_record(f"non-finite {overflow}", injected, None,
+    if weight_sync == "broadcast":
+        injected += "; weights by broadcast, step 2's push sent with its optimizer step"
+    fault_record(f"non-finite {overflow}" + (" (broadcast)" if weight_sync == "broadcast" else ""), injected, None,
                  f"step 2 only: the run stopped with `{message.replace(str(tmp_path), '<run_dir>')}`; "
                  "checkpoint 1 (complete) is the saved state")
 
@@ -424,8 +431,8 @@ class ReplicaKilledBeforeSync(Controller):
     replica is up. Records the router's stats after the last sync (and, through
     RecordingBroadcastSync, every weight group formed)."""
 
-    async def push_weights(self):
-        if self.step == 1:
+    async def push_weights(self, version):
+        if version == 1:
             killed = await kill_replica(self.router, 1)
             while (await self.router.stats.call_one())["deaths"] != 1:
                 assert time.monotonic() - killed < 30, "the router did not count replica 1 dead"
@@ -434,9 +441,9 @@ class ReplicaKilledBeforeSync(Controller):
             while self.weight_sync._group_current():  # the router's word reaches the push by its port
                 assert time.monotonic() - killed < 30, "the push was not told that replica 1 died"
                 await asyncio.sleep(0.01)
-        if self.step == 2:
+        if version == 2:
             await restarted_into_the_next_group(self.router)
-        timings = await super().push_weights()
+        timings = await super().push_weights(version)
         await self.weight_sync.settled()  # the router has recorded the push
         self.router_stats = await self.router.stats.call_one()
         return timings
@@ -477,7 +484,7 @@ class _KillingBroadcast:
     def __init__(self, controller, send_weights):
         self.controller, self.send_weights = controller, send_weights
 
-    async def call(self):
+    async def call(self, version):
         if self.controller.killed_at is None:
             router = self.controller.router
             self.controller.killed_at = await kill_replica(router, 1)
@@ -485,7 +492,7 @@ class _KillingBroadcast:
                 assert time.monotonic() - self.controller.killed_at < 30, "the router did not count replica 1 dead"
                 await asyncio.sleep(0.05)
             self.controller.detection_s = time.monotonic() - self.controller.killed_at
-        return await self.send_weights.call()
+        return await self.send_weights.call(version)
 
 
 class ReplicaKilledDuringBroadcast(Controller):
@@ -500,11 +507,11 @@ class ReplicaKilledDuringBroadcast(Controller):
         self.trainer = self.weight_sync.trainer = _ActorWith(
             self.trainer, send_weights=_KillingBroadcast(self, self.trainer.send_weights))
 
-    async def push_weights(self):
-        if self.step == 2:
+    async def push_weights(self, version):
+        if version == 2:
             await restarted_into_the_next_group(self.router)
-        timings = await super().push_weights()
-        if self.step == 1:
+        timings = await super().push_weights(version)
+        if version == 1:
             self.recovered_s = time.monotonic() - self.killed_at
         await self.weight_sync.settled()  # the router has recorded the push
         self.router_stats = await self.router.stats.call_one()
@@ -559,13 +566,13 @@ def test_a_replica_killed_during_a_broadcast_without_restart_dead_stops_the_run_
 class OnlyReplicaKilledBeforeSync(Controller):
     """SIGKILLs the only replica (not restarted) after step 1 has trained, before its weight sync."""
 
-    async def push_weights(self):
-        if self.step == 1:
+    async def push_weights(self, version):
+        if version == 1:
             killed = await kill_replica(self.router, 0)
             while await self.router.dead_replicas.call_one() != [0]:
                 assert time.monotonic() - killed < 30, "the router did not count replica 0 dead"
                 await asyncio.sleep(0.05)
-        return await super().push_weights()
+        return await super().push_weights(version)
 
 
 def test_a_broadcast_run_with_no_replica_left_stops_with_the_step_saved(tiny_ckpt, tmp_path):
@@ -618,7 +625,7 @@ class _StuckBroadcast:
     async def _never(self):
         await asyncio.Event().wait()
 
-    def call(self):
+    def call(self, version):
         async def kill_then_wait():
             self.controller.killed_at = await kill_replica(self.controller.router, 1)
             await self._never()
@@ -630,9 +637,9 @@ class StuckBroadcastController(Controller):
         await super().start()
         self.trainer = self.weight_sync.trainer = _ActorWith(self.trainer, send_weights=_StuckBroadcast(self))
 
-    async def push_weights(self):
+    async def push_weights(self, version):
         try:
-            return await super().push_weights()
+            return await super().push_weights(version)
         finally:
             self.given_up_at = time.monotonic()
 

@@ -20,7 +20,7 @@ from rlactors.placement import free_port
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.checkpoint import COMPLETE_FILE, latest_checkpoint, partial_dir
 from rlactors.trainer.core import MICROBATCH_FIELDS, PolicyTrainerCore
-from rlactors.weight_sync.broadcast import BufferReceiver
+from rlactors.weight_sync.broadcast import BufferReceiver, UnexpectedVersion
 from rlactors.weight_sync.packed import PackedLayout
 
 VOCAB = 1024  # the tiny checkpoint's
@@ -414,10 +414,49 @@ def test_the_policy_sent_in_chunks_arrives_bit_for_bit_and_verified(tiny_ckpt, d
         change()
         with ThreadPoolExecutor(1) as pool:
             received = pool.submit(receiver.receive, core.version)
-            sent = asyncio.run(core.send_weights())
+            sent = asyncio.run(core.send_weights(core.version))
             received.result()
         assert sent["version"] == core.version and sent["checksum"] == chunked.checksum(receiver.buffer)
         expected = core.state_dict_for_sync("bfloat16").weights
         assert all(torch.equal(tensor, expected[name]) for name, tensor in receiver.weights().items())
     with pytest.raises(ValueError, match="the weight layout is not this policy's in one dtype"):
         core.init_weight_sender("127.0.0.1", port, 2, PackedLayout.of({"w": torch.zeros(2)}))
+
+
+def test_a_send_made_with_the_optimizer_step_goes_as_it_ends_and_after_a_skipped_update_is_refused(
+        tiny_ckpt, device):
+    """`send_weights(version)` made before the optimizer step that makes `version` waits for
+    that step and sends its policy. After a step that skipped its update (a non-finite gradient)
+    it sends the policy the step left, which the receiver, told to expect `version`, refuses."""
+    core = make_core(tiny_ckpt, device)
+    layout = core.weight_layout("bfloat16")
+    receiver, port = BufferReceiver(layout, device), free_port()
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(receiver.join, "127.0.0.1", port, 1, 2)
+        core.init_weight_sender("127.0.0.1", port, 2, layout)
+        joined.result()
+
+    async def send_with_step(mb, loss=LossConfig(name="grpo")):
+        sending = asyncio.ensure_future(core.send_weights(core.version + 1))
+        await asyncio.sleep(0.2)
+        waited = not sending.done()
+        metrics = step(core, [mb], loss)
+        return waited, metrics, await sending
+
+    with ThreadPoolExecutor(1) as pool:
+        received = pool.submit(receiver.receive, 1)
+        waited, metrics, sent = asyncio.run(send_with_step(cat(rows(7))))
+        received.result()
+    assert waited and metrics["policy_version"] == sent["version"] == 1 and sent["verified"] == 1
+    assert sent["step_wait_s"] >= 0.2
+    expected = core.state_dict_for_sync("bfloat16").weights
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in receiver.weights().items())
+
+    overflowing = cat(rows(6))
+    overflowing.advantages[overflowing.loss_mask] = 1e30  # the squares of the gradients overflow fp32
+    with ThreadPoolExecutor(1) as pool:
+        received = pool.submit(receiver.receive, 2)
+        waited, metrics, sent = asyncio.run(send_with_step(overflowing))
+        with pytest.raises(UnexpectedVersion, match="weights version 2 expected, the broadcast carried version 1"):
+            received.result()
+    assert waited and metrics["update_skipped"] == 1.0 and sent["version"] == 1 and sent["verified"] == 0

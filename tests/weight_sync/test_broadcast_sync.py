@@ -63,7 +63,8 @@ def sent(verified=1, receivers=1):
     `verified` of its `receivers` summed a verdict of 1 (they verified the weights)."""
     now = time.time()
     return Rank0({"version": 1, "checksum": "c" * 32, "verified": verified, "receivers": receivers, "bytes": 8.0,
-                  "copy_engine": 0.0, "send_s": 0.1, "pack_s": 0.05, "started_at": now, "ended_at": now})
+                  "copy_engine": 0.0, "send_s": 0.1, "pack_s": 0.05, "step_wait_s": 0.0, "started_at": now,
+                  "ended_at": now})
 
 
 def unverified():
@@ -261,7 +262,7 @@ class AbortableBroadcast:
     def __init__(self):
         self.aborted, self.calls = asyncio.Event(), 0
 
-    async def call(self):
+    async def call(self, version):
         self.calls += 1
         if self.calls == 1:
             await self.aborted.wait()

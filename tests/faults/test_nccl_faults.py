@@ -31,7 +31,7 @@ def nccl_config(ckpt, run_dir, *extra):
 
 
 class ReplicaKilledBetweenSyncs(Controller):
-    """SIGKILLs the replica after step 1 has trained, before its weight sync; records how long the
+    """SIGKILLs the replica as step 1's optimizer step goes out, before its weight sync; records how long the
     router took to count it dead and to have its restart up, then lets the sync go on."""
 
     async def push_weights(self, version):
@@ -60,7 +60,7 @@ def test_a_replica_killed_between_nccl_syncs_is_restarted_into_a_new_group(ckpt,
     assert [(r["state"], r["version"]) for r in stats["replicas"]] == [("serving", 3)]
     assert controller.detection_s <= 3, controller.detection_s
     fault_record("generator replica SIGKILLed between NCCL weight syncs",
-                 "the only replica's proc, after step 1 trained, before its NCCL broadcast",
+                 "the only replica's proc, as step 1's optimizer step goes out, before its NCCL broadcast",
                  controller.detection_s, "nothing: the restarted replica joined a new NCCL group and received "
                  "step 1's weights; 3/3 steps trained", restart_s=controller.restart_s)
 

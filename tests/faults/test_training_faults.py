@@ -426,7 +426,7 @@ class RecordingBroadcastSync(sync.BroadcastSync):
 
 
 class ReplicaKilledBeforeSync(Controller):
-    """SIGKILLs replica 1's proc after step 1 has trained, before its weight sync, and records how
+    """SIGKILLs replica 1's proc as step 1's optimizer step goes out, before its weight sync, and records how
     long the router took to count it dead; before step 2's sync it waits until the restarted
     replica is up. Records the router's stats after the last sync (and, through
     RecordingBroadcastSync, every weight group formed)."""
@@ -469,8 +469,9 @@ def test_a_dead_replica_in_a_broadcast_run_is_restarted_into_a_new_group_and_the
     assert [(r["state"] == "serving", r["version"]) for r in stats["replicas"]] == [(True, 4), (True, 4)]
     assert stats["replicas"][1]["routed"] > 0 and stats["states"]["awaiting_weights"] == 0
     assert metrics[-1]["generator/serving_replicas"] == 2 and metrics[-1]["generator/restarts"] == 1
-    fault_record("generator replica SIGKILLed (broadcast weight sync)", "replica 1's proc, after step 1 trained, "
-                 "before its weight sync", controller.detection_s,
+    fault_record("generator replica SIGKILLed (broadcast weight sync)",
+                 "replica 1's proc, as step 1's optimizer step goes out, before its weight sync",
+                 controller.detection_s,
                  f"nothing: the run went on; weight groups formed {controller.groups} (the restarted replica "
                  "joined the group formed once it was up, and served from the next broadcast on)")
 
@@ -564,7 +565,7 @@ def test_a_replica_killed_during_a_broadcast_without_restart_dead_stops_the_run_
 
 
 class OnlyReplicaKilledBeforeSync(Controller):
-    """SIGKILLs the only replica (not restarted) after step 1 has trained, before its weight sync."""
+    """SIGKILLs the only replica (not restarted) as step 1's optimizer step goes out, before its weight sync."""
 
     async def push_weights(self, version):
         if version == 1:

@@ -4,7 +4,8 @@ Sync and async training are one loop: a RolloutProducer starts each step's rollo
 the generators hold a recent enough policy (rlactors.rollout.producer). Each step takes
 `rollout.prompts_per_step` finished groups, drops episodes older than `controller.max_staleness`
 versions (counted), trains, checkpoints when due, and pushes the new weights to every replica,
-verified by checksum (rlactors.weight_sync.sync). A step with nothing to train on (every group's
+verified by checksum (rlactors.weight_sync.sync; where `WeightSync.pushes_with_step`, the push goes
+out with the optimizer step on a step that does not checkpoint). A step with nothing to train on (every group's
 rewards equal) is a whole step all the same; its policy is the previous step's. The run dir's
 layout and rules are rlactors.run_dir's, evaluation's schedule rlactors.evaluation's. Ctrl-C lets
 a step whose update has begun complete, then saves the last completed step unless it is saved. A

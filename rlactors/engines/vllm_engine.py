@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from rlactors.config import GeneratorConfig, ModelConfig
+from rlactors.engines import stages_concurrently
 from rlactors.engines.base import Engine, check_request
 from rlactors.placement import expandable_segments
 from rlactors.types import Completion, SamplingParams, TokenDelta
@@ -105,10 +106,9 @@ class VLLMEngine(Engine):
         self.engine = llm_engine
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        # One TP worker runs in this process: staging (NCCL into the worker's buffer, on its own
-        # stream) may run beside step(). With TP workers in other processes, collective_rpc and
-        # step() share vLLM's message queues, so staging waits for a step boundary.
-        self.stages_concurrently = tp == 1
+        # One TP worker in this process stages (NCCL into the worker's buffer, on its own stream)
+        # beside step().
+        self.stages_concurrently = stages_concurrently(tp)
         self.version = version
         self.requests: dict[str, _Request] = {}
         self.aborted: list[Completion] = []

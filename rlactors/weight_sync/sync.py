@@ -398,5 +398,5 @@ def create_weight_sync(config: Config, trainer: Any, router: Any) -> WeightSync:
     """The variant `config.generator.weight_sync` names, between `trainer` and `router`."""
     if config.generator.weight_sync == "broadcast":
         return BroadcastSync(trainer, router, config.model.dtype, config.generator.update_mode,
-                             config.generator.restart_dead, stages_concurrently(config.generator))
+                             config.generator.restart_dead, stages_concurrently(config.generator.tp))
     return MessagesSync(trainer, router, config.model.dtype, config.generator.update_mode)

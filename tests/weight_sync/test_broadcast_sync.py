@@ -1,6 +1,6 @@
 """BroadcastSync's decisions against stand-ins for the trainer and the router: what a push does
 when the members of its group die while the broadcast runs, with and without
-`generator.restart_dead`. (The protocol with real procs and real groups:
+`generator.restart_dead`, and which pushes go with the optimizer step. (The protocol with real procs and real groups:
 tests/faults/test_training_faults.py on CPU, tests/faults/test_nccl_faults.py on GPUs.)"""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 import pytest
 from monarch.actor import ActorError
 
+from rlactors.config import load_config
 from rlactors.weight_sync.broadcast import BroadcastBroken
 from rlactors.weight_sync.checksum import ChecksumMismatch
 from rlactors.weight_sync.sync import (
@@ -20,6 +21,7 @@ from rlactors.weight_sync.sync import (
     MembersDied,
     NoReplicaUp,
     WeightSyncError,
+    create_weight_sync,
 )
 
 
@@ -388,3 +390,18 @@ def test_a_send_that_fails_on_the_trainers_side_stops_the_push_without_waiting_f
     with pytest.raises(WeightSyncError, match=r"the trainer's send failed: RuntimeError\('CUDA out of memory'\)"):
         push(trainer, router)
     assert time.monotonic() - start < 20  # not the 30 s of the receive
+
+
+@pytest.mark.parametrize("overrides,pushes_with_step", [
+    (['generator.weight_sync="messages"'], False),
+    (['generator.weight_sync="broadcast"'], True),  # native replicas: they receive beside their steps
+    (['generator.engine="vllm"', 'controller.device="cuda"'], True),  # auto: broadcast
+    (['generator.engine="vllm"', 'controller.device="cuda"', "generator.tp=2"], False),
+])
+def test_a_push_goes_with_the_optimizer_step_only_by_broadcast_to_replicas_that_receive_beside_their_steps(
+        overrides, pushes_with_step):
+    """A vLLM replica whose TP workers run in other processes receives between its engine's steps:
+    a receive started with the optimizer step would stall it for the whole step."""
+    config = load_config(None, ['model.path="/nowhere"', *overrides], available_gpus=8)
+    assert create_weight_sync(config, Trainer(), Router()).pushes_with_step == pushes_with_step
+

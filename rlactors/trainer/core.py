@@ -470,7 +470,7 @@ class PolicyTrainerCore:
                 dcp.load({"model": model_sd}, checkpoint_id=path / ckpt.DCP_DIR)
                 set_model_state_dict(self.model, model_sd)
                 self.optimizer = self._new_optimizer()
-            self.version = int(state["policy_version"])
+            self.version = self._tried_version = int(state["policy_version"])
             return {"step": int(state["step"]), "policy_version": self.version}
         if (path / "config.json").is_file():
             shapes = checkpoint_shapes(load_args(path))
@@ -479,7 +479,7 @@ class PolicyTrainerCore:
             self._discard_accumulation()
             self._load_hf_weights(path)
             self.optimizer = self._new_optimizer()
-            self.version = 0
+            self.version = self._tried_version = 0
             return {"step": 0, "policy_version": 0}
         raise ValueError(f"{path} is neither a trainer checkpoint nor a HF model dir")
 

@@ -427,7 +427,8 @@ def test_a_send_made_with_the_optimizer_step_goes_as_it_ends_and_after_a_skipped
         tiny_ckpt, device):
     """`send_weights(version)` made before the optimizer step that makes `version` waits for
     that step and sends its policy. After a step that skipped its update (a non-finite gradient)
-    it sends the policy the step left, which the receiver, told to expect `version`, refuses."""
+    it sends the policy the step left, which the receiver, told to expect `version`, refuses. A
+    checkpoint load forgets the steps tried."""
     core = make_core(tiny_ckpt, device)
     layout = core.weight_layout("bfloat16")
     receiver, port = BufferReceiver(layout, device), free_port()
@@ -460,3 +461,10 @@ def test_a_send_made_with_the_optimizer_step_goes_as_it_ends_and_after_a_skipped
         with pytest.raises(UnexpectedVersion, match="weights version 2 expected, the broadcast carried version 1"):
             received.result()
     assert waited and metrics["update_skipped"] == 1.0 and sent["version"] == 1 and sent["verified"] == 0
+
+    core.load_checkpoint(tiny_ckpt)  # version 0 again: a send of version 1 waits for the next step
+    with ThreadPoolExecutor(1) as pool:
+        received = pool.submit(receiver.receive, 1)
+        waited, metrics, sent = asyncio.run(send_with_step(cat(rows(8))))
+        received.result()
+    assert waited and metrics["policy_version"] == sent["version"] == 1 and sent["verified"] == 1

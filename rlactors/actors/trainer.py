@@ -22,7 +22,7 @@ from monarch.spmd import setup_torch_elastic_env_async
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm
 from rlactors.on_policy.sides import TrainerSide
-from rlactors.placement import cuda_visible_devices, first_value, free_port, host_name, local_address, num_hosts
+from rlactors.placement import cuda_visible_devices, free_port, host_name, local_address, num_hosts
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.core import PolicyTrainerCore, VersionedWeights
 from rlactors.trainer.parallel import init_distributed
@@ -128,11 +128,3 @@ async def forward_backward(trainer: Any, per_rank: Sequence[Sequence[MicroBatch]
     # Sent together: an actor serves its calls in order, and the trainer never waits for the host.
     await asyncio.gather(*(trainer.forward_backward.call([mbs[j] for mbs in per_rank], norm, loss)
                            for j in range(len(per_rank[0]))))
-
-
-async def train_step(trainer: Any, per_rank: Sequence[Sequence[MicroBatch]], norm: LossNorm,
-                     loss: LossConfig) -> dict[str, Any]:
-    """One optimizer step of `trainer` on each rank's microbatches (`forward_backward`); the
-    answer of optim_step, which reduces the step's loss stats over every rank and microbatch."""
-    await forward_backward(trainer, per_rank, norm, loss)
-    return first_value(await trainer.optim_step.call())

@@ -14,7 +14,7 @@ from support.gpus import gpus
 from support.trainer_inputs import cat, one_rank_process_group, rows
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from rlactors.actors.trainer import spawn_trainer, train_step
+from rlactors.actors.trainer import forward_backward, spawn_trainer
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
 from rlactors.losses import LossNorm
 from rlactors.models.checkpoint import fuse_experts, load_args, load_state_dict
@@ -107,7 +107,8 @@ async def trained(model, config, batches, checkpoint_root=None, microbatches=1, 
         logprobs = await trainer.compute_logprobs.call([cat(r) for r in ranks_rows])
         size = share // microbatches
         split = [[cat(r[i:i + size]) for i in range(0, share, size)] for r in ranks_rows]
-        metrics = await train_step(trainer, split, LossNorm.for_step(batch, LOSS.name), LOSS)
+        await forward_backward(trainer, split, LossNorm.for_step(batch, LOSS.name), LOSS)
+        metrics = first_value(await trainer.optim_step.call())
         weights = first_value(await trainer.state_dict_for_sync.call("float32")).weights
         return [logprobs.item(gpus=r) for r in range(config.ranks)], metrics, weights
 

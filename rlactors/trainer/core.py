@@ -144,7 +144,8 @@ class PolicyTrainerCore:
         self.optimizer = self._new_optimizer()
         self.version = 0
         # The version the last optim_step aimed at (one more than the version before it, reached
-        # or not), and the sends waiting for a step to end (each an event it sets).
+        # or not), or the version loaded since: never below `version`. And the sends waiting for a
+        # step to end (each an event it sets).
         self._tried_version = 0
         self._step_waiters: list[asyncio.Event] = []
         self._stats = LossStats()
@@ -373,7 +374,7 @@ class PolicyTrainerCore:
         returns the version, the checksum the replicas verified, and timings (`WeightSender.send`,
         and `step_wait_s`: how long the send waited for the step)."""
         waiting = time.perf_counter()
-        while max(self.version, self._tried_version) < version:
+        while self._tried_version < version:
             self._step_waiters.append(stepped := asyncio.Event())
             await stepped.wait()
         step_wait_s = time.perf_counter() - waiting

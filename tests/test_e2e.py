@@ -7,6 +7,7 @@ import math
 
 import pytest
 from support.demo_runs import WARM_CHECKPOINT, short_run_overrides
+from support.stand_ins import ActorWith
 
 from rlactors.config import load_config
 from rlactors.controller import Controller
@@ -92,13 +93,8 @@ class CallOrderController(Controller):
                     return answer
                 return recorded()
 
-        class Trainer:
-            optim_step, send_weights = Recorded("optim_step"), Recorded("send_weights")
-
-            def __getattr__(self, name):
-                return getattr(trainer, name)
-
-        self.trainer = self.weight_sync.trainer = Trainer()
+        self.trainer = self.weight_sync.trainer = ActorWith(
+            trainer, optim_step=Recorded("optim_step"), send_weights=Recorded("send_weights"))
 
 
 def test_weights_by_broadcast_train_like_weights_by_messages(tmp_path, short_run):

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from faultkit import kill_replica
+from support.stand_ins import ActorWith
 from support.vllm_checks import NEEDS_VLLM_GPU, vllm_run_config
 
 from rlactors.controller import Controller, TrainingError
@@ -84,13 +85,7 @@ class ReplicaKilledDuringBroadcast(Controller):
                     return await trainer.send_weights.call(version)
                 return kill_then_broadcast()
 
-        class Trainer:
-            send_weights = Broadcast()
-
-            def __getattr__(self, name):
-                return getattr(trainer, name)
-
-        self.trainer = self.weight_sync.trainer = Trainer()
+        self.trainer = self.weight_sync.trainer = ActorWith(trainer, send_weights=Broadcast())
 
     async def push_weights(self, version):
         try:

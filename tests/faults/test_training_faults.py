@@ -21,6 +21,7 @@ import time
 import pytest
 import torch
 from faultkit import CliProcess, child_pids, kill_replica, run_cli, small_run_overrides, wait_until
+from support.stand_ins import ActorWith
 
 from rlactors.config import load_config
 from rlactors.controller import Controller, TrainingError
@@ -329,21 +330,10 @@ class _CorruptingUpdates(_StandIn):
         return await self._call(version, {**weights, name: flipped}, checksum, mode)
 
 
-class _ActorWith:
-    """The real actor mesh (router or trainer), with the endpoints given by name replaced."""
-
-    def __init__(self, actor, **endpoints):
-        self._actor = actor
-        self.__dict__.update(endpoints)
-
-    def __getattr__(self, name):
-        return getattr(self._actor, name)
-
-
 class CorruptedSyncController(Controller):
     async def start(self) -> None:
         await super().start()
-        self.router = self.weight_sync.router = _ActorWith(
+        self.router = self.weight_sync.router = ActorWith(
             self.router, update_weights=_CorruptingUpdates(self.router.update_weights, self.router))
 
 
@@ -383,7 +373,7 @@ class _OtherVersionReceives(_StandIn):
 class OtherVersionBroadcastController(Controller):
     async def start(self) -> None:
         await super().start()
-        self.router = self.weight_sync.router = _ActorWith(
+        self.router = self.weight_sync.router = ActorWith(
             self.router, receive_weights=_OtherVersionReceives(self.router.receive_weights, self.router))
 
 
@@ -505,7 +495,7 @@ class ReplicaKilledDuringBroadcast(Controller):
 
     async def start(self) -> None:
         await super().start()
-        self.trainer = self.weight_sync.trainer = _ActorWith(
+        self.trainer = self.weight_sync.trainer = ActorWith(
             self.trainer, send_weights=_KillingBroadcast(self, self.trainer.send_weights))
 
     async def push_weights(self, version):
@@ -636,7 +626,7 @@ class _StuckBroadcast:
 class StuckBroadcastController(Controller):
     async def start(self) -> None:
         await super().start()
-        self.trainer = self.weight_sync.trainer = _ActorWith(self.trainer, send_weights=_StuckBroadcast(self))
+        self.trainer = self.weight_sync.trainer = ActorWith(self.trainer, send_weights=_StuckBroadcast(self))
 
     async def push_weights(self, version):
         try:

@@ -653,6 +653,54 @@ def test_a_replica_dying_during_a_stuck_broadcast_stops_the_run_instead_of_hangi
                  "the dead replica and the last checkpoint, instead of waiting for ever")
 
 
+class _KillingOptimStep:
+    """The trainer's `optim_step`: SIGKILLs trainer rank 0's proc, then calls the real step."""
+
+    def __init__(self, controller, optim_step):
+        self.controller, self.optim_step = controller, optim_step
+
+    def call(self):
+        async def kill_then_step():
+            procs = self.controller.meshes.watcher.procs
+            self.controller.killed_pid = next(p.pid for p in procs if p.name == "trainer rank 0")
+            os.kill(self.controller.killed_pid, signal.SIGKILL)
+            return await self.optim_step.call()
+        return kill_then_step()
+
+
+class _CountedSend:
+    """The trainer's `send_weights`, counting its calls."""
+
+    def __init__(self, send_weights):
+        self.send_weights, self.calls = send_weights, 0
+
+    def call(self, version):
+        self.calls += 1
+        return self.send_weights.call(version)
+
+
+class TrainerKilledAtTheOptimizerStep(Controller):
+    """SIGKILLs trainer rank 0 as step 1's optimizer step goes out, with the push that goes with it."""
+
+    async def start(self) -> None:
+        await super().start()
+        self.trainer = self.weight_sync.trainer = ActorWith(
+            self.trainer, optim_step=_KillingOptimStep(self, self.trainer.optim_step),
+            send_weights=_CountedSend(self.trainer.send_weights))
+
+
+def test_a_trainer_killed_at_an_optimizer_step_that_a_push_went_with_stops_the_run_naming_it(tiny_ckpt, tmp_path):
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, *BROADCAST, "controller.checkpoint_every=0"))
+    controller = TrainerKilledAtTheOptimizerStep(config)
+    with pytest.raises(TrainingError) as raised:
+        asyncio.run(asyncio.wait_for(controller.run(), 120))  # the push in flight must not hold the run
+    message = str(raised.value)
+    assert controller.trainer.send_weights.calls == 1  # step 1's push went out with its optimizer step
+    assert message.startswith(f"step 1: trainer rank 0 (pid {controller.killed_pid}) "), message
+    assert message.endswith("continue with --resume"), message
+    assert read_metrics(tmp_path) == []
+
+
 class OnlyReplicaKilledDuringRollouts(Controller):
     """SIGKILLs the only replica as step 2 begins (its rollouts in flight or done); it is
     restarted, and waits for weights that only a broadcast can give it."""

@@ -11,8 +11,10 @@ A broadcast that a member's death breaks raises `BroadcastBroken` on the sides t
 leave the group; on GPU the sender awaits its broadcast and can be aborted (`WeightSender.abort`).
 
 A broadcast is the packed buffer in chunks (`PackedLayout.chunks`), the sender packing the next
-chunk while the last one is on the wire, then a trailer: the version and the checksum sums the
-sender computed as it packed. A receiver stages the chunks in its own buffer (on GPU, on a side
+chunk while the last one is on the wire, then a trailer: the version and the checksum sums of the
+packed buffer, which the sender computes once all of it is packed (one pass beside the last chunks'
+transfer, where a checksum per chunk would cost its host more launches than the wire time they
+hide; benchmarks/results/weight_sync.md). A receiver stages the chunks in its own buffer (on GPU, on a side
 stream), checksums each as it lands, and compares the whole with the trailer before loading
 anything: on a mismatch, or another version than it was told to expect, the replica keeps serving
 its current weights and the error names the version. Last, every member's verdict (1: verified)
@@ -177,8 +179,9 @@ class WeightSender:
         """Packs the weights chunk by chunk (`pack(chunk, buffer)` writes its pieces) and sends
         each chunk once packed, then the trailer: `version` and the checksum sums of the whole
         buffer, which every receiver checks its own against, then sums the receivers' verdicts.
-        On GPU the packing (the caller's stream), the checksum and the broadcast run on three
-        streams, so packing chunk k + 1 overlaps sending chunk k. BroadcastBroken if a member
+        On GPU the packing (the caller's stream), the chunks' transfer and the checksum run on
+        streams of their own, so packing chunk k + 1 overlaps sending chunk k, and the checksum
+        of the packed buffer overlaps sending the last chunks. BroadcastBroken if a member
         left the group or `abort` gave it up: the group is left, and a new one must be joined.
         Returns the version, the checksum's digest, how many of the `receivers` verified it, the
         bytes, whether the chunks went by copy engine (1.0) or broadcast, seconds (the whole send,
@@ -200,14 +203,14 @@ class WeightSender:
 
     def _send_cpu(self, version: int,
                   pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[tuple[int, int], int, float]:
-        running, pack_s = RunningChecksum(self.buffer.device), 0.0
+        pack_s = 0.0
         for chunk in self.layout.chunks:
             packing = time.perf_counter()
             pack(chunk, self.buffer)
             pack_s += time.perf_counter() - packing
-            view = self.layout.chunk_view(self.buffer, chunk)
-            running.add(view, chunk.start)
-            self.group.broadcast(view, src=0)
+            self.group.broadcast(self.layout.chunk_view(self.buffer, chunk), src=0)
+        running = RunningChecksum(self.buffer.device)
+        running.add(self.buffer, 0)
         self.group.broadcast(_trailer(version, running), src=0)
         verdicts = torch.zeros(1, dtype=torch.int32)  # the receivers' verdicts; the sender's own counts nothing
         self.group.all_reduce(verdicts, verdicts)
@@ -220,7 +223,8 @@ class WeightSender:
         packing = torch.cuda.current_stream()
         started, packed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         started.record(packing)
-        running = RunningChecksum(self.buffer.device)
+        chunks = self.layout.chunks
+        pack(chunks[0], self.buffer)  # before the collective below, which the packing need not wait for
         if self.borrowed is not None:
             # Only a receiver that is receiving may be written into (it may still be loading
             # the last version from its buffer): all of the group in one collective says so.
@@ -228,13 +232,11 @@ class WeightSender:
                 receiving = torch.zeros(1, dtype=torch.int32, device=self.buffer.device)
             self.group.all_reduce(receiving, receiving, stream=self.send_stream)
             self.copy_stream.wait_stream(self.send_stream)
-        for chunk in self.layout.chunks:
-            pack(chunk, self.buffer)
+        for i, chunk in enumerate(chunks):
+            if i:  # chunk 0 was packed above
+                pack(chunk, self.buffer)
             ready = packing.record_event()
             view = self.layout.chunk_view(self.buffer, chunk)
-            self.checksum_stream.wait_event(ready)
-            with torch.cuda.stream(self.checksum_stream):
-                running.add(view, chunk.start)
             if self.borrowed is None:
                 self.send_stream.wait_event(ready)
                 self.group.broadcast(view, src=0, stream=self.send_stream)
@@ -245,7 +247,10 @@ class WeightSender:
             self.send_stream.wait_stream(self.copy_stream)
             self.group.broadcast(self.landed, src=0, stream=self.send_stream)
         packed.record(packing)
+        self.checksum_stream.wait_event(packed)
         with torch.cuda.stream(self.checksum_stream):
+            running = RunningChecksum(self.buffer.device)
+            running.add(self.buffer, 0)
             trailer = _trailer(version, running)
         self.send_stream.wait_stream(self.checksum_stream)
         self.group.broadcast(trailer, src=0, stream=self.send_stream)

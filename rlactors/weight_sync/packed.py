@@ -3,8 +3,8 @@
 Broadcasting one buffer instead of hundreds of tensors keeps NCCL at full bandwidth, and one
 checksum over the buffer (plus the layout) verifies everything a replica received. The buffer is
 sent in chunks of about CHUNK_BYTES, cut at row boundaries (a large embedding spans several), so
-that the sender packs chunk k + 1 while chunk k is on the wire, and each side checksums a chunk as
-soon as it is packed or received; every member derives the same chunks from the layout.
+that the sender packs chunk k + 1 while chunk k is on the wire, and a receiver checksums each chunk
+as soon as it lands; every member derives the same chunks from the layout.
 """
 
 from __future__ import annotations

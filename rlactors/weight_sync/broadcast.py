@@ -12,10 +12,11 @@ leave the group; on GPU the sender awaits its broadcast and can be aborted (`Wei
 
 A broadcast is the packed buffer in chunks (`PackedLayout.chunks`), the sender packing the next
 chunk while the last one is on the wire, then a trailer: the version and the checksum sums of the
-packed buffer, which the sender computes once all of it is packed (one pass beside the last chunks'
-transfer, where a checksum per chunk would cost its host more launches than the wire time they
-hide; benchmarks/results/weight_sync.md). A receiver stages the chunks in its own buffer (on GPU, on a side
-stream), checksums each as it lands, and compares the whole with the trailer before loading
+packed buffer, which the sender computes in one pass once all of it is packed, beside the last
+chunks' transfer (checksummed per chunk, half of the sender's host work per chunk, which then took
+nearly as long as the chunk's transfer, so the transfers waited on the host;
+benchmarks/results/weight_sync.md). A receiver stages the chunks in its own buffer (on GPU, on a
+side stream), checksums each as it lands, and compares the whole with the trailer before loading
 anything: on a mismatch, or another version than it was told to expect, the replica keeps serving
 its current weights and the error names the version. Last, every member's verdict (1: verified)
 is summed over the group, so the sender learns from the group itself how many members verified

@@ -210,12 +210,12 @@ class WeightSender:
             pack(chunk, self.buffer)
             pack_s += time.perf_counter() - packing
             self.group.broadcast(self.layout.chunk_view(self.buffer, chunk), src=0)
-        running = RunningChecksum(self.buffer.device)
-        running.add(self.buffer, 0)
-        self.group.broadcast(_trailer(version, running), src=0)
+        trailer = _trailer(version, self.buffer)
+        self.group.broadcast(trailer, src=0)
         verdicts = torch.zeros(1, dtype=torch.int32)  # the receivers' verdicts; the sender's own counts nothing
         self.group.all_reduce(verdicts, verdicts)
-        return running.sums(), int(verdicts.item()), pack_s
+        _, plain, weighted = trailer.tolist()
+        return unsigned(plain, weighted), int(verdicts.item()), pack_s
 
     async def _send_cuda(self, version: int,
                          pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[tuple[int, int], int, float]:
@@ -250,9 +250,7 @@ class WeightSender:
         packed.record(packing)
         self.checksum_stream.wait_event(packed)
         with torch.cuda.stream(self.checksum_stream):
-            running = RunningChecksum(self.buffer.device)
-            running.add(self.buffer, 0)
-            trailer = _trailer(version, running)
+            trailer = _trailer(version, self.buffer)
         self.send_stream.wait_stream(self.checksum_stream)
         self.group.broadcast(trailer, src=0, stream=self.send_stream)
         with torch.cuda.stream(self.send_stream):
@@ -278,9 +276,12 @@ class WeightSender:
             group.nccl.ncclCommAbort(group.comm)
 
 
-def _trailer(version: int, running: RunningChecksum) -> torch.Tensor:
-    """What follows the chunks: [version, plain sum, weighted sum], int64 on the device."""
-    version_tensor = torch.tensor([version], dtype=torch.int64).to(running.columns.device, non_blocking=True)
+def _trailer(version: int, buffer: torch.Tensor) -> torch.Tensor:
+    """What follows the chunks: [version, plain sum, weighted sum] of the packed `buffer`'s
+    checksum, int64 on its device, computed on the current stream in one pass."""
+    running = RunningChecksum(buffer.device)
+    running.add(buffer, 0)
+    version_tensor = torch.tensor([version], dtype=torch.int64).to(buffer.device, non_blocking=True)
     return torch.cat([version_tensor, running.sums_tensor()])
 
 

@@ -164,7 +164,7 @@ class WeightSender:
         if self.buffer.is_cuda:  # the broadcast, the copies and the checksum each beside the packing
             self.send_stream, self.checksum_stream = broadcast_stream(device), torch.cuda.Stream(device)
             self.copy_stream = torch.cuda.Stream(device)
-            self.landed = torch.zeros(1, dtype=torch.int32, device=device)  # its value means nothing
+            self.signal = torch.zeros(1, dtype=torch.int32, device=device)  # "receiving", "landed": value meaningless
 
     def join(self, host: str, port: int, world_size: int) -> None:
         """Forms a group (as its rank 0) in place of the previous one."""
@@ -229,9 +229,7 @@ class WeightSender:
         if self.borrowed is not None:
             # Only a receiver that is receiving may be written into (it may still be loading
             # the last version from its buffer): all of the group in one collective says so.
-            with torch.cuda.stream(self.send_stream):
-                receiving = torch.zeros(1, dtype=torch.int32, device=self.buffer.device)
-            self.group.all_reduce(receiving, receiving, stream=self.send_stream)
+            self.group.all_reduce(self.signal, self.signal, stream=self.send_stream)
             self.copy_stream.wait_stream(self.send_stream)
         for i, chunk in enumerate(chunks):
             if i:  # chunk 0 was packed above
@@ -246,7 +244,7 @@ class WeightSender:
             with torch.cuda.stream(self.copy_stream):
                 self.layout.chunk_view(self.borrowed, chunk).copy_(view, non_blocking=True)
             self.send_stream.wait_stream(self.copy_stream)
-            self.group.broadcast(self.landed, src=0, stream=self.send_stream)
+            self.group.broadcast(self.signal, src=0, stream=self.send_stream)
         packed.record(packing)
         self.checksum_stream.wait_event(packed)
         with torch.cuda.stream(self.checksum_stream):
@@ -281,7 +279,7 @@ def _trailer(version: int, buffer: torch.Tensor) -> torch.Tensor:
     checksum, int64 on its device, computed on the current stream in one pass."""
     running = RunningChecksum(buffer.device)
     running.add(buffer, 0)
-    version_tensor = torch.tensor([version], dtype=torch.int64).to(buffer.device, non_blocking=True)
+    version_tensor = torch.full((1,), version, dtype=torch.int64, device=buffer.device)  # no host copy
     return torch.cat([version_tensor, running.sums_tensor()])
 
 
@@ -295,7 +293,7 @@ class BufferReceiver:
         self.group: Any = None
         self.lent = False  # whether the sender copies the chunks into the buffer (a lone receiver on GPU)
         self.checksum_stream = torch.cuda.Stream(device) if self.buffer.is_cuda else None
-        self.landed = torch.zeros(1, dtype=torch.int32, device=device)  # its value means nothing
+        self.signal = torch.zeros(1, dtype=torch.int32, device=device)  # "receiving", "landed": value meaningless
 
     def join(self, host: str, port: int, rank: int, world_size: int) -> None:
         """Joins a group in place of the previous one; the buffer, and what it holds, stay."""
@@ -317,11 +315,11 @@ class BufferReceiver:
         trailer = torch.empty(3, dtype=torch.int64, device=self.buffer.device)
         try:
             if self.lent:  # the sender writes into the buffer once this says it may (WeightSender)
-                self.group.all_reduce(self.landed, self.landed, stream=stream)
+                self.group.all_reduce(self.signal, self.signal, stream=stream)
             for chunk in self.layout.chunks:
                 view = self.layout.chunk_view(self.buffer, chunk)
                 # Lent, the chunk is copied in by the sender, which then says it landed.
-                self.group.broadcast(self.landed if self.lent else view, src=0, stream=stream)
+                self.group.broadcast(self.signal if self.lent else view, src=0, stream=stream)
                 if cuda:
                     self.checksum_stream.wait_event(stream.record_event())
                     with torch.cuda.stream(self.checksum_stream):

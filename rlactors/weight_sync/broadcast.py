@@ -191,19 +191,20 @@ class WeightSender:
         started_at, start = time.time(), time.perf_counter()
         try:
             if self.buffer.is_cuda:
-                sums, verified, pack_s = await self._send_cuda(version, pack)
+                trailer, verified, pack_s = await self._send_cuda(version, pack)
             else:
-                sums, verified, pack_s = self._send_cpu(version, pack)
+                trailer, verified, pack_s = self._send_cpu(version, pack)
         except BaseException:  # a member left, or the packing failed halfway through the broadcast
             self.group = None  # over gloo this closes its connections: the members waiting on it fail
             raise
-        return {"version": version, "checksum": self.layout.digest(*sums), "verified": verified,
-                "receivers": self.receivers, "bytes": float(self.layout.total_bytes),
+        _, plain, weighted = trailer.tolist()
+        return {"version": version, "checksum": self.layout.digest(*unsigned(plain, weighted)),
+                "verified": verified, "receivers": self.receivers, "bytes": float(self.layout.total_bytes),
                 "copy_engine": float(self.borrowed is not None), "send_s": time.perf_counter() - start,
                 "pack_s": pack_s, "started_at": started_at, "ended_at": time.time()}
 
     def _send_cpu(self, version: int,
-                  pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[tuple[int, int], int, float]:
+                  pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[torch.Tensor, int, float]:
         pack_s = 0.0
         for chunk in self.layout.chunks:
             packing = time.perf_counter()
@@ -214,11 +215,10 @@ class WeightSender:
         self.group.broadcast(trailer, src=0)
         verdicts = torch.zeros(1, dtype=torch.int32)  # the receivers' verdicts; the sender's own counts nothing
         self.group.all_reduce(verdicts, verdicts)
-        _, plain, weighted = trailer.tolist()
-        return unsigned(plain, weighted), int(verdicts.item()), pack_s
+        return trailer, int(verdicts.item()), pack_s
 
     async def _send_cuda(self, version: int,
-                         pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[tuple[int, int], int, float]:
+                         pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[torch.Tensor, int, float]:
         # NCCL waits for a dead member for ever, and a host thread blocked in that wait could not
         # serve `abort`: everything is enqueued, and the end of the broadcast polled.
         packing = torch.cuda.current_stream()
@@ -262,8 +262,7 @@ class WeightSender:
                 raise BroadcastBroken("the weight broadcast was aborted: a member died during it")
             await asyncio.sleep(0)
         packed.synchronize()
-        _, plain, weighted = trailer.tolist()
-        return unsigned(plain, weighted), int(verdicts.item()), started.elapsed_time(packed) / 1e3
+        return trailer, int(verdicts.item()), started.elapsed_time(packed) / 1e3
 
     def abort(self) -> None:
         """Gives up a broadcast that waits for a dead member: NCCL's communicator is aborted

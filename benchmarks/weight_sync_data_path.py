@@ -79,17 +79,18 @@ def _side(rank: int, options: dict[str, Any], ports: list[int], gather_port: int
 
 def _send(layout: PackedLayout, params: dict[str, torch.nn.Parameter], device: torch.device, port: int,
           options: dict[str, Any], trace: str) -> dict[str, Any]:
-    sender = WeightSender(layout, device)
-    sender.join("127.0.0.1", port, 2)
-    gathers = plan_packing(params, layout, torch.bfloat16, sender.buffer, device)
+    gathers = {}
 
     def pack(chunk, _buffer) -> None:
         gathers[chunk.start].run()
 
-    sent = [asyncio.run(sender.send(version, pack)) for version in range(1, options["iters"] + 2)][1:]
+    sender = WeightSender(layout, device, pack)
+    sender.join("127.0.0.1", port, 2)
+    gathers.update(plan_packing(params, layout, torch.bfloat16, sender.buffer, device))
+    sent = [asyncio.run(sender.send(version)) for version in range(1, options["iters"] + 2)][1:]
     if any(s["verified"] != 1 for s in sent):
         raise RuntimeError(f"the receiver did not verify every sync: {[s['verified'] for s in sent]}")
-    _profiled(options, trace, lambda: asyncio.run(sender.send(options["iters"] + 2, pack)))
+    _profiled(options, trace, lambda: asyncio.run(sender.send(options["iters"] + 2)))
     return {"send_s": [s["send_s"] for s in sent], "pack_s": [s["pack_s"] for s in sent],
             "copy_engine": all(s["copy_engine"] == 1.0 for s in sent)}
 

@@ -358,7 +358,8 @@ class PolicyTrainerCore:
         if layout != self._sync_layout:
             self._sync_layout = layout
             if self.rank == 0:
-                self.sender = WeightSender(layout, self.device)
+                # On several ranks each chunk's packing is a gather over them: not in the sender's graph.
+                self.sender = WeightSender(layout, self.device, self._pack_chunk, capture=self.world_size == 1)
             self._chunk_gathers = plan_packing(dict(self.model.named_parameters()), layout, DTYPES[dtypes.pop()],
                                                self.sender.buffer if self.rank == 0 else None, self.device)
         if self.rank == 0:
@@ -382,7 +383,7 @@ class PolicyTrainerCore:
             for chunk in self._sync_layout.chunks:
                 self._pack_chunk(chunk, None)
             return None
-        return {**await self.sender.send(self.version, self._pack_chunk), "step_wait_s": step_wait_s}
+        return {**await self.sender.send(self.version), "step_wait_s": step_wait_s}
 
     def _pack_chunk(self, chunk: Chunk, _: torch.Tensor | None) -> None:
         """The rows of `chunk`'s pieces into rank 0's send buffer (a collective on several ranks)."""

@@ -152,22 +152,46 @@ def borrow_buffer(group: Any, device: torch.device) -> torch.Tensor | None:
 
 
 class WeightSender:
-    """Trainer rank 0's side: a persistent send buffer and the pipelined broadcast of it."""
+    """Trainer rank 0's side: a persistent send buffer and the pipelined broadcast of it.
 
-    def __init__(self, layout: PackedLayout, device: torch.device):
+    `pack(chunk, buffer)` writes a chunk's pieces of the current weights into the buffer. On GPU,
+    with `capture`, a group's first send captures all of a send's GPU work (the packing, the
+    chunks, the checksum, the trailer and the verdicts) in one CUDA graph, and every send replays
+    it: one launch in place of the ~10 host calls per chunk, which on two H100s paced a 0.6B
+    send's first copy (benchmarks/results/weight_sync.md). `pack` must then enqueue the same GPU
+    work at every call, reading weights that change in place, and no collective of another group
+    (a trainer of several ranks gathers each chunk in its pack: it sends with `capture=False`)."""
+
+    def __init__(self, layout: PackedLayout, device: torch.device, pack: Callable[[Chunk, torch.Tensor], None],
+                 capture: bool = True):
         self.layout = layout
+        self.pack = pack
         self.buffer = layout.empty(device).zero_()  # zeroed once: padding bytes count in the checksum
         self.group: Any = None
         self.receivers = 0  # the group's other members, each of which returns a verdict
         self.borrowed: torch.Tensor | None = None  # a lone receiver's buffer, written by the copy engine
         self.aborted = False
+        self.graph: torch.cuda.CUDAGraph | None = None  # the group's send, captured at its first
+        self.capture = capture and self.buffer.is_cuda
         if self.buffer.is_cuda:  # the broadcast, the copies and the checksum each beside the packing
             self.send_stream, self.checksum_stream = broadcast_stream(device), torch.cuda.Stream(device)
             self.copy_stream = torch.cuda.Stream(device)
             self.signal = torch.zeros(1, dtype=torch.int32, device=device)  # "receiving", "landed": value meaningless
+            # The trailer, its version set at each send, and the verdicts: they cross streams, so
+            # they are the sender's own, not freed while a send runs.
+            self.version = torch.zeros(1, dtype=torch.int64, device=device)
+            self.trailer = torch.zeros(3, dtype=torch.int64, device=device)
+            self.verdicts = torch.zeros(1, dtype=torch.int32, device=device)
+            # [version, plain sum, weighted sum, verdicts], written by the send's last copy: read
+            # once it is done, with no transfer of its own.
+            self.result = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+            # Recorded inside the graph when captured (external), so that they time each replay.
+            self.started, self.packed = (torch.cuda.Event(enable_timing=True, external=self.capture)
+                                         for _ in range(2))
 
     def join(self, host: str, port: int, world_size: int) -> None:
         """Forms a group (as its rank 0) in place of the previous one."""
+        self.graph = None  # its collectives are the old group's, its copies into the old buffer
         self.group = None
         self.borrowed = None
         self.aborted = False
@@ -176,56 +200,75 @@ class WeightSender:
         if _lends_buffer(world_size, self.buffer.device):
             self.borrowed = borrow_buffer(self.group, self.buffer.device)
 
-    async def send(self, version: int, pack: Callable[[Chunk, torch.Tensor], None]) -> dict[str, Any]:
-        """Packs the weights chunk by chunk (`pack(chunk, buffer)` writes its pieces) and sends
-        each chunk once packed, then the trailer: `version` and the checksum sums of the whole
-        buffer, which every receiver checks its own against, then sums the receivers' verdicts.
-        On GPU the packing (the caller's stream), the chunks' transfer and the checksum run on
-        streams of their own, so packing chunk k + 1 overlaps sending chunk k, and the checksum
-        of the packed buffer overlaps sending the last chunks. BroadcastBroken if a member
-        left the group or `abort` gave it up: the group is left, and a new one must be joined.
-        Returns the version, the checksum's digest, how many of the `receivers` verified it, the
-        bytes, whether the chunks went by copy engine (1.0) or broadcast, seconds (the whole send,
-        and the packing within it), and the wall clock (`time.time()`) at its start and end, which
-        the push compares across processes."""
+    async def send(self, version: int) -> dict[str, Any]:
+        """Packs the weights chunk by chunk and sends each chunk once packed, then the trailer:
+        `version` and the checksum sums of the whole buffer, which every receiver checks its own
+        against, then sums the receivers' verdicts. On GPU the packing (the caller's stream), the
+        chunks' transfer and the checksum run on streams of their own, so packing chunk k + 1
+        overlaps sending chunk k, and the checksum of the packed buffer overlaps sending the last
+        chunks. BroadcastBroken if a member left the group or `abort` gave it up: the group is
+        left, and a new one must be joined. Returns the version, the checksum's digest, how many
+        of the `receivers` verified it, the bytes, whether the chunks went by copy engine (1.0) or
+        broadcast, seconds (the whole send, and the packing within it), and the wall clock
+        (`time.time()`) at its start and end, which the push compares across processes."""
         started_at, start = time.time(), time.perf_counter()
         try:
             if self.buffer.is_cuda:
-                trailer, verified, pack_s = await self._send_cuda(version, pack)
+                (_, plain, weighted, verified), pack_s = await self._send_cuda(version)
             else:
-                trailer, verified, pack_s = self._send_cpu(version, pack)
+                (_, plain, weighted, verified), pack_s = self._send_cpu(version)
         except BaseException:  # a member left, or the packing failed halfway through the broadcast
             self.group = None  # over gloo this closes its connections: the members waiting on it fail
             raise
-        _, plain, weighted = trailer.tolist()
         return {"version": version, "checksum": self.layout.digest(*unsigned(plain, weighted)),
                 "verified": verified, "receivers": self.receivers, "bytes": float(self.layout.total_bytes),
                 "copy_engine": float(self.borrowed is not None), "send_s": time.perf_counter() - start,
                 "pack_s": pack_s, "started_at": started_at, "ended_at": time.time()}
 
-    def _send_cpu(self, version: int,
-                  pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[torch.Tensor, int, float]:
+    def _send_cpu(self, version: int) -> tuple[list[int], float]:
         pack_s = 0.0
         for chunk in self.layout.chunks:
             packing = time.perf_counter()
-            pack(chunk, self.buffer)
+            self.pack(chunk, self.buffer)
             pack_s += time.perf_counter() - packing
             self.group.broadcast(self.layout.chunk_view(self.buffer, chunk), src=0)
-        trailer = _trailer(version, self.buffer)
+        trailer = _trailer(torch.tensor([version]), self.buffer)
         self.group.broadcast(trailer, src=0)
         verdicts = torch.zeros(1, dtype=torch.int32)  # the receivers' verdicts; the sender's own counts nothing
         self.group.all_reduce(verdicts, verdicts)
-        return trailer, int(verdicts.item()), pack_s
+        return trailer.tolist() + [int(verdicts.item())], pack_s
 
-    async def _send_cuda(self, version: int,
-                         pack: Callable[[Chunk, torch.Tensor], None]) -> tuple[torch.Tensor, int, float]:
+    async def _send_cuda(self, version: int) -> tuple[list[int], float]:
         # NCCL waits for a dead member for ever, and a host thread blocked in that wait could not
         # serve `abort`: everything is enqueued, and the end of the broadcast polled.
+        self.version.fill_(version)
+        if not self.capture:
+            self._enqueue()
+        else:
+            if self.graph is None:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    self._enqueue()
+                self.graph = graph
+            self.graph.replay()
+        done = torch.cuda.current_stream().record_event()
+        # Polled between the event loop's other work, not slept between: asyncio's selector waits
+        # in whole milliseconds, so any sleep here would add up to a millisecond to every sync.
+        while not done.query():
+            if self.aborted:
+                raise BroadcastBroken("the weight broadcast was aborted: a member died during it")
+            await asyncio.sleep(0)
+        return self.result.tolist(), self.started.elapsed_time(self.packed) / 1e3
+
+    def _enqueue(self) -> None:
+        """A whole send on the sender's streams, after the current stream's work (which holds the
+        version), joined back into it at the end: run as it is enqueued, or captured."""
         packing = torch.cuda.current_stream()
-        started, packed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        started.record(packing)
+        for stream in (self.send_stream, self.copy_stream, self.checksum_stream):
+            stream.wait_stream(packing)
+        self.started.record(packing)
         chunks = self.layout.chunks
-        pack(chunks[0], self.buffer)  # before the collective below, which the packing need not wait for
+        self.pack(chunks[0], self.buffer)  # before the collective below, which the packing need not wait for
         if self.borrowed is not None:
             # Only a receiver that is receiving may be written into (it may still be loading
             # the last version from its buffer): all of the group in one collective says so.
@@ -233,7 +276,7 @@ class WeightSender:
             self.copy_stream.wait_stream(self.send_stream)
         for i, chunk in enumerate(chunks):
             if i:  # chunk 0 was packed above
-                pack(chunk, self.buffer)
+                self.pack(chunk, self.buffer)
             ready = packing.record_event()
             view = self.layout.chunk_view(self.buffer, chunk)
             if self.borrowed is None:
@@ -245,41 +288,39 @@ class WeightSender:
                 self.layout.chunk_view(self.borrowed, chunk).copy_(view, non_blocking=True)
             self.send_stream.wait_stream(self.copy_stream)
             self.group.broadcast(self.signal, src=0, stream=self.send_stream)
-        packed.record(packing)
-        self.checksum_stream.wait_event(packed)
+        self.packed.record(packing)
+        self.checksum_stream.wait_stream(packing)
         with torch.cuda.stream(self.checksum_stream):
-            trailer = _trailer(version, self.buffer)
+            self.trailer.copy_(_trailer(self.version, self.buffer))
         self.send_stream.wait_stream(self.checksum_stream)
-        self.group.broadcast(trailer, src=0, stream=self.send_stream)
+        self.group.broadcast(self.trailer, src=0, stream=self.send_stream)
         with torch.cuda.stream(self.send_stream):
-            verdicts = torch.zeros(1, dtype=torch.int32, device=self.buffer.device)
-        self.group.all_reduce(verdicts, verdicts, stream=self.send_stream)
-        done = self.send_stream.record_event()
-        # Polled between the event loop's other work, not slept between: asyncio's selector waits
-        # in whole milliseconds, so any sleep here would add up to a millisecond to every sync.
-        while not done.query():
-            if self.aborted:
-                raise BroadcastBroken("the weight broadcast was aborted: a member died during it")
-            await asyncio.sleep(0)
-        packed.synchronize()
-        return trailer, int(verdicts.item()), started.elapsed_time(packed) / 1e3
+            self.verdicts.zero_()  # the sender's own verdict counts nothing
+        self.group.all_reduce(self.verdicts, self.verdicts, stream=self.send_stream)
+        with torch.cuda.stream(self.send_stream):
+            self.result.copy_(torch.cat([self.trailer, self.verdicts.to(torch.int64)]), non_blocking=True)
+        for stream in (self.send_stream, self.copy_stream, self.checksum_stream):
+            packing.wait_stream(stream)
 
     def abort(self) -> None:
         """Gives up a broadcast that waits for a dead member: NCCL's communicator is aborted
         (ncclCommAbort), and the broadcast raises BroadcastBroken. The group is left either way."""
         self.aborted = True
+        # NCCL's abort waits until every CUDA graph that holds the communicator is destroyed; one
+        # that is running is freed once the abort has ended it.
+        self.graph = None
         group, self.group = self.group, None
         if group is not None and self.buffer.is_cuda:
             group.nccl.ncclCommAbort(group.comm)
 
 
-def _trailer(version: int, buffer: torch.Tensor) -> torch.Tensor:
+def _trailer(version: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
     """What follows the chunks: [version, plain sum, weighted sum] of the packed `buffer`'s
-    checksum, int64 on its device, computed on the current stream in one pass."""
+    checksum, int64 on its device (`version`: [1] int64 there), computed on the current stream
+    in one pass."""
     running = RunningChecksum(buffer.device)
     running.add(buffer, 0)
-    version_tensor = torch.full((1,), version, dtype=torch.int64, device=buffer.device)  # no host copy
-    return torch.cat([version_tensor, running.sums_tensor()])
+    return torch.cat([version, running.sums_tensor()])
 
 
 class BufferReceiver:

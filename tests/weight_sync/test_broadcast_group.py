@@ -47,7 +47,7 @@ CHUNK_BYTES = 4096  # the 38 KB embedding goes in 10 chunks
 
 
 def _pack_from(weights: dict[str, torch.Tensor], layout: PackedLayout):
-    """A trainer's `pack` for WeightSender.send: each chunk's pieces from `weights`."""
+    """A trainer's `pack` for WeightSender: each chunk's pieces from `weights`, as they are then."""
     def pack(chunk, buffer):
         for piece in chunk.pieces:
             layout.piece_view(buffer, piece).copy_(weights[piece.name][piece.first_row:piece.first_row + piece.rows])
@@ -77,20 +77,23 @@ def _member(rank: int, port: int, new_port: int, results) -> None:
     doubled = {name: tensor * 2 for name, tensor in weights.items()}
     try:
         if rank == 0:
-            sender = WeightSender(layout, cpu)
+            policy = {name: tensor.clone() for name, tensor in weights.items()}  # trained in place
+            sender = WeightSender(layout, cpu, _pack_from(policy, layout))
             sender.join("127.0.0.1", port, 3)
-            sent = asyncio.run(sender.send(1, _pack_from(weights, layout)))
+            sent = asyncio.run(sender.send(1))
             whole = layout.checksum(layout.pack(weights, layout.empty(cpu).zero_()))
             results.put((rank, "sent", sent["checksum"] == whole and len(layout.chunks) == 10))
             verified = [sent["verified"]]
-            verified.append(asyncio.run(sender.send(2, _pack_from(weights, layout)))["verified"])  # taken for 3
-            verified.append(asyncio.run(sender.send(3, _pack_from(weights, layout)))["verified"])  # a bit flips
+            verified.append(asyncio.run(sender.send(2))["verified"])  # taken for 3
+            verified.append(asyncio.run(sender.send(3))["verified"])  # a bit flips
             try:
-                asyncio.run(sender.send(4, _pack_from(weights, layout)))  # rank 2 has died
+                asyncio.run(sender.send(4))  # rank 2 has died
             except BroadcastBroken as e:
                 results.put((rank, "error", f"{e} (group left: {sender.group is None})"))
             sender.join("127.0.0.1", new_port, 2)  # the survivors' group
-            verified.append(asyncio.run(sender.send(5, _pack_from(doubled, layout)))["verified"])
+            for name, tensor in policy.items():
+                tensor.copy_(doubled[name])
+            verified.append(asyncio.run(sender.send(5))["verified"])
             results.put((rank, "verified", verified))
             return
         receiver = BufferReceiver(layout, cpu)

@@ -2,8 +2,9 @@
 own buffer with the copy engine (CUDA IPC), unless the receiver's process grows expandable
 segments (then NCCL broadcasts them), and they arrive bit for bit and verified; the trainer writes
 nothing into the buffer before the receiver receives, so a version still in it (waiting for its
-load) stays intact until then. Real processes, each seeing only its own GPU, as the trainer's and
-a replica's do."""
+load) stays intact until then. The second send replays the first's CUDA graph (or, as a trainer
+of several ranks sends, enqueues it again) and carries the weights as changed in place since.
+Real processes, each seeing only its own GPU, as the trainer's and a replica's do."""
 
 from __future__ import annotations
 
@@ -32,24 +33,26 @@ def _weights(device: torch.device, scale: float) -> dict[str, torch.Tensor]:
     return {name: (tensor * scale).to(device) for name, tensor in weights.items()}
 
 
-def _member(rank: int, port: int, results) -> None:
+def _member(rank: int, port: int, capture: bool, results) -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     first, second = _weights(device, 1.0), _weights(device, 2.0)
     layout = PackedLayout.of(first, chunk_bytes=CHUNK_BYTES)
     try:
         if rank == 0:
-            sender = WeightSender(layout, device)
+            policy = {name: tensor.clone() for name, tensor in first.items()}  # trained in place
+
+            def pack(chunk, buffer):
+                for piece in chunk.pieces:
+                    rows = policy[piece.name][piece.first_row:piece.first_row + piece.rows]
+                    layout.piece_view(buffer, piece).copy_(rows)
+
+            sender = WeightSender(layout, device, pack, capture=capture)
             sender.join("127.0.0.1", port, 2)
-
-            def pack_from(weights):
-                def pack(chunk, buffer):
-                    for piece in chunk.pieces:
-                        rows = weights[piece.name][piece.first_row:piece.first_row + piece.rows]
-                        layout.piece_view(buffer, piece).copy_(rows)
-                return pack
-
-            sent = [asyncio.run(sender.send(version, pack_from(w))) for version, w in ((1, first), (2, second))]
+            sent = [asyncio.run(sender.send(1))]
+            for name, tensor in policy.items():
+                tensor.copy_(second[name])
+            sent.append(asyncio.run(sender.send(2)))  # the first send's graph again, where captured
             results.put((rank, [(s["copy_engine"], s["verified"]) for s in sent]))
             return
         receiver = BufferReceiver(layout, device)
@@ -68,19 +71,21 @@ def _member(rank: int, port: int, results) -> None:
         results.put((rank, repr(e)))
 
 
-@pytest.mark.parametrize("alloc_conf, copy_engine", [
-    ("expandable_segments:False", 1.0),
+@pytest.mark.parametrize("alloc_conf, copy_engine, capture", [
+    ("expandable_segments:False", 1.0, True),
     # The receiver's process grows expandable segments, so it lends no buffer: NCCL chunks.
-    ("expandable_segments:True", 0.0),
+    ("expandable_segments:True", 0.0, True),
+    # As a trainer of several ranks sends: enqueued at each send, not replayed.
+    ("expandable_segments:False", 1.0, False),
 ])
 def test_a_lone_receiver_gets_the_chunks_by_copy_engine_verified_and_only_while_it_receives(
-        monkeypatch, alloc_conf, copy_engine):
+        monkeypatch, alloc_conf, copy_engine, capture):
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = [g.strip() for g in visible.split(",")][:2] if visible else ["0", "1"]
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    members = [ctx.Process(target=_member, args=(rank, port, results)) for rank in (0, 1)]
+    members = [ctx.Process(target=_member, args=(rank, port, capture, results)) for rank in (0, 1)]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)
     for gpu, member in zip(gpus, members):
         # Each sees its own GPU only, from its start: importing this module in it starts CUDA.

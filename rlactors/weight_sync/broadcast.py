@@ -191,7 +191,7 @@ class WeightSender:
 
     def join(self, host: str, port: int, world_size: int) -> None:
         """Forms a group (as its rank 0) in place of the previous one."""
-        self.graph = None  # its collectives are the old group's, its copies into the old buffer
+        self._drop_graph()  # its collectives are the old group's, its copies into the old buffer
         self.group = None
         self.borrowed = None
         self.aborted = False
@@ -246,10 +246,13 @@ class WeightSender:
             self._enqueue()
         else:
             if self.graph is None:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    self._enqueue()
-                self.graph = graph
+                self.graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                        self._enqueue()
+                except BaseException:
+                    self.graph = None
+                    raise
             self.graph.replay()
         done = torch.cuda.current_stream().record_event()
         # Polled between the event loop's other work, not slept between: asyncio's selector waits
@@ -306,12 +309,17 @@ class WeightSender:
         """Gives up a broadcast that waits for a dead member: NCCL's communicator is aborted
         (ncclCommAbort), and the broadcast raises BroadcastBroken. The group is left either way."""
         self.aborted = True
-        # NCCL's abort waits until every CUDA graph that holds the communicator is destroyed; one
-        # that is running is freed once the abort has ended it.
-        self.graph = None
+        # NCCL's abort waits until every CUDA graph that holds the communicator is destroyed (one
+        # still running is freed once the abort has ended it).
+        self._drop_graph()
         group, self.group = self.group, None
         if group is not None and self.buffer.is_cuda:
             group.nccl.ncclCommAbort(group.comm)
+
+    def _drop_graph(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()  # destroyed now, whatever still refers to it
+            self.graph = None
 
 
 def _trailer(version: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,9 @@ the weights, with no message through the replicas' actors. The load follows betw
 vLLM, loads after the first are plain copies from the buffer where a copy plan was proven equal to
 vLLM's loader.
 
+On GPU the sender's whole send (packing, chunks, trailer, verdicts) is one CUDA graph, captured at
+a group's first send and replayed at each (`WeightSender`).
+
 A group of one receiver on the trainer's host (one replica on one GPU) carries the chunks another
 way on GPUs: when it joins, the receiver lends its buffer to the trainer by CUDA IPC, and the
 trainer copies each packed chunk straight into it with the copy engine, which needs no SMs and so
@@ -157,8 +160,8 @@ class WeightSender:
     `pack(chunk, buffer)` writes a chunk's pieces of the current weights into the buffer. On GPU,
     with `capture`, a group's first send captures all of a send's GPU work (the packing, the
     chunks, the checksum, the trailer and the verdicts) in one CUDA graph, and every send replays
-    it: one launch in place of the ~10 host calls per chunk, which on two H100s paced a 0.6B
-    send's first copy (benchmarks/results/weight_sync.md). `pack` must then enqueue the same GPU
+    it: one launch in place of ~10 host calls per chunk (on two H100s a 0.6B send in the trainer
+    took 3.9-4.0 ms so, against 4.1; benchmarks/results/weight_sync.md). `pack` must then enqueue the same GPU
     work at every call, reading weights that change in place, and no collective of another group
     (a trainer of several ranks gathers each chunk in its pack: it sends with `capture=False`)."""
 

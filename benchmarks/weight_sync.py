@@ -38,26 +38,26 @@ TITLE = "Weight sync: trainer -> every generator replica, verified by checksum"
 # total: what the training step waits for after its optimizer step has answered, as the controller
 # times it, until every replica holds the weights verified. By broadcast: send, the trainer's side
 # (packing the bf16 weights from the FSDP shards chunk by chunk, each chunk broadcast once packed,
-# then the checksum; pack: the packing within it; it ends once every replica's verdict on the
-# checksum has reached it over the group; step wait: how long the send, made with the optimizer
-# step, waited for it to end) and, on the slowest replica, receive + checksum; the rest is Monarch
-# messaging: the router's plan before them, how late the send call and the last replica's receive
-# started after the push asked for them (lag: with the push made with the optimizer step, while
-# it runs), and how long the trainer's answer took once its send ended (reply). train step: the
-# step's forward, backward and optimizer step on one short sequence per rank, as the controller
-# times it. By
-# messages: gather (full tensors on rank 0, checksummed) and transfer. served: until every replica
-# has loaded them (apply: the load, by the copy plan or vLLM's load_weights, and the prefix-cache
-# reset), between engine steps. chunks by: the copy engine into a lone replica's buffer, or NCCL (gloo)
-# broadcast (rlactors.weight_sync.broadcast). Monarch round trip: a call that does nothing, from the
-# controller to a proc of its own on this host and back, in the same run beside the system (median of
-# ROUND_TRIPS), back to back and each after IDLE_S of idling: a push meets its procs idle (they train
-# or wait between pushes), and Monarch answers a call after a pause more slowly (weight_sync.md, notes
-# of 2026-11-27).
+# then the checksum; it ends once every replica's verdict on the checksum has reached it over the
+# group; send on device: its span on the GPU, from the first packing to the last collective, the
+# rest of send being the trainer's host's; pack: the packing within it; step wait: how long the
+# send, made with the optimizer step, waited for it to end) and, on the slowest replica, receive +
+# checksum; the rest is Monarch messaging: the router's plan before them, how late the send call and
+# the last replica's receive started after the push asked for them (lag: with the push made with the
+# optimizer step, while it runs), and how long the trainer's answer took once its send ended
+# (reply). train step: the step's forward, backward and optimizer step on one short sequence per
+# rank, as the controller times it. By messages: gather (full tensors on rank 0, checksummed) and
+# transfer. served: until every replica has loaded them (apply: the load, by the copy plan or vLLM's
+# load_weights, and the prefix-cache reset), between engine steps. chunks by: the copy engine into a
+# lone replica's buffer, or NCCL (gloo) broadcast (rlactors.weight_sync.broadcast). Monarch round
+# trip: a call that does nothing, from the controller to a proc of its own on this host and back, in
+# the same run beside the system (median of ROUND_TRIPS), back to back and each after IDLE_S of
+# idling: a push meets its procs idle (they train or wait between pushes), and Monarch answers a
+# call after a pause more slowly (weight_sync.md, notes of 2026-11-27).
 # Medians over --iters.
 COLUMNS = ("model", "trainer GPUs", "replicas", "push with the optimizer step", "total ms (min-max)", "served ms",
-           "send ms", "pack ms", "gather ms", "transfer ms", "replica receive+verify ms", "plan ms",
-           "send lag ms", "receive lag ms", "step wait ms", "reply ms", "train step ms", "replica apply ms",
+           "send ms", "send on device ms", "pack ms", "gather ms", "transfer ms", "replica receive+verify ms",
+           "plan ms", "send lag ms", "receive lag ms", "step wait ms", "reply ms", "train step ms", "replica apply ms",
            "copy plan", "chunks by", "Monarch round trip ms", "Monarch round trip after idle ms",
            "GB/s (bytes / total)", "NCCL ceiling ms", "total / ceiling")
 ROUND_TRIPS = 200
@@ -220,7 +220,8 @@ def main() -> None:
     figures = [f"{args.size} ({num_bytes / 1e6:.0f} MB)", args.trainer_gpus, args.replicas,
                "yes" if all(r["with_step"] for r in runs) else "no",
                f"{total * 1e3:.1f} ({min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f})", median_ms("served_s"),
-               median_ms("send_s"), median_ms("pack_s"), median_ms("gather_s"), median_ms("transfer_s"),
+               median_ms("send_s"), median_ms("send_device_s"), median_ms("pack_s"), median_ms("gather_s"),
+               median_ms("transfer_s"),
                median_ms("replica_receive_verify_s"), median_ms("plan_s"), median_ms("send_lag_s"),
                median_ms("receive_lag_s"), median_ms("step_wait_s"), median_ms("reply_lag_s"),
                median_ms("train_step_s"), median_ms("replica_apply_s"),

@@ -39,9 +39,10 @@ from rlactors.weight_sync.packed import CHUNK_BYTES, PackedLayout
 
 TITLE = "Weight sync's data path: packing, chunks, checksums and verdict between two processes"
 # send: `WeightSender.send` as timed inside it (packing, the chunks, the trailer, every verdict);
+# send on device: its span on the GPU, first packing to last collective (the rest is the host's);
 # pack: the packing within it; receive+verify: `BufferReceiver.receive`. Medians over --iters.
-COLUMNS = ("model", "chunk MiB", "chunks", "chunks by", "send ms (min-max)", "pack ms", "receive+verify ms",
-           "NCCL ceiling ms", "send / ceiling")
+COLUMNS = ("model", "chunk MiB", "chunks", "chunks by", "send ms (min-max)", "send on device ms", "pack ms",
+           "receive+verify ms", "NCCL ceiling ms", "send / ceiling")
 
 
 def _layout(shapes: dict[str, torch.Size], chunk_mib: int) -> PackedLayout:
@@ -91,8 +92,8 @@ def _send(layout: PackedLayout, params: dict[str, torch.nn.Parameter], device: t
     if any(s["verified"] != 1 for s in sent):
         raise RuntimeError(f"the receiver did not verify every sync: {[s['verified'] for s in sent]}")
     _profiled(options, trace, lambda: asyncio.run(sender.send(options["iters"] + 2)))
-    return {"send_s": [s["send_s"] for s in sent], "pack_s": [s["pack_s"] for s in sent],
-            "copy_engine": all(s["copy_engine"] == 1.0 for s in sent)}
+    return {"send_s": [s["send_s"] for s in sent], "device_s": [s["device_s"] for s in sent],
+            "pack_s": [s["pack_s"] for s in sent], "copy_engine": all(s["copy_engine"] == 1.0 for s in sent)}
 
 
 def _receive(layout: PackedLayout, device: torch.device, port: int, options: dict[str, Any],
@@ -161,6 +162,7 @@ def main() -> None:
         row = [f"{args.size} ({num_bytes / 1e6:.0f} MB)", str(mib), str(len(layouts[mib].chunks)),
                "copy engine" if timings["copy_engine"] else "broadcast",
                f"{send * 1e3:.2f} ({min(sends) * 1e3:.2f}-{max(sends) * 1e3:.2f})",
+               f"{statistics.median(timings['device_s']) * 1e3:.2f}",
                f"{statistics.median(timings['pack_s']) * 1e3:.2f}",
                f"{statistics.median(timings['receive_verify_s']) * 1e3:.2f}",
                "n/a" if ceiling is None else f"{ceiling * 1e3:.2f}",

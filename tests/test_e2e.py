@@ -112,6 +112,7 @@ def test_weights_by_broadcast_train_like_weights_by_messages(tmp_path, short_run
                                 "send_weights called", "send_weights answered"]
     for by_message, by_broadcast in zip(messages, broadcast):
         assert "weight_sync/send_s" in by_broadcast and "weight_sync/send_s" not in by_message
+        assert 0 < by_broadcast["weight_sync/send_device_s"] <= by_broadcast["weight_sync/send_s"]
         # broadcast bytes include alignment
         assert by_broadcast["weight_sync/bytes"] == pytest.approx(by_message["weight_sync/bytes"], rel=0.01)
         assert by_broadcast["generator/serving_replicas"] == 2

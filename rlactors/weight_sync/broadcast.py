@@ -190,8 +190,8 @@ class WeightSender:
             # once it is done, with no transfer of its own.
             self.result = torch.zeros(4, dtype=torch.int64, pin_memory=True)
             # Recorded inside the graph when captured (external), so that they time each replay.
-            self.started, self.packed = (torch.cuda.Event(enable_timing=True, external=self.capture)
-                                         for _ in range(2))
+            self.started, self.packed, self.ended = (torch.cuda.Event(enable_timing=True, external=self.capture)
+                                                     for _ in range(3))
 
     def join(self, host: str, port: int, world_size: int) -> None:
         """Forms a group (as its rank 0) in place of the previous one."""
@@ -213,24 +213,25 @@ class WeightSender:
         chunks. BroadcastBroken if a member left the group or `abort` gave it up: the group is
         left, and a new one must be joined. Returns the version, the checksum's digest, how many
         of the `receivers` verified it, the bytes, whether the chunks went by copy engine (1.0) or
-        broadcast, seconds (the whole send, and the packing within it), and the wall clock
+        broadcast, seconds (the whole send; its span on the device, from the first packing to the
+        last collective, the rest being the host's; and the packing within it), and the wall clock
         (`time.time()`) at its start and end, which the push compares across processes."""
         started_at, start = time.time(), time.perf_counter()
         try:
             if self.buffer.is_cuda:
-                (_, plain, weighted, verified), pack_s = await self._send_cuda(version)
+                (_, plain, weighted, verified), device_s, pack_s = await self._send_cuda(version)
             else:
-                (_, plain, weighted, verified), pack_s = self._send_cpu(version)
+                (_, plain, weighted, verified), device_s, pack_s = self._send_cpu(version)
         except BaseException:  # a member left, or the packing failed halfway through the broadcast
             self.group = None  # over gloo this closes its connections: the members waiting on it fail
             raise
         return {"version": version, "checksum": self.layout.digest(*unsigned(plain, weighted)),
                 "verified": verified, "receivers": self.receivers, "bytes": float(self.layout.total_bytes),
                 "copy_engine": float(self.borrowed is not None), "send_s": time.perf_counter() - start,
-                "pack_s": pack_s, "started_at": started_at, "ended_at": time.time()}
+                "device_s": device_s, "pack_s": pack_s, "started_at": started_at, "ended_at": time.time()}
 
-    def _send_cpu(self, version: int) -> tuple[list[int], float]:
-        pack_s = 0.0
+    def _send_cpu(self, version: int) -> tuple[list[int], float, float]:
+        began, pack_s = time.perf_counter(), 0.0  # on CPU the host is the device
         for chunk in self.layout.chunks:
             packing = time.perf_counter()
             self.pack(chunk, self.buffer)
@@ -240,9 +241,9 @@ class WeightSender:
         self.group.broadcast(trailer, src=0)
         verdicts = torch.zeros(1, dtype=torch.int32)  # the receivers' verdicts; the sender's own counts nothing
         self.group.all_reduce(verdicts, verdicts)
-        return trailer.tolist() + [int(verdicts.item())], pack_s
+        return trailer.tolist() + [int(verdicts.item())], time.perf_counter() - began, pack_s
 
-    async def _send_cuda(self, version: int) -> tuple[list[int], float]:
+    async def _send_cuda(self, version: int) -> tuple[list[int], float, float]:
         # NCCL waits for a dead member for ever, and a host thread blocked in that wait could not
         # serve `abort`: everything is enqueued, and the end of the broadcast polled.
         self.version.fill_(version)
@@ -265,7 +266,8 @@ class WeightSender:
             if self.aborted:
                 raise BroadcastBroken("the weight broadcast was aborted: a member died during it")
             await asyncio.sleep(0)
-        return self.result.tolist(), self.started.elapsed_time(self.packed) / 1e3
+        return (self.result.tolist(), self.started.elapsed_time(self.ended) / 1e3,
+                self.started.elapsed_time(self.packed) / 1e3)
 
     def _enqueue(self) -> None:
         """A whole send on the sender's streams, after the current stream's work (which holds the
@@ -308,6 +310,7 @@ class WeightSender:
             self.result.copy_(torch.cat([self.trailer, self.verdicts.to(torch.int64)]), non_blocking=True)
         for stream in (self.send_stream, self.copy_stream, self.checksum_stream):
             packing.wait_stream(stream)
+        self.ended.record(packing)
 
     def abort(self) -> None:
         """Gives up a broadcast that waits for a dead member: NCCL's communicator is aborted

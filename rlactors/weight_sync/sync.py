@@ -278,12 +278,14 @@ class BroadcastSync(WeightSync):
         self.version = version
         sender = first_value(sent)
         # Where the time went: the router's plan, if one was asked for; the trainer's send (packing,
-        # and the broadcast beside it, which waits for every receiver and their verdicts), and how
-        # long it waited for the optimizer step it was sent with; and the messaging around it: how
-        # late the send call reached the trainer after the push made it, and how long its answer
-        # took. The replicas' side is `settled`'s. They load after this returns.
+        # and the broadcast beside it, which waits for every receiver and their verdicts; its span
+        # on the device, the rest being the trainer's host's), and how long it waited for the
+        # optimizer step it was sent with; and the messaging around it: how late the send call
+        # reached the trainer after the push made it, and how long its answer took. The replicas'
+        # side is `settled`'s. They load after this returns.
         return {"total_s": time.perf_counter() - start, "bytes": sender["bytes"], "send_s": sender["send_s"],
-                "pack_s": sender["pack_s"], "plan_s": plan_s, "step_wait_s": sender["step_wait_s"],
+                "send_device_s": sender["device_s"], "pack_s": sender["pack_s"], "plan_s": plan_s,
+                "step_wait_s": sender["step_wait_s"],
                 "send_lag_s": sender["started_at"] - sender["step_wait_s"] - began,
                 "reply_lag_s": ended - sender["ended_at"], "broadcast_tries": float(tries),
                 "copy_engine": sender["copy_engine"]}

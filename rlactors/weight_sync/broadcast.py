@@ -256,7 +256,7 @@ class WeightSender:
                     with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                         self._enqueue()
                 except BaseException:
-                    self.graph = None
+                    self._drop_graph()  # half captured, it may hold the group's communicator
                     raise
             self.graph.replay()
         done = torch.cuda.current_stream().record_event()
@@ -273,8 +273,17 @@ class WeightSender:
         """A whole send on the sender's streams, after the current stream's work (which holds the
         version), joined back into it at the end: run as it is enqueued, or captured."""
         packing = torch.cuda.current_stream()
-        for stream in (self.send_stream, self.copy_stream, self.checksum_stream):
+        sides = (self.send_stream, self.copy_stream, self.checksum_stream)
+        for stream in sides:
             stream.wait_stream(packing)
+        try:
+            self._enqueue_send(packing)
+        finally:  # a capture ends only once every stream it forked is joined back, a failed one too
+            for stream in sides:
+                packing.wait_stream(stream)
+        self.ended.record(packing)
+
+    def _enqueue_send(self, packing: torch.cuda.Stream) -> None:
         self.started.record(packing)
         chunks = self.layout.chunks
         self.pack(chunks[0], self.buffer)  # before the collective below, which the packing need not wait for
@@ -308,9 +317,6 @@ class WeightSender:
         self.group.all_reduce(self.verdicts, self.verdicts, stream=self.send_stream)
         with torch.cuda.stream(self.send_stream):
             self.result.copy_(torch.cat([self.trailer, self.verdicts.to(torch.int64)]), non_blocking=True)
-        for stream in (self.send_stream, self.copy_stream, self.checksum_stream):
-            packing.wait_stream(stream)
-        self.ended.record(packing)
 
     def abort(self) -> None:
         """Gives up a broadcast that waits for a dead member: NCCL's communicator is aborted

@@ -4,7 +4,9 @@ segments (then NCCL broadcasts them), and they arrive bit for bit and verified; 
 nothing into the buffer before the receiver receives, so a version still in it (waiting for its
 load) stays intact until then. The second send replays the first's CUDA graph (or, as a trainer
 of several ranks sends, enqueues it again) and carries the weights as changed in place since.
-Real processes, each seeing only its own GPU, as the trainer's and a replica's do."""
+A send whose packing fails while it is being captured leaves its group with no graph, and the
+next group's first send captures anew and delivers. Real processes, each seeing only its own
+GPU, as the trainer's and a replica's do."""
 
 from __future__ import annotations
 
@@ -71,6 +73,28 @@ def _member(rank: int, port: int, capture: bool, results) -> None:
         results.put((rank, repr(e)))
 
 
+def _run_members(monkeypatch, alloc_conf: str, member, *args) -> dict:
+    """Runs `member(rank, *args, results)` for ranks 0 and 1, each in a process of its own on a
+    GPU of its own; returns what each put in `results`, by rank."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = [g.strip() for g in visible.split(",")][:2] if visible else ["0", "1"]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    members = [ctx.Process(target=member, args=(rank, *args, results)) for rank in (0, 1)]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)
+    for gpu, process in zip(gpus, members):
+        # Each sees its own GPU only, from its start: importing this module in it starts CUDA.
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpu)
+        process.start()
+    try:
+        return dict(results.get(timeout=120) for _ in members)
+    finally:
+        for process in members:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+
+
 @pytest.mark.parametrize("alloc_conf, copy_engine, capture", [
     ("expandable_segments:False", 1.0, True),
     # The receiver's process grows expandable segments, so it lends no buffer: NCCL chunks.
@@ -80,23 +104,52 @@ def _member(rank: int, port: int, capture: bool, results) -> None:
 ])
 def test_a_lone_receiver_gets_the_chunks_by_copy_engine_verified_and_only_while_it_receives(
         monkeypatch, alloc_conf, copy_engine, capture):
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = [g.strip() for g in visible.split(",")][:2] if visible else ["0", "1"]
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    members = [ctx.Process(target=_member, args=(rank, port, capture, results)) for rank in (0, 1)]
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)
-    for gpu, member in zip(gpus, members):
-        # Each sees its own GPU only, from its start: importing this module in it starts CUDA.
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpu)
-        member.start()
-    try:
-        got = dict(results.get(timeout=120) for _ in members)
-    finally:
-        for member in members:
-            member.join(timeout=30)
-            if member.is_alive():
-                member.kill()
+    got = _run_members(monkeypatch, alloc_conf, _member, free_port(), capture)
     assert got[0] == [(copy_engine, 1), (copy_engine, 1)], got
     assert got[1] == [copy_engine == 1.0, True, True, True], got
+
+
+def _regrouping_member(rank: int, ports: tuple[int, int], results) -> None:
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    weights = _weights(device, 1.0)
+    layout = PackedLayout.of(weights, chunk_bytes=CHUNK_BYTES)
+    try:
+        if rank == 0:
+            failing = [True]
+
+            def pack(chunk, buffer):
+                if failing[0] and chunk is layout.chunks[2]:  # two chunks' work is captured before it
+                    raise RuntimeError("the packing failed")
+                for piece in chunk.pieces:
+                    rows = weights[piece.name][piece.first_row:piece.first_row + piece.rows]
+                    layout.piece_view(buffer, piece).copy_(rows)
+
+            sender = WeightSender(layout, device, pack)
+            sender.join("127.0.0.1", ports[0], 2)
+            try:
+                asyncio.run(sender.send(1))
+                failed = None
+            except RuntimeError as e:
+                failed = str(e)
+            left = (sender.graph is None, sender.group is None)
+            failing[0] = False
+            sender.join("127.0.0.1", ports[1], 2)
+            sent = asyncio.run(sender.send(1))
+            results.put((rank, [failed, left, sent["copy_engine"], sent["verified"], sender.graph is not None]))
+            return
+        receiver = BufferReceiver(layout, device)
+        receiver.join("127.0.0.1", ports[0], 1, 2)  # the failed send never reaches it
+        receiver.join("127.0.0.1", ports[1], 1, 2)
+        receiver.receive(1)
+        held = all(torch.equal(receiver.weights()[name], tensor) for name, tensor in weights.items())
+        results.put((rank, [receiver.lent, held]))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        results.put((rank, repr(e)))
+
+
+def test_a_packing_that_fails_during_the_capture_leaves_the_group_and_the_next_group_captures_anew(monkeypatch):
+    got = _run_members(monkeypatch, "expandable_segments:False", _regrouping_member, (free_port(), free_port()))
+    # The second group's buffer is the one lent to the first: the trainer maps it again.
+    assert got[0] == ["the packing failed", (True, True), 1.0, 1, True], got
+    assert got[1] == [True, True], got

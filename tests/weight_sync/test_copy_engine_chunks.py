@@ -35,6 +35,15 @@ def _weights(device: torch.device, scale: float) -> dict[str, torch.Tensor]:
     return {name: (tensor * scale).to(device) for name, tensor in weights.items()}
 
 
+def _packing(layout: PackedLayout, weights: dict[str, torch.Tensor]):
+    """A sender's `pack`: each piece's rows of `weights`, as they are at the call."""
+    def pack(chunk, buffer):
+        for piece in chunk.pieces:
+            rows = weights[piece.name][piece.first_row:piece.first_row + piece.rows]
+            layout.piece_view(buffer, piece).copy_(rows)
+    return pack
+
+
 def _member(rank: int, port: int, capture: bool, results) -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -43,13 +52,7 @@ def _member(rank: int, port: int, capture: bool, results) -> None:
     try:
         if rank == 0:
             policy = {name: tensor.clone() for name, tensor in first.items()}  # trained in place
-
-            def pack(chunk, buffer):
-                for piece in chunk.pieces:
-                    rows = policy[piece.name][piece.first_row:piece.first_row + piece.rows]
-                    layout.piece_view(buffer, piece).copy_(rows)
-
-            sender = WeightSender(layout, device, pack, capture=capture)
+            sender = WeightSender(layout, device, _packing(layout, policy), capture=capture)
             sender.join("127.0.0.1", port, 2)
             sent = [asyncio.run(sender.send(1))]
             for name, tensor in policy.items():
@@ -116,14 +119,12 @@ def _regrouping_member(rank: int, ports: tuple[int, int], results) -> None:
     layout = PackedLayout.of(weights, chunk_bytes=CHUNK_BYTES)
     try:
         if rank == 0:
-            failing = [True]
+            failing, packing = [True], _packing(layout, weights)
 
             def pack(chunk, buffer):
                 if failing[0] and chunk is layout.chunks[2]:  # two chunks' work is captured before it
                     raise RuntimeError("the packing failed")
-                for piece in chunk.pieces:
-                    rows = weights[piece.name][piece.first_row:piece.first_row + piece.rows]
-                    layout.piece_view(buffer, piece).copy_(rows)
+                packing(chunk, buffer)
 
             sender = WeightSender(layout, device, pack)
             sender.join("127.0.0.1", ports[0], 2)

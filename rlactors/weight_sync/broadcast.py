@@ -160,11 +160,10 @@ class WeightSender:
     `pack(chunk, buffer)` writes a chunk's pieces of the current weights into the buffer. On GPU,
     with `capture`, a group's first send captures all of a send's GPU work (the packing, the
     chunks, the checksum, the trailer and the verdicts) in one CUDA graph, and every send replays
-    it: one launch in place of ~10 host calls per chunk (on two H100s a 0.6B send in the trainer
-    took 3.9-4.0 ms so, against 4.1; benchmarks/results/weight_sync.md). `pack` must then enqueue
-    the same GPU work at every call, reading weights that change in place, and no collective of
-    another group (a trainer of several ranks gathers each chunk in its pack: it sends with
-    `capture=False`)."""
+    it: one launch in place of ~10 host calls per chunk (benchmarks/results/weight_sync.md).
+    `pack` must then enqueue the same GPU work at every call, reading weights that change in
+    place, and no collective of another group (a trainer of several ranks gathers each chunk in
+    its pack: it sends with `capture=False`)."""
 
     def __init__(self, layout: PackedLayout, device: torch.device, pack: Callable[[Chunk, torch.Tensor], None],
                  capture: bool = True):

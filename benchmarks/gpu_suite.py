@@ -4,8 +4,9 @@
     python benchmarks/gpu_suite.py 2gpu   # the tests that need two GPUs (NCCL, FSDP2, tensor and expert parallel)
     python benchmarks/gpu_suite.py 1gpu --groups kernels "vllm engine"   # some groups only
 
-A group is a pytest process, so nothing one group leaves in memory reaches the next; inside a
-group, tests/conftest.py checks that each module gives the GPU memory back. `1gpu` runs its groups
+A group is a pytest process in a session of its own, so nothing one group leaves in memory reaches
+the next, and a group stopped at its timeout takes its processes with it; inside a group,
+tests/conftest.py checks that each module gives the GPU memory back. `1gpu` runs its groups
 side by side when more GPUs are visible (one GPU each, by CUDA_VISIBLE_DEVICES); `2gpu` runs its
 groups one after another on the first two GPUs, and fails a test that skips for want of GPUs.
 Prints a table of groups, counts and seconds, appends it to benchmarks/results/gpu_suite.md with
@@ -21,6 +22,7 @@ import os
 import queue
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -31,7 +33,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_suite.md"
 GROUP_TIMEOUT_S = 600
-PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rfEs"]
+# Verbose, so a group's log names each test as it starts: a group stopped at its timeout shows
+# which test was running; a test still running after STACKS_AFTER_S prints every thread's stack.
+STACKS_AFTER_S = 300
+PYTEST = ["-m", "pytest", "-v", "-p", "no:cacheprovider", "--tb=short", "-rfEs", "--durations=10",
+          "-o", f"faulthandler_timeout={STACKS_AFTER_S}"]
 
 
 @dataclass
@@ -61,8 +67,8 @@ NAMED = {a for g in SINGLE for a in g.args if a.startswith("tests/")}
 SINGLE.append(Group("other", [*ONE, "tests", *(f"--ignore={p}" for p in sorted(NAMED))], 1))
 TWO = ["-m", "two_gpus"]
 DOUBLE = [
-    Group("fsdp and nccl sync", [*TWO, "tests/test_gpu_system.py", "tests/weight_sync/test_copy_engine_chunks.py",
-                                 "-k", "not tensor_parallel"], 2),
+    Group("fsdp and nccl sync", [*TWO, "tests/test_gpu_system.py", "-k", "not tensor_parallel"], 2),
+    Group("copy engine", [*TWO, "tests/weight_sync/test_copy_engine_chunks.py"], 2),
     Group("tensor parallel", [*TWO, "tests/test_gpu_system.py", "-k", "tensor_parallel"], 2),
     Group("nccl faults", [*TWO, "tests/faults/test_nccl_faults.py"], 2),
     Group("expert parallel", [*TWO, "tests/trainer/test_expert_parallel.py"], 2),
@@ -74,13 +80,21 @@ def run_group(group: Group, devices: str, log: Path | None, timeout_s: float) ->
     ends, so a caller stopped later keeps it) and its failures to stdout."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
     start = time.monotonic()
+    # A session of its own, so that a group stopped at its timeout takes every process it started
+    # (engines, procs, a test's workers) with it, and leaves the GPUs to the next group.
+    pytest = subprocess.Popen([sys.executable, *PYTEST, *group.args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        done = subprocess.run([sys.executable, *PYTEST, *group.args], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=timeout_s)
-        group.returncode, group.log = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as e:
+        group.log, _ = pytest.communicate(timeout=timeout_s)
+        group.returncode = pytest.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(pytest.pid, signal.SIGKILL)
+        try:
+            output, _ = pytest.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            output = "(output lost: a process that left the group's session holds it open)"
         group.returncode = -1
-        group.log = f"{(e.stdout or b'').decode(errors='replace')}\ntimed out after {timeout_s:.0f} s"
+        group.log = f"{output}\ntimed out after {timeout_s:.0f} s"
     group.seconds = time.monotonic() - start
     # pytest's last line counts the tests; output of the processes it started may follow it.
     summaries = [line for line in group.log.splitlines() if re.search(r"\d+ (passed|failed|errors?|deselected)", line)

@@ -1,0 +1,55 @@
+"""benchmarks/gpu_suite.py on CPU: its groups name tests that exist, and a group stopped at its
+timeout takes every process it started with it and says which test was running."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "benchmarks"))  # as when run from there
+import gpu_suite  # noqa: E402
+
+HOLDER = """
+import subprocess, time
+def test_holds_a_process():
+    child = subprocess.Popen(["sleep", "600"])
+    open({pid_file!r}, "w").write(str(child.pid))
+    time.sleep(600)
+"""
+
+
+def test_every_group_names_test_files_of_the_repository():
+    for group in [*gpu_suite.SINGLE, *gpu_suite.DOUBLE]:
+        paths = [a.removeprefix("--ignore=") for a in group.args if "tests" in a]
+        assert paths, group.name
+        assert all((ROOT / p).exists() for p in paths), (group.name, paths)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"  # killed, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_a_group_past_its_timeout_takes_the_processes_it_started_and_names_the_running_test(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    test_file = tmp_path / "test_holder.py"
+    test_file.write_text(HOLDER.format(pid_file=str(pid_file)))
+    # A busy machine may not reach the test within the first timeout: then a longer one.
+    for timeout_s in (20, 60, 180):
+        group = gpu_suite.run_group(gpu_suite.Group("holder", [str(test_file)], 1), "", None, timeout_s)
+        if pid_file.exists():
+            break
+    assert pid_file.exists(), group.log
+    assert group.returncode == -1 and group.log.endswith(f"timed out after {timeout_s} s"), group.log
+    assert "test_holder.py::test_holds_a_process" in group.log, group.log
+    assert gpu_suite.failed(group, "1gpu")
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 30
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not _gone(child):
+        os.kill(child, 9)
+        raise AssertionError(f"the group's process {child} outlived its timeout")

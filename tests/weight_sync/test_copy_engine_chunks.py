@@ -112,7 +112,7 @@ def test_a_lone_receiver_gets_the_chunks_by_copy_engine_verified_and_only_while_
     assert got[1] == [copy_engine == 1.0, True, True, True], got
 
 
-def _regrouping_member(rank: int, ports: tuple[int, int], results) -> None:
+def _regrouping_member(rank: int, ports: tuple[int, int], joined, results) -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     weights = _weights(device, 1.0)
@@ -128,6 +128,10 @@ def _regrouping_member(rank: int, ports: tuple[int, int], results) -> None:
 
             sender = WeightSender(layout, device, pack)
             sender.join("127.0.0.1", ports[0], 2)
+            # As the controller does, sent once every member has joined: the failed send leaves
+            # the group and so closes its store, which the receiver's join may still be reading.
+            if not joined.wait(timeout=120):
+                raise TimeoutError("the receiver did not join the first group")
             try:
                 asyncio.run(sender.send(1))
                 failed = None
@@ -141,6 +145,7 @@ def _regrouping_member(rank: int, ports: tuple[int, int], results) -> None:
             return
         receiver = BufferReceiver(layout, device)
         receiver.join("127.0.0.1", ports[0], 1, 2)  # the failed send never reaches it
+        joined.set()
         receiver.join("127.0.0.1", ports[1], 1, 2)
         receiver.receive(1)
         held = all(torch.equal(receiver.weights()[name], tensor) for name, tensor in weights.items())
@@ -150,7 +155,8 @@ def _regrouping_member(rank: int, ports: tuple[int, int], results) -> None:
 
 
 def test_a_packing_that_fails_during_the_capture_leaves_the_group_and_the_next_group_captures_anew(monkeypatch):
-    got = _run_members(monkeypatch, "expandable_segments:False", _regrouping_member, (free_port(), free_port()))
+    joined = multiprocessing.get_context("spawn").Event()
+    got = _run_members(monkeypatch, "expandable_segments:False", _regrouping_member, (free_port(), free_port()), joined)
     # The second group's buffer is the one lent to the first: the trainer maps it again.
     assert got[0] == ["the packing failed", (True, True), 1.0, 1, True], got
     assert got[1] == [True, True], got

@@ -84,7 +84,7 @@ def on_policy_cost(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
             ("matmul vs cuBLAS", [PY, "benchmarks/batch_invariant_matmul.py"])]
 
 
-def within(seconds: int, command: list[str]) -> list[str]:
+def within(seconds: float, command: list[str]) -> list[str]:
     """``command`` stopped after ``seconds`` (exit code 124), with everything it started: coreutils
     timeout signals its whole process group (vLLM's and Monarch's processes too)."""
     return ["timeout", "--kill-after", "30", str(seconds), *command]

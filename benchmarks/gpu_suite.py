@@ -25,10 +25,13 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from gpu_benchmarks import within
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_suite.md"
@@ -80,22 +83,22 @@ def run_group(group: Group, devices: str, log: Path | None, timeout_s: float) ->
     ends, so a caller stopped later keeps it) and its failures to stdout."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
     start = time.monotonic()
-    # A session of its own, so that a group stopped at its timeout takes every process it started
-    # (engines, procs, a test's workers) with it, and leaves the GPUs to the next group.
-    pytest = subprocess.Popen([sys.executable, *PYTEST, *group.args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        group.log, _ = pytest.communicate(timeout=timeout_s)
-        group.returncode = pytest.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(pytest.pid, signal.SIGKILL)
-        try:
-            output, _ = pytest.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            output = "(output lost: a process that left the group's session holds it open)"
-        group.returncode = -1
-        group.log = f"{output}\ntimed out after {timeout_s:.0f} s"
+    # Stopped at its timeout with every process it started (engines, procs, a test's workers), so
+    # it leaves the GPUs to the next group; its output goes through a file, which a process that
+    # escaped the stop could not hold open as it could a pipe.
+    with tempfile.TemporaryFile("w+") as output:
+        done = subprocess.run(within(timeout_s, [sys.executable, *PYTEST, *group.args]), cwd=ROOT, env=env,
+                              stdout=output, stderr=subprocess.STDOUT)
+        output.seek(0)
+        group.log = output.read()
     group.seconds = time.monotonic() - start
+    # `within` exits 124 once its signal stopped the group, and dies of SIGKILL where it had to kill
+    # it 30 s later.
+    if done.returncode == 124 or (done.returncode == -signal.SIGKILL and group.seconds >= timeout_s):
+        group.returncode = -1
+        group.log += f"\ntimed out after {timeout_s:.0f} s"
+    else:
+        group.returncode = done.returncode
     # pytest's last line counts the tests; output of the processes it started may follow it.
     summaries = [line for line in group.log.splitlines() if re.search(r"\d+ (passed|failed|errors?|deselected)", line)
                  and re.search(r" in [\d.]+s", line)]

@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+from support.linux import running
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "benchmarks"))  # as when run from there
 import gpu_suite  # noqa: E402
@@ -26,13 +28,6 @@ def test_every_group_names_test_files_of_the_repository():
         assert all((ROOT / p).exists() for p in paths), (group.name, paths)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"  # killed, not yet reaped
-    except FileNotFoundError:
-        return True
-
-
 def test_a_group_past_its_timeout_takes_the_processes_it_started_and_names_the_running_test(tmp_path):
     pid_file = tmp_path / "child.pid"
     test_file = tmp_path / "test_holder.py"
@@ -48,8 +43,8 @@ def test_a_group_past_its_timeout_takes_the_processes_it_started_and_names_the_r
     assert gpu_suite.failed(group, "1gpu")
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 30
-    while not _gone(child) and time.monotonic() < deadline:
+    while running(child) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if not _gone(child):
+    if running(child):
         os.kill(child, 9)
         raise AssertionError(f"the group's process {child} outlived its timeout")

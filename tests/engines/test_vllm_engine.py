@@ -8,10 +8,10 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from support.linux import running
 from support.vllm_checks import LOGPROB_ATOL, NEEDS_VLLM_GPU, max_logprob_error, prompts, run
 
 from rlactors.config import GeneratorConfig, ModelConfig
@@ -144,14 +144,6 @@ def test_load_weights_changes_outputs_and_versions(engine, ckpt):
     assert any(after[f"a{i}"].token_ids != before[f"b{i}"].token_ids for i in range(4))
     model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in new.items()}, strict=False)
     assert max_logprob_error(model, after.values()) < LOGPROB_ATOL
-
-
-def running(pid: int) -> bool:
-    """Whether `pid` runs (an exited process not yet reaped by its parent does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_router_with_a_vllm_generator_replica(ckpt):

@@ -11,11 +11,11 @@ import os
 import re
 import shutil
 import time
-from pathlib import Path
 
 import hazard_envs
 import pytest
 from faultkit import CliProcess, child_pids, small_run_overrides, wait_until
+from support.linux import running
 
 from rlactors.config import load_config
 from rlactors.controller import Controller, TrainingError
@@ -63,14 +63,6 @@ def _descendants(pid: int) -> list[int]:
     return children + [d for child in children for d in _descendants(child)]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return stat[0] != "Z"  # a zombie has exited
-
-
 def test_an_env_that_blocks_the_loop_is_named_and_ctrl_c_twice_ends_the_run(tiny_ckpt, tmp_path, fault_record):
     """BlockingEnv's step sleeps 600 s in the loop's thread from step 2 on: the step timeout cannot
     fire and the first Ctrl-C's cancellation cannot run, so the second must quit at once."""
@@ -114,7 +106,7 @@ def test_an_env_that_blocks_the_loop_is_named_and_ctrl_c_twice_ends_the_run(tiny
     saved = checkpoint_dir(run_dir / "checkpoints", 1)
     assert said[-1] == f"interrupted again: quitting at once; the last complete checkpoint is {saved}; continue " \
                        "with --resume"
-    wait_until(lambda: not any(_alive(pid) for pid in procs), 30, what="the actor procs' exit")
+    wait_until(lambda: not any(running(pid) for pid in procs), 30, what="the actor procs' exit")
     fault_record("env blocks the loop", "time.sleep(600) in an env's step from step 2 on "
                  "(rollout.step_timeout_s=2), then Ctrl-C twice", None,
                  f"the rollouts of step 2: the watchdog named BlockingEnv.step and its line after 2 s, the first "

@@ -15,7 +15,7 @@ import time
 
 import pytest
 from faultkit import Spinners, run_cli, small_run_overrides, wait_until
-from support.linux import PIDFD_KEEPS_EXIT_STATUS
+from support.linux import PIDFD_KEEPS_EXIT_STATUS, running
 
 import rlactors.meshes as meshes_module
 from rlactors.config import load_config
@@ -276,13 +276,6 @@ class StopNeverReturns(Controller):
         await asyncio.Event().wait()
 
 
-def _running(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_shutdown_that_never_returns_kills_the_procs_after_its_wait(tiny_ckpt, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(meshes_module, "SHUTDOWN_WAIT_S", 2.0)
     controller = StopNeverReturns(load_config(None, small_run_overrides(tiny_ckpt, tmp_path)))
@@ -298,6 +291,6 @@ def test_a_shutdown_that_never_returns_kills_the_procs_after_its_wait(tiny_ckpt,
     procs, replica, took = asyncio.run(start_then_shut_down())
     assert set(procs) == {"trainer rank 0", "generator router"} and took < 10, (procs, took)
     # The replica's proc (started by this process's host agent, as the others) goes too.
-    wait_until(lambda: not any(_running(pid) for pid in [*procs.values(), replica]), 30, 0.1, "every proc gone")
+    wait_until(lambda: not any(running(pid) for pid in [*procs.values(), replica]), 30, 0.1, "every proc gone")
     assert (f"warning: the procs did not stop within 2 s; killed trainer rank 0 (pid {procs['trainer rank 0']}), "
             f"generator router (pid {procs['generator router']}), replica pid {replica}") in capsys.readouterr().err

@@ -19,6 +19,7 @@ import socket
 
 import pytest
 import torch
+from support.packed_weights import CHUNK_BYTES, pack_from, small_weights
 
 from rlactors.placement import free_port
 from rlactors.weight_sync.broadcast import (
@@ -38,22 +39,6 @@ from rlactors.weight_sync.checksum import ChecksumMismatch
 from rlactors.weight_sync.packed import PackedLayout
 
 
-def _weights() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {"embed": torch.randn(300, 64, generator=g).to(torch.bfloat16), "norm": torch.randn(64, generator=g)}
-
-
-CHUNK_BYTES = 4096  # the 38 KB embedding goes in 10 chunks
-
-
-def _pack_from(weights: dict[str, torch.Tensor], layout: PackedLayout):
-    """A trainer's `pack` for WeightSender: each chunk's pieces from `weights`, as they are then."""
-    def pack(chunk, buffer):
-        for piece in chunk.pieces:
-            layout.piece_view(buffer, piece).copy_(weights[piece.name][piece.first_row:piece.first_row + piece.rows])
-    return pack
-
-
 class _FlipsAByte:
     """A group whose receives come with one bit flipped in the first chunk: a transport fault."""
 
@@ -71,14 +56,14 @@ class _FlipsAByte:
 
 
 def _member(rank: int, port: int, new_port: int, results) -> None:
-    weights = _weights()
+    weights = small_weights()
     layout = PackedLayout.of(weights, chunk_bytes=CHUNK_BYTES)
     cpu = torch.device("cpu")
     doubled = {name: tensor * 2 for name, tensor in weights.items()}
     try:
         if rank == 0:
             policy = {name: tensor.clone() for name, tensor in weights.items()}  # trained in place
-            sender = WeightSender(layout, cpu, _pack_from(policy, layout))
+            sender = WeightSender(layout, cpu, pack_from(policy, layout))
             sender.join("127.0.0.1", port, 3)
             sent = asyncio.run(sender.send(1))
             whole = layout.checksum(layout.pack(weights, layout.empty(cpu).zero_()))

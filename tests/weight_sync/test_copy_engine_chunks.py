@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from support.packed_weights import CHUNK_BYTES, pack_from, small_weights
 from support.vllm_checks import NEEDS_VLLM_GPU
 
 from rlactors.placement import free_port
@@ -26,33 +27,16 @@ from rlactors.weight_sync.packed import PackedLayout
 pytestmark = [*NEEDS_VLLM_GPU, pytest.mark.two_gpus,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
-CHUNK_BYTES = 4096  # the 38 KB embedding goes in 10 chunks
-
-
-def _weights(device: torch.device, scale: float) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    weights = {"embed": torch.randn(300, 64, generator=g).to(torch.bfloat16), "norm": torch.randn(64, generator=g)}
-    return {name: (tensor * scale).to(device) for name, tensor in weights.items()}
-
-
-def _packing(layout: PackedLayout, weights: dict[str, torch.Tensor]):
-    """A sender's `pack`: each piece's rows of `weights`, as they are at the call."""
-    def pack(chunk, buffer):
-        for piece in chunk.pieces:
-            rows = weights[piece.name][piece.first_row:piece.first_row + piece.rows]
-            layout.piece_view(buffer, piece).copy_(rows)
-    return pack
-
 
 def _member(rank: int, port: int, capture: bool, results) -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    first, second = _weights(device, 1.0), _weights(device, 2.0)
+    first, second = small_weights(device), small_weights(device, 2.0)
     layout = PackedLayout.of(first, chunk_bytes=CHUNK_BYTES)
     try:
         if rank == 0:
             policy = {name: tensor.clone() for name, tensor in first.items()}  # trained in place
-            sender = WeightSender(layout, device, _packing(layout, policy), capture=capture)
+            sender = WeightSender(layout, device, pack_from(policy, layout), capture=capture)
             sender.join("127.0.0.1", port, 2)
             sent = [asyncio.run(sender.send(1))]
             for name, tensor in policy.items():
@@ -115,11 +99,11 @@ def test_a_lone_receiver_gets_the_chunks_by_copy_engine_verified_and_only_while_
 def _regrouping_member(rank: int, ports: tuple[int, int], joined, results) -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    weights = _weights(device, 1.0)
+    weights = small_weights(device)
     layout = PackedLayout.of(weights, chunk_bytes=CHUNK_BYTES)
     try:
         if rank == 0:
-            failing, packing = [True], _packing(layout, weights)
+            failing, packing = [True], pack_from(weights, layout)
 
             def pack(chunk, buffer):
                 if failing[0] and chunk is layout.chunks[2]:  # two chunks' work is captured before it

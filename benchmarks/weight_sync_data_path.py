@@ -92,7 +92,7 @@ def _send(layout: PackedLayout, params: dict[str, torch.nn.Parameter], device: t
     if any(s["verified"] != 1 for s in sent):
         raise RuntimeError(f"the receiver did not verify every sync: {[s['verified'] for s in sent]}")
     _profiled(options, trace, lambda: asyncio.run(sender.send(options["iters"] + 2)))
-    return {"send_s": [s["send_s"] for s in sent], "device_s": [s["device_s"] for s in sent],
+    return {"send_s": [s["send_s"] for s in sent], "send_device_s": [s["send_device_s"] for s in sent],
             "pack_s": [s["pack_s"] for s in sent], "copy_engine": all(s["copy_engine"] == 1.0 for s in sent)}
 
 
@@ -162,7 +162,7 @@ def main() -> None:
         row = [f"{args.size} ({num_bytes / 1e6:.0f} MB)", str(mib), str(len(layouts[mib].chunks)),
                "copy engine" if timings["copy_engine"] else "broadcast",
                f"{send * 1e3:.2f} ({min(sends) * 1e3:.2f}-{max(sends) * 1e3:.2f})",
-               f"{statistics.median(timings['device_s']) * 1e3:.2f}",
+               f"{statistics.median(timings['send_device_s']) * 1e3:.2f}",
                f"{statistics.median(timings['pack_s']) * 1e3:.2f}",
                f"{statistics.median(timings['receive_verify_s']) * 1e3:.2f}",
                "n/a" if ceiling is None else f"{ceiling * 1e3:.2f}",

@@ -79,7 +79,7 @@ def test_nccl_weight_sync_reaches_every_replica_and_is_verified(ckpt, tmp_path):
     assert before.token_ids != after.token_ids
     assert back.token_ids == before.token_ids == again.token_ids and set(again.versions) == {0}
     assert "rejected" in str(refused) and "weights version 7 expected, the broadcast carried version 0" in str(refused)
-    assert sent["version"] == 0 and 0 < sent["pack_s"] <= sent["device_s"] <= sent["send_s"]
+    assert sent["version"] == 0 and 0 < sent["pack_s"] <= sent["send_device_s"] <= sent["send_s"]
     assert stats["states"]["serving"] == replicas
     # A lone replica's chunks go by copy engine, unless its process grows expandable segments.
     assert sent["copy_engine"] == (1.0 if replicas == 1 and not expandable_segments() else 0.0)

@@ -20,11 +20,11 @@ def test_every_sync_is_verified_at_every_chunk_size_and_each_side_leaves_a_trace
     results = weight_sync_data_path.measure(options)  # the sender raises unless every sync was verified
     assert sorted(results) == [1, 2]
     for timings in results.values():
-        assert len(timings["send_s"]) == len(timings["device_s"]) == len(timings["pack_s"]) == 2
+        assert len(timings["send_s"]) == len(timings["send_device_s"]) == len(timings["pack_s"]) == 2
         assert len(timings["receive_verify_s"]) == 2
         assert timings["copy_engine"] is False  # gloo broadcasts
         assert all(0 < pack <= span <= send for pack, span, send in
-                   zip(timings["pack_s"], timings["device_s"], timings["send_s"]))
+                   zip(timings["pack_s"], timings["send_device_s"], timings["send_s"]))
     traces = sorted(p.name for p in tmp_path.iterdir())
     assert len(traces) == 4 and {t.split("_")[0] for t in traces} == {"send", "receive"}, traces
     assert all(json.loads((tmp_path / t).read_text())["traceEvents"] for t in traces)

@@ -227,7 +227,7 @@ class WeightSender:
         return {"version": version, "checksum": self.layout.digest(*unsigned(plain, weighted)),
                 "verified": verified, "receivers": self.receivers, "bytes": float(self.layout.total_bytes),
                 "copy_engine": float(self.borrowed is not None), "send_s": time.perf_counter() - start,
-                "device_s": device_s, "pack_s": pack_s, "started_at": started_at, "ended_at": time.time()}
+                "send_device_s": device_s, "pack_s": pack_s, "started_at": started_at, "ended_at": time.time()}
 
     def _send_cpu(self, version: int) -> tuple[list[int], float, float]:
         began, pack_s = time.perf_counter(), 0.0  # on CPU the host is the device

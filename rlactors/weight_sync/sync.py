@@ -284,7 +284,7 @@ class BroadcastSync(WeightSync):
         # reached the trainer after the push made it, and how long its answer took. The replicas'
         # side is `settled`'s. They load after this returns.
         return {"total_s": time.perf_counter() - start, "bytes": sender["bytes"], "send_s": sender["send_s"],
-                "send_device_s": sender["device_s"], "pack_s": sender["pack_s"], "plan_s": plan_s,
+                "send_device_s": sender["send_device_s"], "pack_s": sender["pack_s"], "plan_s": plan_s,
                 "step_wait_s": sender["step_wait_s"],
                 "send_lag_s": sender["started_at"] - sender["step_wait_s"] - began,
                 "reply_lag_s": ended - sender["ended_at"], "broadcast_tries": float(tries),

@@ -65,7 +65,7 @@ def sent(verified=1, receivers=1):
     `verified` of its `receivers` summed a verdict of 1 (they verified the weights)."""
     now = time.time()
     return Rank0({"version": 1, "checksum": "c" * 32, "verified": verified, "receivers": receivers, "bytes": 8.0,
-                  "copy_engine": 0.0, "send_s": 0.1, "device_s": 0.08, "pack_s": 0.05, "step_wait_s": 0.0,
+                  "copy_engine": 0.0, "send_s": 0.1, "send_device_s": 0.08, "pack_s": 0.05, "step_wait_s": 0.0,
                   "started_at": now, "ended_at": now})
 
 

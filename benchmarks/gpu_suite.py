@@ -22,6 +22,7 @@ import os
 import queue
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,6 +116,9 @@ def run_group(group: Group, devices: str, log: Path | None, timeout_s: float) ->
 
 
 def gpu_names() -> list[str]:
+    if shutil.which("nvidia-smi") is None:
+        sys.exit('error: nvidia-smi not found: the GPU suite runs on a machine with NVIDIA GPUs '
+                 '(README, "GPU setup")')
     out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout
     return [line.strip() for line in out.splitlines() if line.strip()]

@@ -29,8 +29,8 @@ from results_table import RESULTS, append_row
 from rlactors_examples.alphabet_sort.env import AlphabetSortConfig, AlphabetSortEnv
 
 from rlactors.config import load_config
-from rlactors.controller import Controller
-from rlactors.supervision import use_fast_supervision
+from rlactors.procs.supervision import use_fast_supervision
+from rlactors.run.controller import Controller
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "alphabet_sort_cpu.toml"
 COLUMNS = ("config", "mode", "s/step", "rollout s", "train s", "weight sync s", "trainer idle", "generator idle", "age",

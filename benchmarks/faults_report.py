@@ -60,8 +60,8 @@ def render(rows: list[dict], runs: int, suite_s: list[float], stamp: str) -> str
         "",
         f"`python benchmarks/faults_report.py --runs {runs}` on {stamp}, "
         f"Python {platform.python_version()}; suite wall time {seconds(suite_s)}. Real Monarch procs on CPU, "
-        "tiny random Qwen3, `rlactors.supervision.FAST_SUPERVISION` (Monarch polls every 1 s; its own verdict on "
-        "an unanswered state query held back to 10 min) and `rlactors.liveness` (an exit is seen by its pidfd at "
+        "tiny random Qwen3, `rlactors.procs.supervision.FAST_SUPERVISION` (Monarch polls every 1 s; its own verdict on "
+        "an unanswered state query held back to 10 min) and `rlactors.procs.liveness` (an exit is seen by its pidfd at "
         "once; a silent proc is slow, and lost only after `controller.unresponsive_timeout_s`, 60 s). Times: "
         + timing + ".",
         "",
@@ -70,7 +70,7 @@ def render(rows: list[dict], runs: int, suite_s: list[float], stamp: str) -> str
         "synchronous (a raised exception, a NaN check, a timeout at its configured value) it is left blank.",
         "",
         "A whole `make run` (80 steps) on a 3x oversubscribed machine, and detection before and after "
-        "`rlactors.liveness`: slow_not_dead.md.",
+        "`rlactors.procs.liveness`: slow_not_dead.md.",
         "",
         "| fault | injected | detected in | lost | other timings | test |",
         "|---|---|---|---|---|---|",

@@ -302,7 +302,7 @@ def main() -> None:
     on_gpu = args.device == "cuda"
     if not on_gpu:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # replica procs inherit it: one thread each on a small box
-    from rlactors.supervision import use_fast_supervision
+    from rlactors.procs.supervision import use_fast_supervision
 
     use_fast_supervision()
     with tempfile.TemporaryDirectory() as scratch:

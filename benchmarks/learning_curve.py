@@ -19,7 +19,7 @@ from pathlib import Path
 
 from results_table import commit, machine
 
-from rlactors.metrics import EVAL_REWARD_MEAN, REWARD_MEAN, read_metrics
+from rlactors.run.metrics import EVAL_REWARD_MEAN, REWARD_MEAN, read_metrics
 
 LOGPROB_DIFF_MAX, CURRENT_TOKENS = "loss/logprob_diff/max", "loss/current_policy_tokens"
 EXPERT_MISMATCH, ROUTED_TOKENS = "loss/expert_mismatch/share", "loss/routed_tokens"

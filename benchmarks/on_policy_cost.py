@@ -192,7 +192,7 @@ def logprob_diff(core, packed) -> tuple[float, float]:
 def train_seconds(args, core, packed) -> float:
     """Best wall seconds of one full step (forward_backward over every microbatch + optim_step)."""
     from rlactors.config import LossConfig
-    from rlactors.losses import LossNorm
+    from rlactors.trainer.losses import LossNorm
 
     loss = LossConfig(name="grpo")
     microbatches = packed.per_rank[0]

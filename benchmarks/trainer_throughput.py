@@ -40,13 +40,13 @@ from results_table import RESULTS, append_row
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig  # noqa: E402
-from rlactors.losses import LossNorm  # noqa: E402
 from rlactors.models.args import FAMILIES, ModelArgs  # noqa: E402
 from rlactors.models.checkpoint import load_args  # noqa: E402
 from rlactors.models.tiny import kept_checkpoint  # noqa: E402
 from rlactors.on_policy.sides import sides  # noqa: E402
 from rlactors.trainer.batch import MicroBatch  # noqa: E402
 from rlactors.trainer.core import PolicyTrainerCore  # noqa: E402
+from rlactors.trainer.losses import LossNorm  # noqa: E402
 from rlactors.trainer.parallel import init_distributed  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense, SXM

@@ -29,10 +29,10 @@ from monarch.actor import Actor, endpoint, this_host
 from results_table import RESULTS, append_row
 
 from rlactors.config import load_config
-from rlactors.controller import Controller
 from rlactors.models.tiny import make_tiny_checkpoint
+from rlactors.procs.supervision import use_fast_supervision
 from rlactors.rollout.types import Episode, RolloutStatus
-from rlactors.supervision import use_fast_supervision
+from rlactors.run.controller import Controller
 
 TITLE = "Weight sync: trainer -> every generator replica, verified by checksum"
 # total: what the training step waits for after its optimizer step has answered, as the controller
@@ -115,7 +115,7 @@ def _broadcast_worker(rank: int, world_size: int, num_bytes: int, gpus: list[int
 def nccl_ceiling(num_bytes: int, gpus: list[int], iters: int) -> float:
     import torch.multiprocessing as mp
 
-    from rlactors.placement import free_port
+    from rlactors.procs.placement import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -32,7 +32,7 @@ from results_table import RESULTS, append_row
 
 from rlactors.models.checkpoint import model_shapes
 from rlactors.models.tiny import TOKENIZER_VOCAB_SIZE, size_args
-from rlactors.placement import free_port
+from rlactors.procs.placement import free_port
 from rlactors.trainer.gather import plan_packing
 from rlactors.weight_sync.broadcast import BufferReceiver, WeightSender
 from rlactors.weight_sync.packed import CHUNK_BYTES, PackedLayout

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from rlactors.liveness import UNRESPONSIVE_TIMEOUT_S
-from rlactors.placement import gpu_layout
-from rlactors.supervision import MONARCH_STATE_QUERY_WAIT_S
+from rlactors.procs.liveness import UNRESPONSIVE_TIMEOUT_S
+from rlactors.procs.placement import gpu_layout
+from rlactors.procs.supervision import MONARCH_STATE_QUERY_WAIT_S
 
 if TYPE_CHECKING:
     from rlactors.models.args import ModelArgs
@@ -208,7 +208,7 @@ class ControllerConfig(_Section):
     seed: int = 0
     log_samples: bool = True
     # A proc that stops answering (stopped, CPU-starved, in a long call) is slow, not dead, until
-    # it has been silent this long; one whose process exits is dead at once (rlactors.liveness).
+    # it has been silent this long; one whose process exits is dead at once (rlactors.procs.liveness).
     unresponsive_timeout_s: float = UNRESPONSIVE_TIMEOUT_S
 
     def validate(self, key: str) -> None:

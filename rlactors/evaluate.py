@@ -8,7 +8,7 @@ run's own config.toml (for a step dir, or an `hf/` in one, or a run dir); a bare
 `--config`. Its [generator] section sets the replicas (native engine on CPU, vLLM with
 controller.device = "cuda", on the GPUs the run config gives them), [rollout] the turn
 and token limits, [eval] the samples and sampling (greedy by default). The metrics are those of
-the `eval/*` records written in training (rlactors.evaluation); `--out` writes them as JSON.
+the `eval/*` records written in training (rlactors.run.evaluation); `--out` writes them as JSON.
 
     python -m rlactors.evaluate runs/alphabet_sort_cpu
     python -m rlactors.evaluate examples/alphabet_sort/warm_checkpoint \
@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from rlactors.config import Config, ConfigError, load_config
-from rlactors.evaluation import Evaluator, eval_samples
-from rlactors.generation import generate, serve_gateway, spawn_router
-from rlactors.metrics import eval_line
-from rlactors.run_dir import CHECKPOINTS_DIR, CONFIG_FILE
-from rlactors.supervision import use_fast_supervision
+from rlactors.procs.supervision import use_fast_supervision
+from rlactors.run.evaluation import Evaluator, eval_samples
+from rlactors.run.generation import generate, serve_gateway, spawn_router
+from rlactors.run.metrics import eval_line
+from rlactors.run.run_dir import CHECKPOINTS_DIR, CONFIG_FILE
 from rlactors.trainer.checkpoint import HF_DIR, is_complete, latest_checkpoint, read_state
 
 

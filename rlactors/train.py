@@ -27,7 +27,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rlactors.controller import Controller
+    from rlactors.run.controller import Controller
 
 
 def main(argv: Sequence[str] | None = None, default_config: Path | None = None) -> int:
@@ -42,13 +42,13 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    from rlactors.supervision import use_fast_supervision
+    from rlactors.procs.supervision import use_fast_supervision
 
     use_fast_supervision()  # poll procs every second, hold back Monarch's own verdict; before Monarch starts
 
     from rlactors.config import ConfigError, load_config
-    from rlactors.controller import Controller, TrainingError
-    from rlactors.metrics import EVAL_REWARD_MEAN, NO_SIGNAL_HINT, REWARD_MEAN, read_metrics
+    from rlactors.run.controller import Controller, TrainingError
+    from rlactors.run.metrics import EVAL_REWARD_MEAN, NO_SIGNAL_HINT, REWARD_MEAN, read_metrics
 
     controller = None
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlactors.supervision import use_fast_supervision
+from rlactors.procs.supervision import use_fast_supervision
 
 # Actor procs inherit this environment: Monarch's supervision as the CLI sets it (forced: the fault
 # tests' detection times, and their slow procs, depend on it), and each proc kept to one intra-op
@@ -119,7 +119,7 @@ def short_run(tmp_path_factory) -> tuple[Path, list[dict[str, float]]]:
     from support.demo_runs import WARM_CHECKPOINT, short_run_overrides
 
     from rlactors.config import load_config
-    from rlactors.controller import Controller
+    from rlactors.run.controller import Controller
 
     run_dir = tmp_path_factory.mktemp("short_run")
     return run_dir, asyncio.run(Controller(load_config(None, short_run_overrides(WARM_CHECKPOINT, run_dir))).run())

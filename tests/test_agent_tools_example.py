@@ -10,9 +10,9 @@ import pytest
 from rlactors_examples.agent_tools.env import calculate
 
 from rlactors.config import load_config
-from rlactors.controller import Controller
 from rlactors.evaluate import main as evaluate_main
-from rlactors.metrics import read_metrics
+from rlactors.run.controller import Controller
+from rlactors.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ from rlactors.config import (
     build_dataclass,
     dump_toml,
 )
-from rlactors.placement import cuda_visible_devices, expandable_segments, gpu_layout
+from rlactors.procs.placement import cuda_visible_devices, expandable_segments, gpu_layout
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 

@@ -1,4 +1,4 @@
-"""rlactors.data: JSON Lines, Parquet and HF datasets directories, and one-line errors for bad data."""
+"""rlactors.envs.data: JSON Lines, Parquet and HF datasets directories, and one-line errors for bad data."""
 
 import json
 import sys
@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlactors.data import DataError, Row, field_value, hold_out, read_rows
+from rlactors.envs.data import DataError, Row, field_value, hold_out, read_rows
 
 RECORDS = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(5)]
 

@@ -10,10 +10,10 @@ from support.demo_runs import WARM_CHECKPOINT, short_run_overrides
 from support.stand_ins import ActorWith
 
 from rlactors.config import load_config
-from rlactors.controller import Controller
-from rlactors.metrics import read_metrics, sample_records
 from rlactors.models import load_tokenizer
 from rlactors.rollout.types import Rollout, RolloutGroup, RolloutStatus, Turn
+from rlactors.run.controller import Controller
+from rlactors.run.metrics import read_metrics, sample_records
 
 
 def _config(ckpt, run_dir, *extra):

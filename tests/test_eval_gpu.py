@@ -10,10 +10,10 @@ import json
 from support.vllm_checks import NEEDS_VLLM_GPU
 
 from rlactors.config import load_config
-from rlactors.controller import Controller
 from rlactors.evaluate import main as evaluate_main
-from rlactors.metrics import EVAL_REWARD_MEAN, read_metrics
 from rlactors.models.tiny import make_tiny_checkpoint
+from rlactors.run.controller import Controller
+from rlactors.run.metrics import EVAL_REWARD_MEAN, read_metrics
 
 pytestmark = NEEDS_VLLM_GPU
 

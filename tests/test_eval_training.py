@@ -14,9 +14,9 @@ from support.eval_envs import SplitEnv
 from support.metric_sinks import tensorboard_scalars, wandb_history
 
 from rlactors.config import ConfigError, load_config
-from rlactors.controller import Controller
 from rlactors.evaluate import main as evaluate_main
-from rlactors.metrics import EVAL_REWARD_MEAN, REWARD_MEAN, read_metrics
+from rlactors.run.controller import Controller
+from rlactors.run.metrics import EVAL_REWARD_MEAN, REWARD_MEAN, read_metrics
 
 
 def _config(ckpt, run_dir, *extra):

@@ -14,11 +14,11 @@ from support.metric_sinks import tensorboard_scalars, wandb_history
 
 from rlactors.config import ConfigError, EnvConfig, EvalConfig, RolloutConfig, load_config
 from rlactors.evaluate import load_eval_config, resolve_checkpoint
-from rlactors.evaluation import Evaluator, eval_due, eval_samples, summarize_eval
-from rlactors.metrics import EVAL_REWARD_MEAN, REWARD_MEAN, MetricsLogger, WandbSink, eval_line, read_metrics
 from rlactors.models import load_tokenizer
 from rlactors.rollout import TokenEnv, load_env
 from rlactors.rollout.types import Rollout, RolloutStatus
+from rlactors.run.evaluation import Evaluator, eval_due, eval_samples, summarize_eval
+from rlactors.run.metrics import EVAL_REWARD_MEAN, REWARD_MEAN, MetricsLogger, WandbSink, eval_line, read_metrics
 from rlactors.types import Completion
 
 
@@ -246,7 +246,7 @@ def test_the_wandb_sink_gets_what_tensorboard_gets_against_the_run_step(tmp_path
 
 
 def test_a_missing_wandb_package_is_named_before_the_run_starts(tiny_ckpt, tmp_path, monkeypatch):
-    from rlactors.controller import Controller
+    from rlactors.run.controller import Controller
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     config = load_config(None, [f'controller.run_dir="{tmp_path}"', 'metrics.wandb_project="p"',

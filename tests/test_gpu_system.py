@@ -12,9 +12,9 @@ import torch
 from support.gpus import gpus
 from support.vllm_checks import NEEDS_VLLM_GPU, vllm_run_config
 
-from rlactors.controller import Controller
 from rlactors.models.tiny import make_tiny_checkpoint
-from rlactors.placement import expandable_segments
+from rlactors.procs.placement import expandable_segments
+from rlactors.run.controller import Controller
 from rlactors.types import SamplingParams
 
 pytestmark = NEEDS_VLLM_GPU

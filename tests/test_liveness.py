@@ -1,4 +1,4 @@
-"""rlactors.liveness without Monarch: a real child process for exits (with their status), pings
+"""rlactors.procs.liveness without Monarch: a real child process for exits (with their status), pings
 that a test answers or withholds for silence, and calls failed by a lost proc's verdict."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import pytest
 from support.linux import PIDFD_KEEPS_EXIT_STATUS
 
-from rlactors.liveness import ProcLost, ProcWatcher, describe_failure, describe_wait_status, this_machine
+from rlactors.procs.liveness import ProcLost, ProcWatcher, describe_failure, describe_wait_status, this_machine
 
 
 def test_wait_statuses_and_monarch_failures_are_named():
@@ -125,7 +125,7 @@ def test_a_silent_proc_is_slow_then_lost_and_killed_after_the_timeout(caplog):
         return str(raised.value)
 
     try:
-        with caplog.at_level(logging.WARNING, logger="rlactors.liveness"):
+        with caplog.at_level(logging.WARNING, logger="rlactors.procs.liveness"):
             message = asyncio.run(main())
         assert child.wait(10) == -signal.SIGKILL  # lost for good: killed by the watcher
     finally:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlactors.config import LossConfig
-from rlactors.losses import LossNorm, LossStats, compute_loss
+from rlactors.trainer.losses import LossNorm, LossStats, compute_loss
 
 NAN, INF = float("nan"), float("inf")
 

@@ -10,11 +10,11 @@ import pytest
 from rlactors_examples.math.generate import make_problems, write_splits
 
 from rlactors.config import EnvConfig, load_config
-from rlactors.controller import Controller
-from rlactors.metrics import read_metrics
 from rlactors.models.tokenizer import load_tokenizer
-from rlactors.rewards import reference_answer
 from rlactors.rollout import load_env
+from rlactors.rollout.rewards import reference_answer
+from rlactors.run.controller import Controller
+from rlactors.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "math" / "data"

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from rlactors.metrics import (
+from rlactors.rollout.types import Rollout, RolloutStatus
+from rlactors.run.metrics import (
     EVAL_REWARD_MEAN,
     REWARD_MAX,
     REWARD_MEAN,
@@ -14,7 +15,6 @@ from rlactors.metrics import (
     read_metrics,
     reward_curve_figure,
 )
-from rlactors.rollout.types import Rollout, RolloutStatus
 
 
 def _rewards(low, high):

@@ -1,4 +1,4 @@
-"""Where the meshes run (rlactors.placement). The process scheduler runs for real in
+"""Where the meshes run (rlactors.procs.placement). The process scheduler runs for real in
 tests/test_e2e.py, Slurm in tests/test_slurm.py; here a stand-in SlurmJob checks what the config
 asks of it, and the squeue output of two Slurm versions is read."""
 
@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import rlactors.slurm
+import rlactors.procs.slurm
 from rlactors.config import JobConfig
-from rlactors.placement import NoHosts, allocate_hosts, host_name
-from rlactors.slurm import job_info
+from rlactors.procs.placement import NoHosts, allocate_hosts, host_name
+from rlactors.procs.slurm import job_info
 
 LOGS = Path("/runs/r/slurm")
 
@@ -49,7 +49,7 @@ def _allocate(job: JobConfig, gpus: bool):
 @pytest.fixture
 def slurm(monkeypatch):
     RecordingSlurmJob.made, RecordingSlurmJob.fail_submit = [], False
-    monkeypatch.setattr(rlactors.slurm, "SlurmJob", RecordingSlurmJob)
+    monkeypatch.setattr(rlactors.procs.slurm, "SlurmJob", RecordingSlurmJob)
     return RecordingSlurmJob
 
 
@@ -124,7 +124,8 @@ def test_host_name_is_the_jobs_name_for_the_host(monkeypatch):
 ])
 def test_what_ended_a_slurm_job_is_read_from_squeue(monkeypatch, job, returncode, stderr, ended):
     listed = subprocess.CompletedProcess([], returncode, json.dumps(SQUEUE_22_05) if returncode == 0 else "", stderr)
-    monkeypatch.setattr(rlactors.slurm, "_squeue", lambda job_id: listed)
-    slurm_job = rlactors.slurm.SlurmJob.__new__(rlactors.slurm.SlurmJob)  # no Monarch job: only its id is read
+    monkeypatch.setattr(rlactors.procs.slurm, "_squeue", lambda job_id: listed)
+    # No Monarch job: only its id is read.
+    slurm_job = rlactors.procs.slurm.SlurmJob.__new__(rlactors.procs.slurm.SlurmJob)
     slurm_job._slurm_job_id = job
     assert slurm_job.ended() == ended

@@ -1,4 +1,4 @@
-"""rlactors.rewards: answer extraction, the built-in and math-verify equivalence, the over-long penalty."""
+"""rlactors.rollout.rewards: answer extraction, the built-in and math-verify equivalence, the over-long penalty."""
 
 import threading
 from fractions import Fraction
@@ -6,7 +6,7 @@ from fractions import Fraction
 import pytest
 
 from rlactors.config import ConfigError
-from rlactors.rewards import (
+from rlactors.rollout.rewards import (
     answers_match,
     builtin_match,
     extract_answer,
@@ -121,7 +121,7 @@ def test_verifier_choice():
 
 
 def test_asking_for_math_verify_without_it_names_the_extra(monkeypatch):
-    monkeypatch.setattr("rlactors.rewards.math_verify_installed", lambda: False)
+    monkeypatch.setattr("rlactors.rollout.rewards.math_verify_installed", lambda: False)
     with pytest.raises(ConfigError, match=r"^env.args.verifier: 'math_verify' needs the math-verify package: "
                                           r"pip install 'rlactors\[math\]'"):
         resolve_verifier("math_verify", "env.args.verifier")

@@ -21,7 +21,7 @@ import pytest
 from support.demo_runs import WARM_CHECKPOINT, short_run_overrides
 from support.slurm_clusters import DAEMONS, SCRIPT, SlurmCluster, free_port_below_ephemeral, skip_without_bash
 
-from rlactors.metrics import read_metrics
+from rlactors.run.metrics import read_metrics
 from rlactors.trainer.checkpoint import latest_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@ once, in order; a failed attempt is continued from exactly the tokens passed on.
 
 from __future__ import annotations
 
-from rlactors.token_stream import StreamedAttempts, TokenCursor
+from rlactors.actors.token_stream import StreamedAttempts, TokenCursor
 from rlactors.types import Completion, SamplingParams, TokenDelta
 
 

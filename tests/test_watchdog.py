@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from rlactors.watchdog import LoopWatchdog
+from rlactors.procs.watchdog import LoopWatchdog
 
 
 class SlowEnv:

@@ -47,10 +47,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     from rlactors.config import BatcherConfig, LossConfig
-    from rlactors.losses import LossNorm
     from rlactors.models.checkpoint import load_args
     from rlactors.models.tiny import make_tiny_checkpoint
     from rlactors.rollout.batcher import Batcher
+    from rlactors.trainer.losses import LossNorm
 
     ckpt = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / args.size, size=args.size, seed=0, dtype="bfloat16")
     vocab = load_args(ckpt).vocab_size

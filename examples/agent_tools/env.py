@@ -18,7 +18,7 @@ from typing import Any
 
 from rlactors.config import ConfigError
 from rlactors.gateway import AgentEnv
-from rlactors.rewards import answers_match, extract_answer, reference_answer
+from rlactors.rollout.rewards import answers_match, extract_answer, reference_answer
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "Solve the problem. Use the calculator for arithmetic, then give the final answer as a number."

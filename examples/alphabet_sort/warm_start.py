@@ -36,12 +36,12 @@ from rlactors_examples.alphabet_sort.env import (
 )
 
 from rlactors.config import BatcherConfig, LossConfig, build_dataclass, parse_override
-from rlactors.losses import LossNorm, compute_loss
 from rlactors.models import extend_with_messages, from_pretrained, load_tokenizer, render_messages, save_pretrained
 from rlactors.models.args import FAMILIES
 from rlactors.models.tiny import make_tiny_checkpoint
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.types import Episode, RolloutStatus
+from rlactors.trainer.losses import LossNorm, compute_loss
 
 # The demo task: the difficulty a 1M-parameter model learns on a 2-core CPU in minutes.
 DEMO_ENV_ARGS = {"max_turns": 2, "max_names_per_turn": 3}

@@ -17,7 +17,7 @@ from monarch.actor import Actor, Port, concurrent_endpoint
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines import create_engine
 from rlactors.engines.async_engine import AsyncEngine
-from rlactors.placement import host_name
+from rlactors.procs.placement import host_name
 from rlactors.types import Completion, SamplingParams
 
 

@@ -16,7 +16,7 @@
   and the request is retried on a serving replica; a request error (ValueError) goes back to the
   caller. With `generator.restart_dead`, a dead replica that had served is replaced. A streamed
   request (`generate_streamed`) continues on the other replica from the tokens already sent.
-- Dead or slow (`rlactors.liveness`): a replica whose OS process exits is dead at once, its calls
+- Dead or slow (`rlactors.procs.liveness`): a replica whose OS process exits is dead at once, its calls
   in flight failed over; one that stops answering is slow after a few seconds (new requests go to
   the others while any answers; its own calls wait), and dead only once unresponsive for
   `unresponsive_timeout_s`. A slow replica that answers again serves again, never restarted.
@@ -50,12 +50,12 @@ from monarch.actor import (
 )
 
 from rlactors.actors.generator import Generator
-from rlactors.actors.liveness import watch_procs
+from rlactors.actors.token_stream import StreamedAttempts
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.async_engine import EngineDeadError
-from rlactors.liveness import UNRESPONSIVE_TIMEOUT_S, ProcLost, ProcWatcher, WatchedProc
-from rlactors.placement import cuda_visible_devices, host_of, num_hosts
-from rlactors.token_stream import StreamedAttempts
+from rlactors.procs.liveness import UNRESPONSIVE_TIMEOUT_S, ProcLost, ProcWatcher, WatchedProc
+from rlactors.procs.liveness_actor import watch_procs
+from rlactors.procs.placement import cuda_visible_devices, host_of, num_hosts
 from rlactors.types import Completion, SamplingParams
 from rlactors.weight_sync.replicas import ReplicaWeights
 
@@ -280,7 +280,7 @@ class GeneratorRouter(Actor):
                                 request_id: str, tokens: Port, session_id: str | None = None) -> Completion:
         """`generate`, sending TokenDeltas to `tokens` as the replica samples them. When the replica
         fails mid-stream, another continues from the prompt + the tokens sent
-        (rlactors.token_stream): the completion is always those tokens + the rest."""
+        (rlactors.actors.token_stream): the completion is always those tokens + the rest."""
         await self._ensure_started()
         if not isinstance(sampling, SamplingParams):
             sampling = SamplingParams.from_dict(dict(sampling))

@@ -6,7 +6,7 @@ collectives. Endpoints that take microbatches get all ranks' (`microbatches[r]` 
     kernels = sides(config.model.true_on_policy, config.generator.engine, "cpu").trainer
     procs, trainer, ranks = await spawn_trainer(this_host(), config.model, config.trainer, kernels, device="cpu")
     await trainer.forward_backward.call(microbatches, norm, config.loss)   # x k microbatches
-    metrics = first_value(await trainer.optim_step.call())   # rank 0's (rlactors.placement.first_value)
+    metrics = first_value(await trainer.optim_step.call())   # rank 0's (rlactors.procs.placement.first_value)
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from monarch.actor import Actor, HostMesh, ProcMesh, concurrent_endpoint, defaul
 from monarch.spmd import setup_torch_elastic_env_async
 
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
-from rlactors.losses import LossNorm
 from rlactors.on_policy.sides import TrainerSide
-from rlactors.placement import cuda_visible_devices, free_port, host_name, local_address, num_hosts
+from rlactors.procs.placement import cuda_visible_devices, free_port, host_name, local_address, num_hosts
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.core import PolicyTrainerCore, VersionedWeights
+from rlactors.trainer.losses import LossNorm
 from rlactors.trainer.parallel import init_distributed
 from rlactors.weight_sync.packed import PackedLayout
 

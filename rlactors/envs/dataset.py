@@ -6,7 +6,7 @@
              prompt_field = "question", answer_field = "answer" }
 
 Records come from a `.jsonl` or `.parquet` file (or a glob of them) or a directory saved by HF
-`datasets` (`rlactors.data`). The prompt field holds the question as text, put into
+`datasets` (`rlactors.envs.data`). The prompt field holds the question as text, put into
 `prompt_template` as the user message after the optional `system_prompt`, or a list of chat
 messages used as they are. The answer field holds the reference answer: a plain answer, or a
 worked solution ending in `#### ANSWER` (GSM8K) or holding `\\boxed{ANSWER}` (MATH).
@@ -16,7 +16,7 @@ records. Both keep the file order; a record's id is its `id_field`, or `FILE:ROW
 and config give the same samples, so a resumed run's SampleStream continues where it stopped.
 
 The reply is scored once, with two reward components the rubric weighs: "correct" (1 when the
-answer extracted by the `extract` methods, in order, matches the reference; `rlactors.rewards`)
+answer extracted by the `extract` methods, in order, matches the reference; `rlactors.rollout.rewards`)
 and "format" (1 when `format_pattern` is found in the reply). Over-long replies are handled by
 the `rollout.mask_truncated` and `rollout.overlong_*` keys.
 """
@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlactors.config import ConfigError
-from rlactors.data import DataError, Row, field_value, hold_out, read_rows
-from rlactors.rewards import EXTRACTORS, answers_match, extract_answer, reference_answer, resolve_verifier
+from rlactors.envs.data import DataError, Row, field_value, hold_out, read_rows
 from rlactors.rollout import MessageEnv, MessageStep, Rubric
+from rlactors.rollout.rewards import EXTRACTORS, answers_match, extract_answer, reference_answer, resolve_verifier
 from rlactors.types import Completion
 
 SPLITS = ("train", "eval")

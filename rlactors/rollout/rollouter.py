@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from rlactors.config import RolloutConfig
-from rlactors.rewards import OVERLONG, overlong_penalty
 from rlactors.rollout.advantages import group_advantages, is_zero_variance
 from rlactors.rollout.env import (
     EnvOutputError,
@@ -33,6 +32,7 @@ from rlactors.rollout.env import (
     turn_reward_components,
 )
 from rlactors.rollout.episodes import rollout_to_episodes
+from rlactors.rollout.rewards import OVERLONG, overlong_penalty
 from rlactors.rollout.types import Rollout, RolloutBatch, RolloutGroup, RolloutStatus, Turn
 from rlactors.types import Completion, SamplingParams
 
@@ -41,7 +41,7 @@ from rlactors.types import Completion, SamplingParams
 MAX_ABS_REWARD = 3.4028234663852886e38 / 2
 
 # generate(prompt_token_ids, sampling, request_id, session_id); a HarnessEnv's streamed turn also
-# passes on_tokens= (rlactors.generation.generate's), which only a generate that streams must take.
+# passes on_tokens= (rlactors.run.generation.generate's), which only a generate that streams must take.
 GenerateFn = Callable[..., Awaitable[Completion]]
 
 

@@ -31,7 +31,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlactors.attention.varlen import cu_seqlens_from_positions
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig, check_model_keys
-from rlactors.losses import LossNorm, LossStats, compute_loss, loss_tokens
 from rlactors.models.args import DTYPES
 from rlactors.models.checkpoint import (
     checkpoint_shapes,
@@ -46,6 +45,7 @@ from rlactors.trainer import checkpoint as ckpt
 from rlactors.trainer import expert_parallel
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.gather import RowGather, gather_rows, plan_packing
+from rlactors.trainer.losses import LossNorm, LossStats, compute_loss, loss_tokens
 from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, local_rows, make_mesh
 from rlactors.weight_sync.broadcast import WeightSender
 from rlactors.weight_sync.checksum import state_checksum

@@ -56,7 +56,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rlactors.placement import expandable_segments
+from rlactors.procs.placement import expandable_segments
 from rlactors.weight_sync.checksum import ChecksumMismatch, RunningChecksum, unsigned
 from rlactors.weight_sync.copy_plan import CopyPlan
 from rlactors.weight_sync.packed import Chunk, PackedLayout

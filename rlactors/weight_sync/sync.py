@@ -87,7 +87,7 @@ from monarch.actor import ActorError, Channel, PortReceiver
 
 from rlactors.config import Config
 from rlactors.engines import stages_concurrently
-from rlactors.placement import first_value
+from rlactors.procs.placement import first_value
 from rlactors.weight_sync.broadcast import BroadcastBroken
 
 # A weight broadcast still running this long after one of its members died is stuck: NCCL waits

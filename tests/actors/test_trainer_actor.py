@@ -12,11 +12,11 @@ from support.trainer_inputs import cat, rows
 
 from rlactors.actors.trainer import spawn_trainer
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
-from rlactors.losses import LossNorm
 from rlactors.models.checkpoint import TOKENIZER_FILES, copy_tokenizer_files
 from rlactors.on_policy.sides import sides
-from rlactors.placement import free_port
+from rlactors.procs.placement import free_port
 from rlactors.trainer.checkpoint import latest_checkpoint
+from rlactors.trainer.losses import LossNorm
 from rlactors.weight_sync.broadcast import BufferReceiver
 from rlactors.weight_sync.packed import PackedLayout
 

@@ -150,7 +150,7 @@ def test_router_with_a_vllm_generator_replica(ckpt):
     from monarch.actor import this_host
 
     from rlactors.actors.router import GeneratorRouter
-    from rlactors.generation import generate
+    from rlactors.run.generation import generate
 
     async def main():
         procs = this_host().spawn_procs(per_host={"gpus": 1})

@@ -8,10 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlactors.config import ConfigError, EnvConfig, RolloutConfig
-from rlactors.data import DataError
+from rlactors.envs.data import DataError
 from rlactors.models.tokenizer import load_tokenizer, render_messages
-from rlactors.rewards import math_verify_installed
 from rlactors.rollout import Rollouter, RolloutStatus, SampleStream, load_env
+from rlactors.rollout.rewards import math_verify_installed
 from rlactors.types import Completion
 
 ENV = "rlactors.envs:DatasetEnv"

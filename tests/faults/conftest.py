@@ -1,5 +1,5 @@
 """Fault-injection suite: the measurement record. (tests/conftest.py sets the fast supervision
-of rlactors.supervision, which the detection times asserted here depend on.)
+of rlactors.procs.supervision, which the detection times asserted here depend on.)
 
 Each test records what it injected, how long detection took and what was lost through the
 `fault_record` fixture; `benchmarks/faults_report.py` runs this suite with RLACTORS_FAULTS_REPORT

@@ -18,12 +18,12 @@ from faultkit import CliProcess, child_pids, small_run_overrides, wait_until
 from support.linux import running
 
 from rlactors.config import load_config
-from rlactors.controller import Controller, TrainingError
-from rlactors.metrics import read_metrics
 from rlactors.models.checkpoint import TOKENIZER_FILES
+from rlactors.run.controller import Controller, TrainingError
+from rlactors.run.metrics import read_metrics
 from rlactors.trainer.checkpoint import checkpoint_dir
 
-PROC_EXITED = re.compile(r"^.+ \(pid \d+\) exited ")  # a lost proc's verdict (rlactors.liveness)
+PROC_EXITED = re.compile(r"^.+ \(pid \d+\) exited ")  # a lost proc's verdict (rlactors.procs.liveness)
 
 
 def test_records_whose_prompt_leaves_no_room_are_named_at_load_counted_per_step_and_kept_in_samples(

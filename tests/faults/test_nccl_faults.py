@@ -14,8 +14,8 @@ from faultkit import kill_replica
 from support.stand_ins import ActorWith
 from support.vllm_checks import NEEDS_VLLM_GPU, vllm_run_config
 
-from rlactors.controller import Controller, TrainingError
 from rlactors.models.tiny import make_tiny_checkpoint
+from rlactors.run.controller import Controller, TrainingError
 
 pytestmark = [*NEEDS_VLLM_GPU, pytest.mark.two_gpus,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]

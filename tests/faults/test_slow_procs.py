@@ -1,4 +1,4 @@
-"""Slow is not dead (rlactors.liveness), with real Monarch procs on CPU: a trainer proc or a
+"""Slow is not dead (rlactors.procs.liveness), with real Monarch procs on CPU: a trainer proc or a
 generator replica SIGSTOPped for 8 s is slow, and the run completes (the trainer's losses those
 of an undisturbed run; no replica restarted); a proc SIGKILLed while it was stopped, which
 Monarch's own state queries would take minutes to see, is found dead within seconds, by its exit
@@ -17,11 +17,11 @@ import pytest
 from faultkit import Spinners, run_cli, small_run_overrides, wait_until
 from support.linux import PIDFD_KEEPS_EXIT_STATUS, running
 
-import rlactors.meshes as meshes_module
+import rlactors.run.meshes as meshes_module
 from rlactors.config import load_config
-from rlactors.controller import Controller, TrainingError
-from rlactors.liveness import describe_wait_status
-from rlactors.metrics import read_metrics
+from rlactors.procs.liveness import describe_wait_status
+from rlactors.run.controller import Controller, TrainingError
+from rlactors.run.metrics import read_metrics
 
 STOPPED_S = 8.0
 COMPARED = ("loss/loss", "loss/tokens", "train/grad_norm", "loss/entropy/mean", "rollout/reward_mean")
@@ -65,7 +65,7 @@ def test_a_trainer_stopped_for_8s_is_slow_not_dead_and_the_run_matches_an_undist
         tiny_ckpt, tmp_path, undisturbed, caplog, fault_record):
     controller = TrainerStoppedInStep2(load_config(None, small_run_overrides(tiny_ckpt, tmp_path)))
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="rlactors.liveness"):
+    with caplog.at_level(logging.WARNING, logger="rlactors.procs.liveness"):
         try:
             metrics = asyncio.run(controller.run())
         finally:
@@ -185,7 +185,7 @@ class TrainerKilledWhileStopped(Controller):
 def test_a_trainer_killed_while_stopped_is_found_dead_by_its_exit_in_seconds(
         tiny_ckpt, tmp_path, caplog, fault_record):
     controller = TrainerKilledWhileStopped(load_config(None, small_run_overrides(tiny_ckpt, tmp_path)))
-    with caplog.at_level(logging.WARNING, logger="rlactors.liveness"), pytest.raises(TrainingError) as raised:
+    with caplog.at_level(logging.WARNING, logger="rlactors.procs.liveness"), pytest.raises(TrainingError) as raised:
         asyncio.run(asyncio.wait_for(controller.run(), 120))
     stopped_s = time.monotonic() - controller.killed_at  # the run stopped (shutdown included)
     label = f"trainer rank 0 (pid {controller.killed_pid})"

@@ -24,9 +24,9 @@ from faultkit import CliProcess, child_pids, kill_replica, run_cli, small_run_ov
 from support.stand_ins import ActorWith
 
 from rlactors.config import load_config
-from rlactors.controller import Controller, TrainingError
-from rlactors.metrics import read_metrics
-from rlactors.run_dir import RunDir
+from rlactors.run.controller import Controller, TrainingError
+from rlactors.run.metrics import read_metrics
+from rlactors.run.run_dir import RunDir
 from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir, partial_dir
 from rlactors.weight_sync import sync
 

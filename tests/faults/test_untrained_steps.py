@@ -13,9 +13,9 @@ import pytest
 from faultkit import run_cli, small_run_overrides
 
 from rlactors.config import load_config
-from rlactors.controller import Controller
-from rlactors.metrics import NO_SIGNAL_HINT, read_metrics
 from rlactors.rollout.producer import RolloutProducer
+from rlactors.run.controller import Controller
+from rlactors.run.metrics import NO_SIGNAL_HINT, read_metrics
 from rlactors.trainer.checkpoint import checkpoint_dir, is_complete
 
 NO_SIGNAL = ("rollout.keep_zero_variance_groups=false", "env.args={ signal_from_group = 1000000 }")

@@ -7,9 +7,9 @@ import pytest
 from support.rollouts import FakeGenerate, LengthRewardEnv, rollouter
 
 from rlactors.config import load_config
-from rlactors.controller import Controller, TrainingError
 from rlactors.rollout import SampleStream
 from rlactors.rollout.producer import RolloutProducer
+from rlactors.run.controller import Controller, TrainingError
 
 
 def samples(n: int) -> SampleStream:

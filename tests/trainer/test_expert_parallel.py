@@ -16,13 +16,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from rlactors.actors.trainer import forward_backward, spawn_trainer
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
-from rlactors.losses import LossNorm
 from rlactors.models.checkpoint import fuse_experts, load_args, load_state_dict
 from rlactors.models.moe import Experts
 from rlactors.on_policy.sides import sides
-from rlactors.placement import first_value
+from rlactors.procs.placement import first_value
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.expert_parallel import expert_mesh, shared_cast
+from rlactors.trainer.losses import LossNorm
 from rlactors.trainer.parallel import build_sharded_model, held_rows, local_rows, make_mesh
 
 LOSS = LossConfig(name="dapo", clip_high=0.28)

@@ -12,14 +12,14 @@ import torch
 from support.trainer_inputs import cat, one_rank_process_group, rows
 
 from rlactors.config import ConfigError, LossConfig, ModelConfig, TrainerConfig
-from rlactors.losses import LossNorm, compute_loss
 from rlactors.models.args import FAMILIES
 from rlactors.models.checkpoint import TIED_KEY, from_pretrained, fuse_experts, load_args, load_state_dict
 from rlactors.on_policy.sides import sides
-from rlactors.placement import free_port
+from rlactors.procs.placement import free_port
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.checkpoint import COMPLETE_FILE, latest_checkpoint, partial_dir
 from rlactors.trainer.core import MICROBATCH_FIELDS, PolicyTrainerCore
+from rlactors.trainer.losses import LossNorm, compute_loss
 from rlactors.weight_sync.broadcast import BufferReceiver, UnexpectedVersion
 from rlactors.weight_sync.packed import PackedLayout
 

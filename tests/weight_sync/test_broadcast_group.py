@@ -21,7 +21,7 @@ import pytest
 import torch
 from support.packed_weights import CHUNK_BYTES, pack_from, small_weights
 
-from rlactors.placement import free_port
+from rlactors.procs.placement import free_port
 from rlactors.weight_sync.broadcast import (
     BroadcastBroken,
     BufferReceiver,

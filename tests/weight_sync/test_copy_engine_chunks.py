@@ -20,7 +20,7 @@ import torch
 from support.packed_weights import CHUNK_BYTES, pack_from, small_weights
 from support.vllm_checks import NEEDS_VLLM_GPU
 
-from rlactors.placement import free_port
+from rlactors.procs.placement import free_port
 from rlactors.weight_sync.broadcast import BufferReceiver, WeightSender
 from rlactors.weight_sync.packed import PackedLayout
 

@@ -5,7 +5,7 @@ env_errors.log (and the first of each kind to the console).
 Records are flat `{"group/name": float}` dicts with their step. An evaluation's record carries the
 step of the policy it scored, and in async mode arrives after later steps' records. The reward
 curve is drawn from metrics.jsonl, so it can be redrawn for any run dir with
-`python -m rlactors.metrics RUN_DIR`.
+`python -m rlactors.run.metrics RUN_DIR`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlactors.run_dir import (
+from rlactors.run.run_dir import (
     ENV_ERRORS_FILE,
     METRICS_FILE,
     REWARD_CURVE_FILE,

@@ -1,6 +1,6 @@
 """The procs of one run: the job's hosts, the trainer mesh on them and the generator router on a
 proc of this host (its replicas on the job's generator hosts). Each proc is watched
-(rlactors.liveness), so a call to one that exits or stays unresponsive fails at once with
+(rlactors.procs.liveness), so a call to one that exits or stays unresponsive fails at once with
 ProcLost; a shutdown that a hung proc does not return from kills the procs after SHUTDOWN_WAIT_S.
 """
 
@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rlactors.config import Config
-from rlactors.generation import spawn_router
-from rlactors.liveness import ProcLost, ProcWatcher, this_machine, with_descendants
-from rlactors.placement import Hosts, NoHosts, allocate_hosts, host_name
-from rlactors.run_dir import TrainingError
+from rlactors.procs.liveness import ProcLost, ProcWatcher, this_machine, with_descendants
+from rlactors.procs.placement import Hosts, NoHosts, allocate_hosts, host_name
+from rlactors.run.generation import spawn_router
+from rlactors.run.run_dir import TrainingError
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,9 @@ class Meshes:
         """The trainer and the router, each guarded by the watcher, and the trainer's ranks."""
         import monarch.actor
 
-        from rlactors.actors.liveness import watch_procs
         from rlactors.actors.trainer import spawn_trainer
         from rlactors.on_policy.sides import sides
+        from rlactors.procs.liveness_actor import watch_procs
 
         # Monarch's default for a fault nobody handled is to kill this process; log it instead, so
         # the loop can stop cleanly (the failing call raises too).

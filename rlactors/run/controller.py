@@ -1,4 +1,4 @@
-"""Controller: from one Config, spawn the procs (rlactors.meshes) and train, one step at a time.
+"""Controller: from one Config, spawn the procs (rlactors.run.meshes) and train, one step at a time.
 
 Sync and async training are one loop: a RolloutProducer starts each step's rollout groups once
 the generators hold a recent enough policy (rlactors.rollout.producer). Each step takes
@@ -7,7 +7,7 @@ versions (counted), trains, checkpoints when due, and pushes the new weights to 
 verified by checksum (rlactors.weight_sync.sync; where `WeightSync.pushes_with_step`, the push goes
 out with the optimizer step on a step that does not checkpoint). A step with nothing to train on (every group's
 rewards equal) is a whole step all the same; its policy is the previous step's. The run dir's
-layout and rules are rlactors.run_dir's, evaluation's schedule rlactors.evaluation's. Ctrl-C lets
+layout and rules are rlactors.run.run_dir's, evaluation's schedule rlactors.run.evaluation's. Ctrl-C lets
 a step whose update has begun complete, then saves the last completed step unless it is saved. A
 step after which every generator replica is dead for good (none restarting) stops the run, saved.
 """
@@ -27,12 +27,18 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ActorError
 
 from rlactors.config import Config, check_model_keys
-from rlactors.evaluation import EvalSchedule, Evaluator, training_evaluator
-from rlactors.generation import generate, replicas_lost, serve_gateway
-from rlactors.liveness import ProcLost
-from rlactors.losses import LossNorm
-from rlactors.meshes import HostsLost, Meshes
-from rlactors.metrics import (
+from rlactors.procs.liveness import ProcLost
+from rlactors.procs.placement import first_value, placement_line
+from rlactors.procs.watchdog import LoopWatchdog
+from rlactors.rollout.batcher import Batcher
+from rlactors.rollout.env import OnTokens, SampleStream, load_env
+from rlactors.rollout.producer import RolloutProducer, fresh_episodes
+from rlactors.rollout.rollouter import Rollouter, group_number, prompts_too_long_line
+from rlactors.rollout.types import Episode, RolloutGroup
+from rlactors.run.evaluation import EvalSchedule, Evaluator, training_evaluator
+from rlactors.run.generation import generate, replicas_lost, serve_gateway
+from rlactors.run.meshes import HostsLost, Meshes
+from rlactors.run.metrics import (
     EnvErrorLog,
     GeneratorMetrics,
     MetricsLogger,
@@ -43,15 +49,9 @@ from rlactors.metrics import (
     step_metrics,
     untrained_reason,
 )
-from rlactors.placement import first_value, placement_line
-from rlactors.rollout.batcher import Batcher
-from rlactors.rollout.env import OnTokens, SampleStream, load_env
-from rlactors.rollout.producer import RolloutProducer, fresh_episodes
-from rlactors.rollout.rollouter import Rollouter, group_number, prompts_too_long_line
-from rlactors.rollout.types import Episode, RolloutGroup
-from rlactors.run_dir import SLURM_DIR, ResumeState, RunComplete, RunDir, TrainingError
+from rlactors.run.run_dir import SLURM_DIR, ResumeState, RunComplete, RunDir, TrainingError
+from rlactors.trainer.losses import LossNorm
 from rlactors.types import Completion, SamplingParams
-from rlactors.watchdog import LoopWatchdog
 from rlactors.weight_sync.sync import BroadcastStuck, NoReplicaUp, WeightSync, WeightSyncError, create_weight_sync
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Controller:
         self.meshes = Meshes(config)
         self._generator_metrics = GeneratorMetrics()
         self._env_errors: EnvErrorLog | None = None  # while train() runs
-        self.evaluator: Evaluator | None = None  # with controller.eval_every (rlactors.evaluation)
+        self.evaluator: Evaluator | None = None  # with controller.eval_every (rlactors.run.evaluation)
         self.trainer = self.router = None  # guarded by the meshes' watcher
         self.weight_sync: WeightSync | None = None
         # During training, a call that blocks the loop (an env's) is named after step_timeout_s,

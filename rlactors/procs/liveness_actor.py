@@ -1,5 +1,5 @@
 """Liveness: a tiny actor beside the real one in a proc, which answers the pings of
-rlactors.liveness.ProcWatcher on its own thread (the trainer serves its calls one at a time, so
+rlactors.procs.liveness.ProcWatcher on its own thread (the trainer serves its calls one at a time, so
 it could not answer one while it trains)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 from monarch.actor import Actor, endpoint
 
-from rlactors.liveness import ProcWatcher, WatchedProc, this_machine
+from rlactors.procs.liveness import ProcWatcher, WatchedProc, this_machine
 
 
 class Liveness(Actor):

@@ -20,7 +20,7 @@ from typing import Any
 from monarch.actor import enable_transport
 from monarch.job import SlurmJob as MonarchSlurmJob
 
-from rlactors.placement import local_address
+from rlactors.procs.placement import local_address
 
 # Job states after which the allocation is gone (squeue --json's names).
 _ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",

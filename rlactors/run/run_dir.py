@@ -2,7 +2,7 @@
 
     <run_dir>/
         config.toml              the run's config, written at every start
-        metrics.jsonl            one record per step and per evaluation (rlactors.metrics)
+        metrics.jsonl            one record per step and per evaluation (rlactors.run.metrics)
         samples.jsonl            decoded rollouts of each step (controller.log_samples)
         env_errors.log           every env error, with its traceback
         reward_curve.png         drawn from metrics.jsonl

@@ -26,7 +26,7 @@ from rlactors.config import Config, ConfigError, ControllerConfig, EvalConfig, R
 from rlactors.rollout.env import TokenEnv
 from rlactors.rollout.rollouter import GenerateFn, Rollouter
 from rlactors.rollout.types import Rollout, RolloutStatus
-from rlactors.run_dir import TrainingError
+from rlactors.run.run_dir import TrainingError
 
 EVAL_SPLIT = "eval"
 PREFIX = "eval/"

@@ -6,7 +6,7 @@ seen there, with its exit status, within a poll), then asks the proc's own agent
 states. An unanswered state query blocks that mesh's poll, and once it has waited
 GET_ACTOR_STATE_MAX_IDLE the proc counts as dead ("The process likely crashed"), though a
 CPU-starved or stopped proc is alive. So here that wait is a late backstop, and
-rlactors.liveness tells dead from slow instead: a pidfd for exits (at once), pings for silence
+rlactors.procs.liveness tells dead from slow instead: a pidfd for exits (at once), pings for silence
 (lost after controller.unresponsive_timeout_s, which config.py bounds below the backstop).
 
 - HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY: how often proc and actor states are polled

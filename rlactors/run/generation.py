@@ -1,4 +1,4 @@
-"""The generator side of a run, as training (rlactors.controller) and evaluation
+"""The generator side of a run, as training (rlactors.run.controller) and evaluation
 (rlactors.evaluate) start and call it: the router and its replicas on a proc of this host, the
 gateway of an AgentEnv's harnesses, the generate call the Rollouter makes, and whether any
 replica is left to make it."""
@@ -9,9 +9,9 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from rlactors.actors.token_stream import stream_tokens
 from rlactors.config import Config
-from rlactors.placement import gpu_layout
-from rlactors.token_stream import stream_tokens
+from rlactors.procs.placement import gpu_layout
 from rlactors.types import Completion, SamplingParams, TokenDelta
 
 

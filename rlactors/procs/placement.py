@@ -90,14 +90,14 @@ class Hosts:
     def lost(self) -> str | None:
         """What took the hosts away when their Slurm job has ended ('the Slurm job 7 ended:
         CANCELLED'); None while they hold, or for hosts of another kind."""
-        from rlactors.slurm import SlurmJob
+        from rlactors.procs.slurm import SlurmJob
 
         return self.job.ended() if isinstance(self.job, SlurmJob) else None
 
     async def wait_lost(self, every_s: float = 2.0) -> str:
         """What took the hosts away (`lost`), once it has happened, checked every `every_s`
         seconds; never returns for hosts that are not a Slurm job's."""
-        from rlactors.slurm import SlurmJob
+        from rlactors.procs.slurm import SlurmJob
 
         if not isinstance(self.job, SlurmJob):
             await asyncio.get_running_loop().create_future()  # never done
@@ -132,7 +132,7 @@ async def allocate_hosts(job: JobConfig, gpus: bool, log_dir: Path) -> Hosts:
 
         monarch_job = ProcessJob(meshes)
     else:
-        from rlactors.slurm import SlurmJob
+        from rlactors.procs.slurm import SlurmJob
 
         monarch_job = SlurmJob(meshes, python_exe=sys.executable, job_name="rlactors", log_dir=str(log_dir),
                                gpus_per_node=job.gpus_per_host if gpus else None,

@@ -1,6 +1,6 @@
 """Liveness: tell a dead proc from a slow one, by construction.
 
-Each watched proc answers pings (the `Liveness` actor of rlactors.actors.liveness, on its own
+Each watched proc answers pings (the `Liveness` actor of rlactors.procs.liveness_actor, on its own
 thread in the proc) with its machine and OS pid. `ProcWatcher` keeps two facts per proc:
 
 - Exited: on this machine a pidfd turns readable the moment the OS process ends; its wait
@@ -15,7 +15,7 @@ thread in the proc) with its machine and OS pid. `ProcWatcher` keeps two facts p
 
 A lost proc's verdict ("trainer rank 0 (pid 123) exited (signal 9)", "... unresponsive for 63 s")
 fails every call made through `guard` at once, with `ProcLost`, while Monarch, whose state queries
-wait much longer (rlactors.supervision), may not have noticed yet.
+wait much longer (rlactors.procs.supervision), may not have noticed yet.
 """
 
 from __future__ import annotations

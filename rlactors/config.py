@@ -18,14 +18,13 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from rlactors.procs.liveness import UNRESPONSIVE_TIMEOUT_S
-from rlactors.procs.placement import gpu_layout
-from rlactors.procs.supervision import MONARCH_STATE_QUERY_WAIT_S
-
-if TYPE_CHECKING:
-    from rlactors.models.args import ModelArgs
+# Here and not in rlactors.procs, which reads the config: the default of
+# controller.unresponsive_timeout_s (rlactors.procs.liveness), and Monarch's own wait on a silent
+# proc (rlactors.procs.supervision), which that timeout must stay well below.
+UNRESPONSIVE_TIMEOUT_S = 60.0
+MONARCH_STATE_QUERY_WAIT_S = 600
 
 # The choices of the Literal fields that code outside this module also names.
 UpdateMode = Literal["drain", "hot_swap"]
@@ -405,8 +404,9 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def check_model_keys(model: ModelConfig, trainer: TrainerConfig, args: ModelArgs) -> None:
-    """Checks the keys that depend on the checkpoint in `model.path` (`args`, its config)."""
+def check_model_keys(model: ModelConfig, trainer: TrainerConfig, args: Any) -> None:
+    """Checks the keys that depend on the checkpoint in `model.path` (`args`, its config: a
+    rlactors.models.args.ModelArgs, which this bottom module does not import)."""
     if args.moe is None:
         no_experts = f"{model.path} ({args.model_type}) has no experts"
         _check(trainer.router_aux_loss_coef == 0, "trainer.router_aux_loss_coef",
@@ -605,3 +605,24 @@ def dump_toml(config: Config) -> str:
         lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()]
         lines.append("")
     return "\n".join(lines)
+
+
+def gpu_layout(config: Config) -> tuple[list[int], list[list[int]]]:
+    """GPU ids, counted on their own host, of the trainer ranks of one trainer host and of each
+    generator replica (its TP group).
+
+    Where replicas share the trainer's hosts (one host, or job.generator_hosts = 0), trainers
+    take the first GPUs of each and replicas the following ones, or, with `controller.colocate`,
+    the same ones from GPU 0 on (the generator then uses only gpu_memory_utilization of each).
+    Where each mesh has hosts of its own, every trainer host uses GPUs 0.., and replica r is the
+    (r % per host)-th of its host.
+    """
+    j = config.job
+    tp = config.generator.tp
+    ranks_per_host = config.trainer.ranks // j.trainer_hosts
+    replicas_per_host = config.generator.replicas // j.replica_hosts
+    first = ranks_per_host if j.shares_hosts and not config.controller.colocate else 0
+    trainer = list(range(ranks_per_host))
+    replicas = [list(range(first + (r % replicas_per_host) * tp, first + (r % replicas_per_host + 1) * tp))
+                for r in range(config.generator.replicas)]
+    return trainer, replicas

@@ -15,8 +15,9 @@ from rlactors.config import (
     ModelConfig,
     build_dataclass,
     dump_toml,
+    gpu_layout,
 )
-from rlactors.procs.placement import cuda_visible_devices, expandable_segments, gpu_layout
+from rlactors.procs.placement import cuda_visible_devices, expandable_segments
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 

@@ -36,7 +36,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 TIMEOUT_KEY = "controller.unresponsive_timeout_s"  # the setting, named in the verdicts
-UNRESPONSIVE_TIMEOUT_S = 60.0  # its default
 PING_EVERY_S = 1.0
 # An exit whose status is not readable yet (its reap under way) is read again every
 # STATUS_RETRY_S; after STATUS_WAIT_S (a kernel without PIDFD_INFO_EXIT) Monarch's word is awaited.

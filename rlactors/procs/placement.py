@@ -19,31 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rlactors.config import Config, JobConfig
+    from rlactors.config import JobConfig
 
 TRAINER_MESH = "trainers"
 GENERATOR_MESH = "generators"
-
-
-def gpu_layout(config: Config) -> tuple[list[int], list[list[int]]]:
-    """GPU ids, counted on their own host, of the trainer ranks of one trainer host and of each
-    generator replica (its TP group).
-
-    Where replicas share the trainer's hosts (one host, or job.generator_hosts = 0), trainers
-    take the first GPUs of each and replicas the following ones, or, with `controller.colocate`,
-    the same ones from GPU 0 on (the generator then uses only gpu_memory_utilization of each).
-    Where each mesh has hosts of its own, every trainer host uses GPUs 0.., and replica r is the
-    (r % per host)-th of its host.
-    """
-    j = config.job
-    tp = config.generator.tp
-    ranks_per_host = config.trainer.ranks // j.trainer_hosts
-    replicas_per_host = config.generator.replicas // j.replica_hosts
-    first = ranks_per_host if j.shares_hosts and not config.controller.colocate else 0
-    trainer = list(range(ranks_per_host))
-    replicas = [list(range(first + (r % replicas_per_host) * tp, first + (r % replicas_per_host + 1) * tp))
-                for r in range(config.generator.replicas)]
-    return trainer, replicas
 
 
 def cuda_visible_devices(gpu_ids: Sequence[int]) -> str:

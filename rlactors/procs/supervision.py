@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-MONARCH_STATE_QUERY_WAIT_S = 600  # the backstop; controller.unresponsive_timeout_s stays below it
+from rlactors.config import MONARCH_STATE_QUERY_WAIT_S
 
 FAST_SUPERVISION = {
     "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY": "1s",

@@ -10,8 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlactors.actors.token_stream import stream_tokens
-from rlactors.config import Config
-from rlactors.procs.placement import gpu_layout
+from rlactors.config import Config, gpu_layout
 from rlactors.types import Completion, SamplingParams, TokenDelta
 
 

@@ -92,3 +92,7 @@ class TokenDelta:
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has died; this generator cannot serve requests any more."""

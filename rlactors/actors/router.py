@@ -52,11 +52,10 @@ from monarch.actor import (
 from rlactors.actors.generator import Generator
 from rlactors.actors.token_stream import StreamedAttempts
 from rlactors.config import UNRESPONSIVE_TIMEOUT_S, GeneratorConfig, ModelConfig
-from rlactors.engines.async_engine import EngineDeadError
 from rlactors.procs.liveness import ProcLost, ProcWatcher, WatchedProc
 from rlactors.procs.liveness_actor import watch_procs
 from rlactors.procs.placement import cuda_visible_devices, host_of, num_hosts
-from rlactors.types import Completion, SamplingParams
+from rlactors.types import Completion, EngineDeadError, SamplingParams
 from rlactors.weight_sync.replicas import ReplicaWeights
 
 logger = logging.getLogger(__name__)

@@ -22,12 +22,4 @@ def create_engine(generator_config: GeneratorConfig, model_config: ModelConfig) 
     raise ValueError(f"generator.engine must be 'native' or 'vllm', got {generator_config.engine!r}")
 
 
-def stages_concurrently(tp: int) -> bool:
-    """Whether a replica of `tp` GPUs receives a weight broadcast beside its engine's steps
-    (`Engine.stages_concurrently`): one whose one GPU worker runs in the replica's own process
-    (the native engine, tp = 1 always; vLLM at tp = 1). With TP workers in other processes, vLLM's
-    collective_rpc and step() share its message queues, so a receive waits for a step boundary."""
-    return tp == 1
-
-
-__all__ = ["Engine", "create_engine", "stages_concurrently"]
+__all__ = ["Engine", "create_engine"]

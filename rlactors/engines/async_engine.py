@@ -25,14 +25,10 @@ from typing import Any
 
 from rlactors.config import UpdateMode
 from rlactors.engines.base import Engine
-from rlactors.types import Completion, SamplingParams, TokenDelta
+from rlactors.types import Completion, EngineDeadError, SamplingParams, TokenDelta
 from rlactors.weight_sync.updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has died; this generator cannot serve requests any more."""
 
 
 @dataclass

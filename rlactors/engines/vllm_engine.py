@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from rlactors.config import GeneratorConfig, ModelConfig
-from rlactors.engines import stages_concurrently
 from rlactors.engines.base import Engine, check_request
 from rlactors.procs.placement import expandable_segments
 from rlactors.types import Completion, SamplingParams, TokenDelta
 from rlactors.weight_sync.broadcast import VLLMReceiver
+from rlactors.weight_sync.updates import stages_concurrently
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 from monarch.actor import ActorError
 
-from rlactors.engines.async_engine import EngineDeadError
+from rlactors.types import EngineDeadError
 from rlactors.weight_sync.broadcast import BroadcastBroken
 
 

@@ -86,9 +86,9 @@ from typing import Any, NoReturn
 from monarch.actor import ActorError, Channel, PortReceiver
 
 from rlactors.config import Config
-from rlactors.engines import stages_concurrently
 from rlactors.procs.placement import first_value
 from rlactors.weight_sync.broadcast import BroadcastBroken
+from rlactors.weight_sync.updates import stages_concurrently
 
 # A weight broadcast still running this long after one of its members died is stuck: NCCL waits
 # for every member for ever (gloo fails by itself at once).

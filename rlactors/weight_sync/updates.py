@@ -30,16 +30,37 @@ import time
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from rlactors.config import UpdateMode
-from rlactors.engines.base import Engine
-from rlactors.weight_sync.broadcast import BroadcastBroken
+from rlactors.weight_sync.broadcast import BroadcastBroken, BroadcastReceiver
 from rlactors.weight_sync.checksum import ChecksumMismatch, state_checksum
 
 UPDATE_MODES = typing.get_args(UpdateMode)
+
+
+class UpdatedEngine(Protocol):
+    """What weight updates need of an engine (rlactors.engines.base.Engine, which has it all)."""
+
+    version: int
+    hot_swaps: bool
+    stages_concurrently: bool
+
+    def broadcast_receiver(self) -> BroadcastReceiver: ...
+
+    def check_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None: ...
+
+    def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+
+def stages_concurrently(tp: int) -> bool:
+    """Whether a replica of `tp` GPUs receives a weight broadcast beside its engine's steps
+    (`Engine.stages_concurrently`): one whose one GPU worker runs in the replica's own process
+    (the native engine, tp = 1 always; vLLM at tp = 1). With TP workers in other processes, vLLM's
+    collective_rpc and step() share its message queues, so a receive waits for a step boundary."""
+    return tp == 1
 
 
 @dataclass
@@ -60,7 +81,7 @@ class WeightUpdates:
     closed; `wake` has the loop look for a load. Loads and, for an engine that cannot stage while
     it steps, receives run on `step_executor`, the engine's thread."""
 
-    def __init__(self, engine: Engine, default_mode: UpdateMode, step_executor: concurrent.futures.Executor,
+    def __init__(self, engine: UpdatedEngine, default_mode: UpdateMode, step_executor: concurrent.futures.Executor,
                  check_alive: Callable[[], None], wake: Callable[[], None]):
         self.engine = engine
         self.default_mode = default_mode

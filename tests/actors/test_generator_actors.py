@@ -17,10 +17,10 @@ from support.threads import one_thread  # noqa: F401 - this module's autouse fix
 
 from rlactors.actors.router import GeneratorRouter, ReplicaPicker
 from rlactors.config import GeneratorConfig, ModelConfig
-from rlactors.engines.async_engine import AsyncEngine, EngineDeadError
+from rlactors.engines.async_engine import AsyncEngine
 from rlactors.engines.native import NativeEngine
 from rlactors.models.checkpoint import from_pretrained
-from rlactors.types import SamplingParams
+from rlactors.types import EngineDeadError, SamplingParams
 from rlactors.weight_sync.broadcast import BroadcastBroken
 from rlactors.weight_sync.checksum import ChecksumMismatch, state_checksum
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from monarch.actor import ActorError
 
-from rlactors.engines.async_engine import EngineDeadError
+from rlactors.types import EngineDeadError
 from rlactors.weight_sync.broadcast import BroadcastBroken
 from rlactors.weight_sync.checksum import ChecksumMismatch
 from rlactors.weight_sync.replicas import ReplicaWeights

@@ -24,26 +24,24 @@ from pathlib import Path
 from typing import Any
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-from monarch.actor import ActorError
 
-from rlactors.config import Config, check_model_keys
+from rlactors.config import Config
 from rlactors.procs.liveness import ProcLost
 from rlactors.procs.placement import first_value, placement_line
 from rlactors.procs.watchdog import LoopWatchdog
-from rlactors.rollout.batcher import Batcher
-from rlactors.rollout.env import OnTokens, SampleStream, load_env
+from rlactors.rollout.env import OnTokens
 from rlactors.rollout.producer import RolloutProducer, fresh_episodes
-from rlactors.rollout.rollouter import Rollouter, group_number, prompts_too_long_line
+from rlactors.rollout.rollouter import group_number
 from rlactors.rollout.types import Episode, RolloutGroup
-from rlactors.run.evaluation import EvalSchedule, Evaluator, training_evaluator
+from rlactors.run.evaluation import EvalSchedule, Evaluator
 from rlactors.run.generation import generate, replicas_lost, serve_gateway
+from rlactors.run.inputs import load_inputs
 from rlactors.run.meshes import HostsLost, Meshes
 from rlactors.run.metrics import (
     EnvErrorLog,
     GeneratorMetrics,
     MetricsLogger,
     WandbSink,
-    check_wandb,
     optimizer_metrics,
     sample_records,
     step_metrics,
@@ -80,31 +78,15 @@ class Controller:
         self.gateway = None  # an AgentEnv's harnesses call the policy through it (rlactors.gateway)
 
     async def start(self) -> None:
-        from rlactors.models import load_checked_tokenizer
-        from rlactors.models.checkpoint import load_args
-
         c = self.config
         resume_from = self.run_dir.check(c, self.resume)  # fails (or finds the run complete) before any proc starts
-        self.tokenizer = load_checked_tokenizer(c.model.path)
-        check_model_keys(c.model, c.trainer, load_args(c.model.path))
-        env = load_env(c.env, self.tokenizer)
-        dataset = env.dataset("train")
-        if len(dataset) == 0:
-            raise TrainingError(f"env {c.env.name}: the train split is empty")
-        self.samples = SampleStream(dataset, seed=c.controller.seed)
-        self.rollouter = Rollouter(env, self.generate, c.rollout, seed=c.controller.seed)
-        too_long = await self.rollouter.prompts_too_long(dataset)
-        if too_long:
-            print(prompts_too_long_line(too_long, len(dataset), c.rollout.max_total_tokens), flush=True)
-        self.evaluator = training_evaluator(env, c, self.generate)
-        if c.metrics.wandb_project:
-            check_wandb()
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.batcher = Batcher(c.batcher, dp_size=c.trainer.ranks, pad_token_id=pad_id)
+        inputs = await load_inputs(c, self.generate)
+        self.tokenizer, self.samples, self.rollouter = inputs.tokenizer, inputs.samples, inputs.rollouter
+        self.evaluator, self.batcher = inputs.evaluator, inputs.batcher
 
         self.trainer, self.router, ranks = await self.meshes.spawn(self.run_dir.path / SLURM_DIR)
         print(placement_line(ranks, await self.meshes.router_stats(self.router)), flush=True)
-        self.gateway = await serve_gateway(env, c, self.tokenizer)
+        self.gateway = await serve_gateway(inputs.env, c, self.tokenizer)
 
         self.weight_sync = create_weight_sync(c, self.trainer, self.router)
         await self._sync_call(self.weight_sync.start())
@@ -238,18 +220,9 @@ class Controller:
         groups.sort(key=group_number)  # the same batch whatever order the groups finished in
         # From here the step completes even when interrupted: a run stopped in the middle of an
         # update could not tell which step the trainer's weights belong to.
-        finish = asyncio.ensure_future(self._finish_step(step, groups, step_start, rollout_wait, metrics_log))
-        try:
-            return await asyncio.shield(finish)
-        except asyncio.CancelledError:
-            if not finish.done():
-                if self.meshes.hosts_lost:  # the step cannot complete: its trainer and generators are gone
-                    finish.cancel()
-                    raise
-                print(f"interrupted: completing step {step}, whose update has begun (Ctrl-C again to quit at once)",
-                      file=sys.stderr, flush=True)
-                await finish
-            raise
+        return await self.meshes.finish(
+            self._finish_step(step, groups, step_start, rollout_wait, metrics_log),
+            f"interrupted: completing step {step}, whose update has begun (Ctrl-C again to quit at once)")
 
     async def _finish_step(self, step: int, groups: list[RolloutGroup], step_start: float, rollout_wait: float,
                            metrics_log: MetricsLogger) -> dict[str, float]:
@@ -345,14 +318,7 @@ class Controller:
     async def save_checkpoint(self) -> Path:
         resume = (self.producer.resume_state(self.step + 1) if self.producer is not None else
                   {"samples": self.samples.state_dict(), "rollouter": self.rollouter.state_dict()})
-        state = ResumeState(self.step, self.policy_version, **resume)
-        try:
-            path = await self.trainer.save_checkpoint.call(str(self.run_dir.checkpoints), self.step, state.files())
-        except ActorError as e:  # the trainer could not write it (every rank raises, none is left waiting)
-            reason = " ".join(f"{type(e.exception).__name__}: {e.exception}".split())
-            raise TrainingError(f"saving the checkpoint of step {self.step} failed: {reason}; "
-                                f"{self.run_dir.last_checkpoint()}") from None
-        return Path(first_value(path))
+        return await self.run_dir.save(self.trainer, ResumeState(self.step, self.policy_version, **resume))
 
 
 def _let_go(pushing: asyncio.Future | None) -> None:

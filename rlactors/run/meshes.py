@@ -98,6 +98,21 @@ class Meshes:
         await asyncio.wait({task})
         raise HostsLost(self.hosts_lost)
 
+    async def finish(self, work: Awaitable[T], interrupted: str) -> T:
+        """Runs `work` to its end even when cancelled (saying `interrupted` on stderr), unless the
+        job's hosts are lost: then its trainer and generators are gone and it cannot end."""
+        task = asyncio.ensure_future(work)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                if self.hosts_lost:
+                    task.cancel()
+                    raise
+                print(interrupted, file=sys.stderr, flush=True)
+                await task
+            raise
+
     async def cause(self, error: BaseException) -> str:
         """What `error` (a SupervisionError or ProcLost) lost: the job's hosts, else the watcher's
         verdict ("trainer rank 0 (pid 7) exited (signal 9)"), which Monarch's own SupervisionError

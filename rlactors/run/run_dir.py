@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlactors.config import Config, dump_toml, read_toml
+from rlactors.procs.placement import first_value
 from rlactors.trainer.checkpoint import HF_DIR, checkpoint_dir, is_complete, latest_checkpoint
 
 CONFIG_FILE = "config.toml"
@@ -127,6 +128,19 @@ class RunDir:
     def is_saved(self, step: int) -> bool:
         """Whether the checkpoint of `step` is complete."""
         return is_complete(checkpoint_dir(self.checkpoints, step))
+
+    async def save(self, trainer: Any, state: ResumeState) -> Path:
+        """Has `trainer` (a PolicyTrainer mesh) save the checkpoint of `state.step`, with `state`
+        in it; its path. One it could not write is a TrainingError naming why."""
+        from monarch.actor import ActorError
+
+        try:
+            path = await trainer.save_checkpoint.call(str(self.checkpoints), state.step, state.files())
+        except ActorError as e:  # the trainer could not write it (every rank raises, none is left waiting)
+            reason = " ".join(f"{type(e.exception).__name__}: {e.exception}".split())
+            raise TrainingError(f"saving the checkpoint of step {state.step} failed: {reason}; "
+                                f"{self.last_checkpoint()}") from None
+        return Path(first_value(path))
 
     def last_checkpoint(self) -> str:
         """Where a stopped run resumes from, for its error line."""

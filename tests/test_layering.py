@@ -1,6 +1,7 @@
-"""The model, attention, true on-policy, trainer and engine packages import one another one way
-only (lazy imports inside functions count too): the plain model and the trainer stay below the
-engines and the true on-policy package."""
+"""The packages of rlactors import one another one way only, down the order LAYERS declares (lazy
+imports inside functions and imports for type checking count too): a package imports only
+packages below it. The modules config and types sit below every package and import none; the
+entry points train and evaluate sit above them all and no package imports them."""
 
 import ast
 from pathlib import Path
@@ -9,39 +10,54 @@ import rlactors
 
 ROOT = Path(rlactors.__file__).parent
 PACKAGES = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
-LAYERED = {"attention", "models", "on_policy", "trainer", "engines"}
+MODULES = {p.stem for p in ROOT.glob("*.py") if p.stem != "__init__"}
+# Bottom to top: the model's pieces, the procs' lives, weight sync, then its sending (trainer) and
+# receiving (engines) sides, rollouts, the actors, envs and the agent gateway, the run's driver.
+LAYERS = ["attention", "models", "on_policy", "procs", "weight_sync", "trainer", "engines", "rollout", "actors",
+          "envs", "gateway", "run"]
+BOTTOM, ENTRY_POINTS = {"config", "types"}, {"train", "evaluate"}
 
 
-def package_arrows() -> dict[tuple[str, str], list[str]]:
-    """(importing package, imported package) -> the importing modules, from every import statement."""
-    arrows: dict[tuple[str, str], list[str]] = {}
+def arrows() -> dict[tuple[str, str], list[str]]:
+    """(importing room, imported room) -> the importing files, from every import statement; a room
+    is a package or a top-level module of rlactors."""
+    found: dict[tuple[str, str], list[str]] = {}
     for path in ROOT.rglob("*.py"):
-        source = path.relative_to(ROOT).parts[0]
-        if source not in PACKAGES:
-            continue
+        parts = path.relative_to(ROOT).parts
+        source = parts[0] if len(parts) > 1 else path.stem
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
             for name in names:
                 parts = name.split(".")
-                if parts[0] == "rlactors" and len(parts) > 1 and parts[1] in PACKAGES and parts[1] != source:
-                    arrows.setdefault((source, parts[1]), []).append(str(path.relative_to(ROOT)))
-    return arrows
+                if parts[0] == "rlactors" and len(parts) > 1 and parts[1] != source:
+                    found.setdefault((source, parts[1]), []).append(str(path.relative_to(ROOT)))
+    return found
 
 
-def test_no_two_of_these_packages_import_each_other():
-    arrows = package_arrows()
-    assert LAYERED <= PACKAGES
-    both_ways = {tuple(sorted(pair)): (arrows[pair], arrows[pair[::-1]])
-                 for pair in arrows if pair[::-1] in arrows and set(pair) <= LAYERED}
-    assert not both_ways, both_ways
+def test_every_package_has_its_layer():
+    assert set(LAYERS) == PACKAGES
+    assert BOTTOM | ENTRY_POINTS == MODULES
 
 
-def test_the_model_and_the_trainer_import_no_engine():
-    arrows = package_arrows()
-    for low, high in [("models", "on_policy"), ("models", "engines"), ("attention", "models"),
-                      ("trainer", "engines"), ("on_policy", "engines"), ("on_policy", "trainer")]:
-        assert (low, high) not in arrows, arrows[low, high]
+def test_every_import_runs_down():
+    up = {pair: files for pair, files in arrows().items()
+          if pair[0] in PACKAGES and pair[1] in PACKAGES and LAYERS.index(pair[0]) < LAYERS.index(pair[1])}
+    assert not up, up
+
+
+def test_the_bottom_modules_import_no_room_and_no_room_imports_an_entry_point():
+    found = arrows()
+    assert not {pair: files for pair, files in found.items() if pair[0] in BOTTOM and pair[1] != "types"}
+    assert not {pair: files for pair, files in found.items() if pair[1] in ENTRY_POINTS and pair[0] not in ENTRY_POINTS}
+
+
+def test_the_arrows_are_read():
+    """The reader sees the imports this file guards: the trainer imports weight sync's packed layout,
+    weight sync never imports an engine."""
+    found = arrows()
+    assert "trainer/gather.py" in found["trainer", "weight_sync"]
+    assert ("weight_sync", "engines") not in found and ("engines", "weight_sync") in found
 
 
 def test_every_package_is_installed():

@@ -10,12 +10,12 @@ from monarch.actor import this_host
 from support.agent_envs import AgentsSdkToolAgent, LangChainToolAgent, ToolAgent, ToolAgentConfig, ToolMessageEnv
 from support.tool_policy import ANSWER, CALL
 
-from rlactors import generation
 from rlactors.actors.router import GeneratorRouter
 from rlactors.config import GatewayConfig, GeneratorConfig, ModelConfig, RolloutConfig
 from rlactors.gateway import Gateway
 from rlactors.models import load_tokenizer
 from rlactors.rollout import Rollouter, RolloutStatus
+from rlactors.run import generation
 
 # Near-greedy: the memorised conversation is sampled every time, on any CPU.
 ROLLOUT = RolloutConfig(group_size=2, max_turns=3, max_tokens_per_turn=96, max_total_tokens=512, temperature=0.3,

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 from support.router_procs import spawn_router
 
-from rlactors import generation
 from rlactors.config import GatewayConfig, RolloutConfig
 from rlactors.gateway import AgentEnv, Gateway
 from rlactors.models import load_tokenizer
 from rlactors.rollout import Rollouter, RolloutStatus
+from rlactors.run import generation
 
 
 @dataclass

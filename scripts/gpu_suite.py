@@ -9,9 +9,9 @@ the next, and a group stopped at its timeout takes its processes with it; inside
 tests/conftest.py checks that each module gives the GPU memory back. `1gpu` runs its groups
 side by side when more GPUs are visible (one GPU each, by CUDA_VISIBLE_DEVICES); `2gpu` runs its
 groups one after another on the first two GPUs, and fails a test that skips for want of GPUs.
-Prints a table of groups, counts and seconds, appends it to benchmarks/results/gpu_suite.md with
-the machine, date and commit, and exits non-zero when any group failed. Expects vLLM and Monarch
-importable (docs/gpu.md).
+Prints a table of groups, counts and seconds, appends a row per group to
+benchmarks/results/gpu_suite.md with the machine, date and commit, and exits non-zero when any
+group failed. Expects vLLM and Monarch importable (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -130,13 +130,31 @@ def failed(group: Group, mode: str) -> bool:
         or lacking_gpus
 
 
+COLUMNS = ("group", "GPUs", "passed", "failed", "errors", "skipped", "seconds", "result")
+STAMP = ("date", "machine", "commit", "command", "mode")
+
+
+def cells(g: Group, mode: str) -> list[object]:
+    c = g.counts
+    return [g.name, g.gpus, c.get("passed", 0), c.get("failed", 0), c["errors"], c.get("skipped", 0),
+            f"{g.seconds:.0f}", "FAIL" if failed(g, mode) else "ok"]
+
+
+def row(values: list[object]) -> str:
+    return "| " + " | ".join(str(v) for v in values) + " |"
+
+
 def table(groups: list[Group], mode: str) -> str:
-    rows = ["| group | GPUs | passed | failed | errors | skipped | seconds | result |", "|---" * 8 + "|"]
-    for g in groups:
-        c = g.counts
-        rows.append(f"| {g.name} | {g.gpus} | {c.get('passed', 0)} | {c.get('failed', 0)} | {c['errors']} | "
-                    f"{c.get('skipped', 0)} | {g.seconds:.0f} | {'FAIL' if failed(g, mode) else 'ok'} |")
-    return "\n".join(rows)
+    return "\n".join([row(COLUMNS), "|---" * len(COLUMNS) + "|", *(row(cells(g, mode)) for g in groups)])
+
+
+def append_rows(groups: list[Group], mode: str, stamp: list[object]) -> None:
+    """One row per group at the end of RESULTS, whose table has the header `STAMP + COLUMNS`."""
+    header = row([*STAMP, *COLUMNS])
+    if header not in RESULTS.read_text().splitlines():
+        raise SystemExit(f"error: {RESULTS} has no table headed {header}")
+    with RESULTS.open("a") as f:
+        f.writelines(row([*stamp, mode, *cells(g, mode)]) + "\n" for g in groups)
 
 
 def main() -> None:
@@ -181,11 +199,9 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     machine = f"{len(names)} x {names[0]}" if names else "no GPU"
-    used = f"{min(len(devices), len(groups))} of them, one group per GPU" if args.mode == "1gpu" else "2 of them"
     command = "python scripts/gpu_suite.py " + shlex.join(sys.argv[1:])
-    with RESULTS.open("a") as f:
-        f.write(f"\n## {args.mode}, {datetime.date.today()}, commit {commit}\n\nMachine: {machine} ({used}). "
-                f"Command: `{command}`. Wall time {wall:.0f} s.\n\n{result}\n")
+    print(f"{wall:.0f} s in all")
+    append_rows(groups, args.mode, [datetime.date.today(), machine, commit, f"`{command}`"])
     sys.exit(1 if any(failed(g, args.mode) for g in groups) else 0)
 
 

@@ -58,3 +58,17 @@ def test_a_group_past_its_timeout_takes_the_processes_it_started_and_names_the_r
     if running(child):
         os.kill(child, 9)
         raise AssertionError(f"the group's process {child} outlived its timeout")
+
+
+def test_a_run_appends_one_row_per_group_to_the_results_table(tmp_path, monkeypatch):
+    header = gpu_suite.row([*gpu_suite.STAMP, *gpu_suite.COLUMNS])
+    assert header in gpu_suite.RESULTS.read_text().splitlines()  # the table a run appends to
+    results = tmp_path / "gpu_suite.md"
+    results.write_text(f"# title\n\n{header}\n|---|\n")
+    monkeypatch.setattr(gpu_suite, "RESULTS", results)
+    groups = [gpu_suite.Group("kernels", [], 1, {"passed": 3, "errors": 0}, 12.4, returncode=0),
+              gpu_suite.Group("system", [], 1, {"passed": 1, "failed": 1, "errors": 0}, 30.0, returncode=1)]
+    gpu_suite.append_rows(groups, "1gpu", ["2026-12-01", "1 x GPU", "abc1234", "`cmd`"])
+    assert results.read_text().splitlines()[-2:] == [
+        "| 2026-12-01 | 1 x GPU | abc1234 | `cmd` | 1gpu | kernels | 1 | 3 | 0 | 0 | 0 | 12 | ok |",
+        "| 2026-12-01 | 1 x GPU | abc1234 | `cmd` | 1gpu | system | 1 | 1 | 1 | 0 | 0 | 30 | FAIL |"]

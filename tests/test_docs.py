@@ -148,3 +148,15 @@ def test_readme_env_example_loads_with_the_config_it_suggests(tmp_path, monkeypa
     assert env.config.word == "hi"
     assert len(env.dataset("train")) > 0
     assert training_evaluator(env, config, generate=None) is not None
+
+
+def test_status_page_lists_the_latest_run_of_each_results_table():
+    spec = importlib.util.spec_from_file_location("status_page", ROOT / "scripts" / "status_page.py")
+    status_page = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(status_page)
+    assert STATUS.read_text() == status_page.page(), "docs/status.md is out of date: python scripts/status_page.py"
+    latest = dict(status_page.latest_runs())
+    # The newest of a table's dates wins, wherever its row sits.
+    table = (ROOT / "benchmarks" / "results" / "weight_sync.md").read_text().splitlines()
+    dates = [line.split(" | ")[0].strip("| ") for line in table if line.startswith("| 20")]
+    assert latest["weight_sync.md"][0] == max(dates)

@@ -33,7 +33,7 @@ STATUS = ROOT / "docs" / "status.md"
 COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 # Paths a page names in backticks, under the repository's own directories.
-NAMED_PATH = re.compile(r"`((?:rlactors|examples|configs|tests|benchmarks|scripts|docs)/[\w./-]*\w)`")
+NAMED_PATH = re.compile(r"`((?:rlactors|examples|configs|tests|benchmarks|scripts|docs)/[\w./-]*\w/?)`")
 
 
 def blocks(page: Path) -> list[tuple[str, str, bool]]:

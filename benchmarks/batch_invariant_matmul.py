@@ -5,7 +5,7 @@ prefill/training sizes (M = 2048, 8192, 16384): time per call, replayed from a C
 runs decode steps, and the ratio to torch's cuBLAS matmul. The kernel is also checked for its
 promise: each row of an M = 8192 product has the bits of the same row computed in smaller
 batches, at other offsets (its three launches: large tiles, small tiles, chunks in programs of
-their own). Other designs and tile shapes: benchmarks/device/matmul_designs.py.
+their own). Other designs and tile shapes: benchmarks/results/notes/batch_invariant_matmul_designs.md.
 
     python benchmarks/batch_invariant_matmul.py [--out FILE]
 

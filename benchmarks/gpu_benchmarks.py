@@ -11,7 +11,7 @@ own table in benchmarks/results/ (index: benchmarks/results/README.md).
     python benchmarks/gpu_benchmarks.py moe                      # 1 GPU: Qwen3-MoE generation, training, a run
 
 Which GPUs a mode may use and what each runs: `MODES` below. Needs vLLM and Monarch importable
-(README, "GPU setup"); the GPU test suite is benchmarks/gpu_suite.py. The tools' output streams to the
+(docs/gpu.md); the GPU test suite is scripts/gpu_suite.py. The tools' output streams to the
 terminal; a table of steps, exit codes and seconds comes last, and the exit code is non-zero when a
 step failed.
 """

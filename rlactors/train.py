@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
 
     from rlactors.config import ConfigError, load_config
     from rlactors.run.controller import Controller, TrainingError
-    from rlactors.run.metrics import EVAL_REWARD_MEAN, NO_SIGNAL_HINT, REWARD_MEAN, read_metrics
+    from rlactors.run.metrics import EVAL_REWARD_MEAN, NO_SIGNAL_HINT, REWARD_MEAN, read_metrics, reward_trend
 
     controller = None
     try:
@@ -70,8 +70,7 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
         trained = f"; {untrained} of them trained nothing (see their step lines)" if untrained else ""
         resumed = steps[-1]["step"] - len(history)
         session = f" ({len(history)} in this session, resumed after step {resumed})" if resumed else ""
-        print(f"done: {len(steps)} steps{session}, reward {steps[0][REWARD_MEAN]:.3f} -> "
-              f"{steps[-1][REWARD_MEAN]:.3f}{trained}; run dir {config.controller.run_dir}")
+        print(f"done: {len(steps)} steps{session}, {reward_trend(steps)}{trained}; run dir {config.controller.run_dir}")
         evals = [r for r in records if EVAL_REWARD_MEAN in r]
         if evals:
             first, last = min(evals, key=lambda r: r["step"]), max(evals, key=lambda r: r["step"])

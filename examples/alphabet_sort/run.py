@@ -20,7 +20,7 @@ EXAMPLE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = EXAMPLE.parents[1] / "configs" / "alphabet_sort_cpu.toml"
 # The demo config names its checkpoint relative to the repository; given by absolute path here
 # (before the caller's overrides, which may name another), the demo runs from any directory.
-DEMO_CHECKPOINT = EXAMPLE / "warm_checkpoint"
+DEMO_CHECKPOINT = EXAMPLE / "warm_checkpoint_gpu"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -244,7 +244,7 @@ class VLLMEngine(Engine):
         self.aborted = []
         layers = list(self.engine.vllm_config.compilation_config.static_forward_context.values())
         # vLLM's shutdown releases what its model runner holds, yet the last closed engine of a
-        # process kept its KV cache (23.8 GiB at 0.3 of an H100): its model stays reachable from
+        # process kept its KV cache (all of it: gigabytes): its model stays reachable from
         # module-level state, and its attention layers hold the cache. Drop the cache from them.
         self.engine.engine_core.shutdown()
         for layer in layers:

@@ -113,9 +113,10 @@ class Gateway:
         # Each turn leaves a few hundred container objects behind for a while (HTTP on both ends,
         # messages, token lists), which kept Python's collector busy: a young collection every
         # couple of turns, and every few hundred turns one that walks the whole heap (torch,
-        # transformers, Monarch, the clients: ~0.25 s a time on a 2-core CPU), together ~0.4 ms a
-        # turn. What exists now lives as long as the process: frozen, collections skip it; and
-        # young collections wait for 20,000 new objects instead of 700. `stop` undoes both.
+        # transformers, Monarch, the clients), a cost of the same order as the gateway's own per
+        # turn (benchmarks/results/notes/gateway_overhead.md). What exists now lives as long as the
+        # process: frozen, collections skip it; and young collections wait for 20,000 new objects
+        # instead of 700. `stop` undoes both.
         gc.collect()
         gc.freeze()
         self._gc_threshold = gc.get_threshold()

@@ -6,31 +6,11 @@ where the row sits among them. When every op of the model is, a token's logprob 
 number in the generator (a decode step among whatever the engine was running, or a prefill
 chunk) and in the trainer (a packed microbatch), and the on-policy update is really on-policy.
 
-What breaks it with the default ops, and the fix (measured on CPU with torch 2.13 + MKL and on
-an H200; pinned by tests/on_policy/test_batch_invariant.py):
-
-- matmul: the BLAS picks its kernel, its blocking of K and its thread split from the whole
-  shape, and on CPU also from the CPU's vendor and instruction set, so a row's dot products are
-  summed in another order when the number of rows changes (MKL fp32 on one Intel CPU: M < 16
-  takes another path, for K >= 1024 rows differ up to M ~ 256; on an AMD CPU rows differ even in
-  MKL's strict reproducibility mode). CPU fix: no BLAS. ``cpu_kernels.matmul`` (C, compiled on
-  first use) computes every output element as one fmaf chain over K, in order, and vectorizes
-  only across independent elements, so a row's bits depend on that row alone, on any x86-64 CPU,
-  instruction set and compiler flags. CUDA fix: a
-  Triton matmul with one fixed tile shape that sums K in fixed chunks, each in order, and adds
-  the chunks in order (cuBLAS picks split-K by shape).
-- silu / sigmoid: torch's vectorized CPU loop computes the tail of a tensor with the scalar
-  function, which rounds differently, so an element's value depends on its index in the tensor.
-  Fix: ``silu_mul`` spells silu with exp and a division, which round the same on both paths.
-- attention: each side splits keys and batches queries its own way. Fix: one function for both,
-  in ``rlactors.on_policy.attention`` (on CPU ``cpu_kernels.attend``, fixed per query).
-- row reductions on CUDA (RMSNorm's mean, log_softmax): torch sizes its blocks by the number of
-  rows. Fix: one-program-per-row Triton kernels. On CPU torch's own kernels (not the BLAS)
-  reduce a contiguous row in an order set by its length and the vector width alone, whatever the
-  number of rows, and embedding lookups and exact elementwise ops (RoPE) are invariant anywhere.
-  torch's exp, log and sqrt give the same bits on its vectorized and scalar paths for every fp32
-  input (checked exhaustively with its AVX2 and AVX-512 kernels: benchmarks/elementwise_paths.py), so
-  an element's place in a tensor does not matter.
+The ops are: ``cpu_kernels.matmul`` on CPU (one fmaf chain per output element, no BLAS) and a
+fixed-tile Triton matmul on CUDA; ``silu_mul`` spelled with exp and a division; one attention
+function for both sides (``rlactors.on_policy.attention``); one-program-per-row Triton kernels for
+row reductions on CUDA. Why each default op breaks invariance, and how each fix holds it:
+docs/ARCHITECTURE.md, "True on-policy".
 
 Backward passes use the default kernels: only forward values must match the generator, and a
 gradient computed in another summation order is just as correct. That keeps the trainer's cost

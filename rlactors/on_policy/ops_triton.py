@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-# A row's bits depend on how K is summed, not on the tile shape (measured on an H200 across tile
-# shapes, warps and pipeline stages: benchmarks/device/matmul_designs.py): every launch sums K in
+# A row's bits depend on how K is summed, not on the tile shape (measured across tile shapes, warps
+# and pipeline stages: benchmarks/results/notes/batch_invariant_matmul_designs.md): every launch sums K in
 # blocks of MATMUL_BLOCK_K, in chunks of MATMUL_CHUNK_K columns, each chunk from zero, the chunk
 # sums added in order. So each launch picks the tile shape that suits its size.
 MATMUL_BLOCK_K = 64

@@ -54,8 +54,8 @@ def attention_head_dim(head_dim: int) -> int:
     FlashAttention 3 folds keys in blocks whose size it picks by head dim; at head dims up to 64
     the block is 128 keys for causal calls and 160 for calls without the causal mask, which is
     how it runs a step whose queries are all single decode tokens. A token decoded in such a step
-    then has other bits than the same token in a prefill (measured on an H200 at head dim 32:
-    benchmarks/device/invariance_probe.py). Above 64 dims, with a paged cache, the block does not
+    then has other bits than the same token in a prefill (measured at head dim 32:
+    benchmarks/results/notes/gpu_probes.md). Above 64 dims, with a paged cache, the block does not
     depend on the mask. So smaller heads run zero-padded to ``PADDED_HEAD_DIM``: the zeros add
     nothing to a score, and the padded output columns are dropped.
     """

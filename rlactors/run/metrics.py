@@ -297,6 +297,21 @@ def no_signal_line(step: int) -> str:
             f"{NO_SIGNAL_HINT}")
 
 
+def reward_trend(steps: Sequence[dict[str, Any]], window: int = 10) -> str:
+    """The run's reward as means over its first and last `window` steps (fewer: a quarter of the
+    run, at least one), so one noisy step does not speak for the run:
+    `reward 0.286 over steps 1-10 -> 0.471 over steps 71-80`."""
+    def mean_over(records: Sequence[dict[str, Any]]) -> str:
+        first, last = records[0]["step"], records[-1]["step"]
+        span = f"step {first}" if first == last else f"steps {first}-{last}"
+        return f"{sum(r[REWARD_MEAN] for r in records) / len(records):.3f} over {span}"
+
+    k = max(1, min(window, len(steps) // 4))
+    if len(steps) == 1:
+        return f"reward {mean_over(steps)}"
+    return f"reward {mean_over(steps[:k])} -> {mean_over(steps[-k:])}"
+
+
 class GeneratorMetrics:
     """`generator/*` metrics of a step from the router's stats, and the generators' idle share:
     the share of replica time since the previous reading spent outside engine steps (not

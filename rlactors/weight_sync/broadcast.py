@@ -1,47 +1,13 @@
 """Weight sync by broadcast: trainer rank 0 sends one packed buffer to every replica at once.
 
-On GPUs the group is vLLM's stateless NCCL group (a TCP rendezvous plus a PyNcclCommunicator);
-on CPU it is a gloo group of its own (a TCPStore rendezvous). Either way it lives beside the
-trainer's torch.distributed world (and vLLM's TP group). The trainer is rank 0; replica r's TP
-worker t is rank 1 + r * tp + t. Both sides must join at the same time, and every broadcast
-likewise (`rlactors.weight_sync.sync` calls them together). A group's members are fixed when it
-is formed; when a replica dies (or a restarted one is ready) a new group is formed on a new port,
-and each member keeps its buffer across groups, so a version received but not yet loaded stays valid.
-A broadcast that a member's death breaks raises `BroadcastBroken` on the sides that see it, which
-leave the group; on GPU the sender awaits its broadcast and can be aborted (`WeightSender.abort`).
-
-A broadcast is the packed buffer in chunks (`PackedLayout.chunks`), the sender packing the next
-chunk while the last one is on the wire, then a trailer: the version and the checksum sums of the
-packed buffer, which the sender computes in one pass once all of it is packed, beside the last
-chunks' transfer (checksummed per chunk, half of the sender's host work per chunk, which then took
-nearly as long as the chunk's transfer, so the transfers waited on the host;
-benchmarks/results/weight_sync.md). A receiver stages the chunks in its own buffer (on GPU, on a
-side stream), checksums each as it lands, and compares the whole with the trailer before loading
-anything: on a mismatch, or another version than it was told to expect, the replica keeps serving
-its current weights and the error names the version. Last, every member's verdict (1: verified)
-is summed over the group, so the sender learns from the group itself how many members verified
-the weights, with no message through the replicas' actors. The load follows between engine steps; in
-vLLM, loads after the first are plain copies from the buffer where a copy plan was proven equal to
-vLLM's loader.
-
-On GPU the sender's whole send (packing, chunks, trailer, verdicts) is one CUDA graph, captured at
-a group's first send and replayed at each (`WeightSender`).
-
-A group of one receiver on the trainer's host (one replica on one GPU) carries the chunks another
-way on GPUs: when it joins, the receiver lends its buffer to the trainer by CUDA IPC, and the
-trainer copies each packed chunk straight into it with the copy engine, which needs no SMs and so
-runs beside the packing without slowing it or being slowed; a one-element broadcast over the group
-then says the chunk landed, and the receiver checksums it as it would a broadcast chunk. The
-trailer and the verdicts go over the group as always. Copies into a receiver that died are
-harmless to the trainer (its mapping keeps the memory), and the next broadcast over the group
-waits for the dead member as before, so the abort and the new group work unchanged. It is faster
-than NCCL chunks (benchmarks/results/weight_sync.md). Several receivers share the sender's links,
-where NCCL's broadcast relays, so they get NCCL chunks; so does a receiver in a process with
-expandable segments (`lend_buffer`).
-
-Each engine names its receiving end (`Engine.broadcast_receiver()`, a `BroadcastReceiver`): the
-native engine a `LocalReceiver` in its own process, the vLLM engine a `VLLMReceiver` over its TP
-workers. A replica's `WeightUpdates` (rlactors.weight_sync.updates) calls it.
+The group is vLLM's stateless NCCL group on GPUs, a gloo group of its own on CPU, beside the
+trainer's torch.distributed world; the trainer is rank 0, replica r's TP worker t rank
+1 + r * tp + t. A broadcast is the packed buffer in chunks, packed while the last is on the wire,
+then a trailer (version, checksum), then every member's verdict summed over the group. On GPUs the
+sender's whole send is one CUDA graph, and a lone receiver on the trainer's host takes the chunks
+by the copy engine into a buffer it lends. Each engine names its receiving end
+(`Engine.broadcast_receiver()`): `LocalReceiver` (native) or `VLLMReceiver` (per TP worker).
+The whole protocol, groups and deaths included: docs/ARCHITECTURE.md, "Weight sync".
 """
 
 from __future__ import annotations
@@ -103,8 +69,8 @@ class GlooGroup:
 
 def broadcast_stream(device: torch.device) -> torch.cuda.Stream:
     """A stream of high priority for the broadcast: the GPU schedules its NCCL kernels before the
-    blocks of the packing (or of the engine's step) queued beside them. On two H100s, 1.7B 1 -> 1
-    with vLLM's pynccl, this moved the receive within noise (11.2-11.3 ms against 11.3; weight_sync.md)."""
+    blocks of the packing (or of the engine's step) queued beside them. Measured, it moved the
+    receive within noise (benchmarks/results/notes/weight_sync.md)."""
     return torch.cuda.Stream(device, priority=-1)
 
 

@@ -19,9 +19,8 @@ import torch
 from rlactors.weight_sync.checksum import tensor_checksum
 
 _ALIGN = 64  # bytes; every view starts aligned for any dtype
-# Long enough that each broadcast's fixed cost is small, short enough to pipeline: on two H100s the
-# packed send and checksummed receive of 1.7B in bf16 took 11.3 ms in 256 MiB chunks, 11.5 in 128
-# and 19.9 in 32 (the host falls behind), against 9.3 for one plain broadcast (weight_sync.md).
+# Long enough that each broadcast's fixed cost is small, short enough to pipeline: much smaller
+# chunks leave the host behind the GPUs, and 128 and 256 MiB tie (benchmarks/results/weight_sync_data_path.md).
 CHUNK_BYTES = 256 << 20
 
 
@@ -140,8 +139,8 @@ class PackedLayout:
 
     @functools.cached_property
     def _text(self) -> str:
-        # Made once: a sender digests every broadcast before it answers (0.16 ms for 1.7B's 310
-        # tensors each time, on a 2-core CI box).
+        # Made once: a sender digests every broadcast before it answers, and rebuilding the text of
+        # a model's hundreds of tensors each time costs a measurable share of a fast push.
         return "\n".join(f"{s.name}:{s.dtype}:{s.shape}:{s.offset}" for s in self.specs)
 
 

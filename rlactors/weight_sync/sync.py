@@ -1,80 +1,15 @@
-"""Weight sync: after each optimizer step, the trainer's policy reaches every generator replica,
-verified by checksum. The protocol is driven from here; the router's side is in
-`rlactors.weight_sync.replicas`, each replica's in `rlactors.weight_sync.updates`, the broadcast
-itself in `rlactors.weight_sync.broadcast`. The actors' endpoints it calls are thin shells over them.
+"""Weight sync's driver: after each optimizer step, the trainer's policy reaches every generator
+replica, verified by checksum. The router's side is in `rlactors.weight_sync.replicas`, each
+replica's in `rlactors.weight_sync.updates`, the broadcast itself in `rlactors.weight_sync.broadcast`.
 
 The controller holds one `WeightSync`, made by `create_weight_sync(config, trainer, router)` for
-`generator.weight_sync` (a concrete value once the config is loaded: "auto" is resolved then),
-calls `await sync.start()` once the meshes are up and `await sync.push(policy_version)` whenever
-`await sync.due(policy_version)`: the trainer's policy version differs from `sync.version`, or (by
-broadcast) a restarted replica waits for weights. Where `sync.pushes_with_step` (by broadcast to
-replicas that receive beside their engine's steps), the push of the version an optimizer step
-makes is started with that step instead, and the trainer sends the moment the step ends, with no
-call in between (step 3). `push` returns once every replica has verified the
-weights; each replica loads them at its next engine step boundary (`generator.update_mode`: after
-its in-flight requests finish, or at once as a hot swap) and admits no new request before then
-(`rlactors.weight_sync.updates`).
-
-`MessagesSync` (`messages`): full tensors in Monarch messages.
-
-1. `trainer.state_dict_for_sync(dtype)` on every rank (a collective: each rank's shards gathered
-   into rank 0's full tensors, on CPU); rank 0 returns `VersionedWeights` with their checksum.
-2. `router.update_weights(version, tensors, checksum, mode)` sends them to every serving replica
-   at once: `Generator.update_weights` -> `WeightUpdates.update_weights` checks the checksum,
-   names and shapes beside the running engine, queues the load and returns. The router's
-   `ReplicaWeights` keeps the last version sent, and brings a restarted replica to it before that
-   replica serves.
-
-`BroadcastSync` (`broadcast`): one packed buffer from trainer rank 0 to every replica at once,
-over NCCL on GPUs or gloo on CPU (`rlactors.weight_sync.broadcast`). The group's members are
-fixed when it is formed, so it is formed at `start()` and again before a push whenever a member
-died or a restarted replica is up. At `start()` the push has the router tell it whenever a
-replica comes up or goes down (`router.watch_weight_group(port)`: a count, the epoch); a push
-to a group that nothing changed since its plan needs no step 1:
-
-1. `router.plan_weight_group()`: the replicas that are up (serving, or restarted and awaiting
-   weights), whether they differ from the current group (`stale`), the world size (trainer
-   rank 0 plus every TP worker of every member), and the epoch it was made in.
-2. `trainer.weight_sync_address()` (a free port on rank 0's host) and `trainer.weight_layout(dtype)`
-   (the packed buffer's layout); then, together, `trainer.init_weight_sender(...)` (rank 0's
-   `WeightSender` joins as rank 0) and `router.join_weight_group(host, port, layout)` (the
-   router's `ReplicaWeights` (rlactors.weight_sync.replicas) has each member's
-   `Generator.join_weight_group` -> `WeightUpdates.join_weight_group`
-   (rlactors.weight_sync.updates) join through its engine's `broadcast_receiver()`: a
-   `BufferReceiver` per native engine or vLLM TP worker, whose receive buffer, and a version in
-   it waiting for its load, survive the change of group).
-3. A push, after the plan of step 1: together, `trainer.send_weights(version)` on every rank (once
-   the rank's policy is `version` or an optimizer step has tried to make it, all ranks gather into
-   rank 0's send buffer chunk by chunk, and rank 0 broadcasts each chunk once packed, then the
-   version and checksum) and `router.receive_weights(version, mode)` (each member's
-   `WeightUpdates.receive_weights` -> its receiver's `receive`: the chunks land in the receive
-   buffer, checksummed as they come, beside the running engine, and the whole must match the
-   trainer's checksum and version; the receiver's `load` follows at a step boundary). Each
-   member's verdict is summed over the group, so the trainer's answer says how many verified
-   the weights: when all did, the push is done. The router's answer, its record of which replica
-   holds which version, follows through the replicas' actors (`settled`, awaited before the next
-   push); a push that went wrong waits for it, as it names who rejected the weights or found the
-   group broken. A restarted member serves from the first broadcast it receives, once the router
-   has recorded it: so a push that formed a new group waits for the router's answer too.
-4. While the broadcast runs, `router.dead_weight_group_members()` every 0.5 s: NCCL waits for a
-   dead member for ever (gloo fails at once: `BroadcastBroken`), so a broadcast that outlives a
-   member's death by `BROADCAST_DEATH_GRACE_S` is given up (the trainer waits for every
-   member's verdict, so over NCCL it cannot finish without a dead member). A broadcast
-   that a member died during and that did not reach every member still up is `MembersDied`:
-   - with `generator.restart_dead`, the push plans again (waiting up to `RESTART_WAIT_S` for a
-     restart under way when no replica is up), forms a new group and broadcasts the same version
-     again, at most `BROADCAST_TRIES` times. A stuck trainer is freed first by
-     `trainer.abort_weight_broadcast()` (NCCL: `ncclCommAbort`); one still stuck `ABORT_WAIT_S`
-     later raises `BroadcastStuck`.
-   - without it, the push raises: `BroadcastStuck` (NCCL: the trainer is stuck in the
-     collective, so nothing more can be saved), `NoReplicaUp` when every member died and the
-     trainer is free (gloo failed its broadcast at once), so its step can still be saved,
-     `MembersDied` otherwise.
-   A send that fails on the trainer's side (its packing, say) ends the push at once with
-   `WeightSyncError`, without waiting for the members, which may wait for the rest for ever.
-
-A replica that rejects the weights (checksum, names, shapes) keeps serving its previous version,
-and the push raises `WeightSyncError` naming it, with or without `restart_dead`.
+`generator.weight_sync`, calls `await sync.start()` once the meshes are up and
+`await sync.push(policy_version)` whenever `await sync.due(policy_version)`; where
+`sync.pushes_with_step`, the push of the version an optimizer step makes starts with that step.
+`push` returns once every replica has verified the weights; each loads them at its next engine
+step boundary. `MessagesSync` sends full tensors in Monarch messages; `BroadcastSync` one packed
+buffer from trainer rank 0 to every replica at once, re-forming its group when members die. The
+calls of a push, step by step, and what each failure raises: docs/ARCHITECTURE.md, "Weight sync".
 """
 
 from __future__ import annotations

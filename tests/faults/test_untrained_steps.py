@@ -37,7 +37,7 @@ def test_a_run_whose_groups_never_vary_finishes_says_what_to_try_and_resumes(tin
     assert len(step_lines) == 2 and all(UNTRAINED_LINE in line for line in step_lines), out
     # The hint comes once, at the first such step; the run's last line says why and what to try.
     assert out.count("GRPO has nothing to learn from. The run goes on") == 1
-    assert "done: 2 steps, reward 0.000 -> 0.000; 2 of them trained nothing" in out
+    assert "done: 2 steps, reward 0.000 over step 1 -> 0.000 over step 2; 2 of them trained nothing" in out
     assert out.rstrip().splitlines()[-1] == ("no step trained: the rollouts of each group earned equal rewards, so "
                                              f"GRPO had nothing to learn from; {NO_SIGNAL_HINT}")
     records = read_metrics(tmp_path)
@@ -52,8 +52,8 @@ def test_a_run_whose_groups_never_vary_finishes_says_what_to_try_and_resumes(tin
     out = done.stdout
     assert f"resumed from {checkpoint_dir(tmp_path / 'checkpoints', 2)} at step 2 (policy version 0)" in out
     # The last line speaks for the whole run, and says which part this session trained.
-    assert (f"done: 3 steps (1 in this session, resumed after step 2), reward 0.000 -> 0.000; 3 of them trained "
-            f"nothing (see their step lines); run dir {tmp_path}") in out
+    assert (f"done: 3 steps (1 in this session, resumed after step 2), reward 0.000 over step 1 -> 0.000 over step 3; "
+            f"3 of them trained nothing (see their step lines); run dir {tmp_path}") in out
     assert [(r["step"], r["train/trained"]) for r in read_metrics(tmp_path)] == [(1, 0.0), (2, 0.0), (3, 0.0)]
     assert _state(tmp_path, 3)["policy_version"] == 0
 

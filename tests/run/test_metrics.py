@@ -14,6 +14,7 @@ from rlactors.run.metrics import (
     MetricsLogger,
     read_metrics,
     reward_curve_figure,
+    reward_trend,
 )
 
 
@@ -137,3 +138,13 @@ def test_rollout_reward_quartiles_interpolate_between_rewards():
     metrics = summarize([group([0.0, 0.2, 0.4]), group([0.6, 0.8])])
     assert (metrics[REWARD_P25], metrics[REWARD_P75]) == pytest.approx((0.2, 0.6))
     assert summarize([group([0.3])])[REWARD_P25] == 0.3
+
+
+def test_reward_trend_means_the_first_and_last_steps_of_the_run():
+    steps = [{"step": s, REWARD_MEAN: s / 100} for s in range(1, 81)]
+    # 80 steps: means over steps 1-10 (0.055) and 71-80 (0.755), not the single steps 1 and 80.
+    assert reward_trend(steps) == "reward 0.055 over steps 1-10 -> 0.755 over steps 71-80"
+    # Short runs: a quarter of the run each, at least one step; a resumed run's steps keep their numbers.
+    assert reward_trend(steps[:8]) == "reward 0.015 over steps 1-2 -> 0.075 over steps 7-8"
+    assert reward_trend(steps[:3]) == "reward 0.010 over step 1 -> 0.030 over step 3"
+    assert reward_trend(steps[4:5]) == "reward 0.050 over step 5"

@@ -168,7 +168,7 @@ def test_all_ranks_expert_parallel_steps_bitwise_as_fsdp_alone_on_two_gpus(loop,
       always are (in a wider model the mean rows per expert may pick another tile);
     - an expert's gradient is the fp32 sum of 2 ranks' bf16 terms on both sides (FSDP's fp32
       reduce-scatter; expert parallelism's ``shared_cast``), exact in either order.
-    Runs on the first two GPUs that CUDA_VISIBLE_DEVICES names (``benchmarks/gpu_suite.py 2gpu``)."""
+    Runs on the first two GPUs that CUDA_VISIBLE_DEVICES names (``scripts/gpu_suite.py 2gpu``)."""
     assert_all_ranks_expert_parallel_steps_bitwise_as_fsdp_alone(loop, family_ckpt, tmp_path, "cuda")
 
 

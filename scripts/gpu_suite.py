@@ -1,17 +1,17 @@
 """The GPU test suite in groups, each in a pytest process of its own, on a GPU machine.
 
-    python benchmarks/gpu_suite.py 1gpu   # every test that runs on one GPU (one H100 80 GB is enough)
-    python benchmarks/gpu_suite.py 2gpu   # the tests that need two GPUs (NCCL, FSDP2, tensor and expert parallel)
-    python benchmarks/gpu_suite.py 1gpu --groups kernels "vllm engine"   # some groups only
+    python scripts/gpu_suite.py 1gpu   # every test that runs on one GPU (one H100 80 GB is enough)
+    python scripts/gpu_suite.py 2gpu   # the tests that need two GPUs (NCCL, FSDP2, tensor and expert parallel)
+    python scripts/gpu_suite.py 1gpu --groups kernels "vllm engine"   # some groups only
 
 A group is a pytest process in a session of its own, so nothing one group leaves in memory reaches
 the next, and a group stopped at its timeout takes its processes with it; inside a group,
 tests/conftest.py checks that each module gives the GPU memory back. `1gpu` runs its groups
 side by side when more GPUs are visible (one GPU each, by CUDA_VISIBLE_DEVICES); `2gpu` runs its
 groups one after another on the first two GPUs, and fails a test that skips for want of GPUs.
-Prints a table of groups, counts and seconds, appends it to benchmarks/results/gpu_suite.md with
-the machine, date and commit, and exits non-zero when any group failed. Expects vLLM and Monarch
-importable (README, "GPU setup").
+Prints a table of groups, counts and seconds, appends a row per group to
+benchmarks/results/gpu_suite.md with the machine, date and commit, and exits non-zero when any
+group failed. Expects vLLM and Monarch importable (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from gpu_benchmarks import within
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_suite.md"
@@ -84,11 +82,13 @@ def run_group(group: Group, devices: str, log: Path | None, timeout_s: float) ->
     ends, so a caller stopped later keeps it) and its failures to stdout."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONUNBUFFERED": "1"}
     start = time.monotonic()
-    # Stopped at its timeout with every process it started (engines, procs, a test's workers), so
-    # it leaves the GPUs to the next group; its output goes through a file, which a process that
-    # escaped the stop could not hold open as it could a pipe.
+    # Stopped at its timeout with every process it started (engines, procs, a test's workers:
+    # coreutils timeout signals its whole process group), so it leaves the GPUs to the next group;
+    # its output goes through a file, which a process that escaped the stop could not hold open as
+    # it could a pipe.
+    stopped_at_timeout = ["timeout", "--kill-after", "30", str(timeout_s)]
     with tempfile.TemporaryFile("w+") as output:
-        done = subprocess.run(within(timeout_s, [sys.executable, *PYTEST, *group.args]), cwd=ROOT, env=env,
+        done = subprocess.run([*stopped_at_timeout, sys.executable, *PYTEST, *group.args], cwd=ROOT, env=env,
                               stdout=output, stderr=subprocess.STDOUT)
         output.seek(0)
         group.log = output.read()
@@ -118,7 +118,7 @@ def run_group(group: Group, devices: str, log: Path | None, timeout_s: float) ->
 def gpu_names() -> list[str]:
     if shutil.which("nvidia-smi") is None:
         sys.exit('error: nvidia-smi not found: the GPU suite runs on a machine with NVIDIA GPUs '
-                 '(README, "GPU setup")')
+                 '(docs/gpu.md)')
     out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout
     return [line.strip() for line in out.splitlines() if line.strip()]
@@ -130,13 +130,31 @@ def failed(group: Group, mode: str) -> bool:
         or lacking_gpus
 
 
+COLUMNS = ("group", "GPUs", "passed", "failed", "errors", "skipped", "seconds", "result")
+STAMP = ("date", "machine", "commit", "command", "mode")
+
+
+def cells(g: Group, mode: str) -> list[object]:
+    c = g.counts
+    return [g.name, g.gpus, c.get("passed", 0), c.get("failed", 0), c["errors"], c.get("skipped", 0),
+            f"{g.seconds:.0f}", "FAIL" if failed(g, mode) else "ok"]
+
+
+def row(values: list[object]) -> str:
+    return "| " + " | ".join(str(v) for v in values) + " |"
+
+
 def table(groups: list[Group], mode: str) -> str:
-    rows = ["| group | GPUs | passed | failed | errors | skipped | seconds | result |", "|---" * 8 + "|"]
-    for g in groups:
-        c = g.counts
-        rows.append(f"| {g.name} | {g.gpus} | {c.get('passed', 0)} | {c.get('failed', 0)} | {c['errors']} | "
-                    f"{c.get('skipped', 0)} | {g.seconds:.0f} | {'FAIL' if failed(g, mode) else 'ok'} |")
-    return "\n".join(rows)
+    return "\n".join([row(COLUMNS), "|---" * len(COLUMNS) + "|", *(row(cells(g, mode)) for g in groups)])
+
+
+def append_rows(groups: list[Group], mode: str, stamp: list[object]) -> None:
+    """One row per group at the end of RESULTS, whose table has the header `STAMP + COLUMNS`."""
+    header = row([*STAMP, *COLUMNS])
+    if header not in RESULTS.read_text().splitlines():
+        raise SystemExit(f"error: {RESULTS} has no table headed {header}")
+    with RESULTS.open("a") as f:
+        f.writelines(row([*stamp, mode, *cells(g, mode)]) + "\n" for g in groups)
 
 
 def main() -> None:
@@ -181,11 +199,9 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     machine = f"{len(names)} x {names[0]}" if names else "no GPU"
-    used = f"{min(len(devices), len(groups))} of them, one group per GPU" if args.mode == "1gpu" else "2 of them"
-    command = "python benchmarks/gpu_suite.py " + shlex.join(sys.argv[1:])
-    with RESULTS.open("a") as f:
-        f.write(f"\n## {args.mode}, {datetime.date.today()}, commit {commit}\n\nMachine: {machine} ({used}). "
-                f"Command: `{command}`. Wall time {wall:.0f} s.\n\n{result}\n")
+    command = "python scripts/gpu_suite.py " + shlex.join(sys.argv[1:])
+    print(f"{wall:.0f} s in all")
+    append_rows(groups, args.mode, [datetime.date.today(), machine, commit, f"`{command}`"])
     sys.exit(1 if any(failed(g, args.mode) for g in groups) else 0)
 
 

@@ -44,12 +44,14 @@ from rlactors.metrics import (
     untrained_reason,
 )
 from rlactors.placement import first_value, placement_line
+from rlactors.records import is_storage_fault
 from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.env import OnTokens, SampleStream, load_env
 from rlactors.rollout.producer import RolloutProducer, fresh_episodes
 from rlactors.rollout.rollouter import Rollouter, group_number, prompts_too_long_line
 from rlactors.rollout.types import Episode, RolloutGroup
 from rlactors.run_dir import SLURM_DIR, ResumeState, RunComplete, RunDir, TrainingError
+from rlactors.trainer.checkpoint import prune
 from rlactors.types import Completion, SamplingParams
 from rlactors.watchdog import LoopWatchdog
 from rlactors.weight_sync.sync import BroadcastStuck, NoReplicaUp, WeightSync, WeightSyncError, create_weight_sync
@@ -167,6 +169,10 @@ class Controller:
             return []
         except ProcLost as e:  # while starting: no step to name
             raise TrainingError(f"{e}; {self.run_dir.last_checkpoint()}") from None
+        except OSError as e:  # a record, sample or plot that the disk refused (a checkpoint: save_checkpoint)
+            if is_storage_fault(e):
+                raise TrainingError(self.run_dir.storage_error(e)) from None
+            raise
         except asyncio.CancelledError:
             await self.keep_last_step()
             raise
@@ -219,7 +225,7 @@ class Controller:
                 await self.producer.stop()
             finally:
                 evals.cancel()
-                png = metrics_log.close()
+                png = metrics_log.close(failing=sys.exc_info()[1] is not None)
         if png is not None:
             print(f"reward curve: {png}", flush=True)
         return history
@@ -290,9 +296,9 @@ class Controller:
         if self.gateway is not None:
             metrics.update(self.gateway.step_metrics())
         untrained = None if trained else untrained_reason(groups, episodes, stale, c.controller.max_staleness)
-        metrics_log.log_step(step, metrics, groups, untrained)
         if c.controller.log_samples:
             metrics_log.log_samples(step, sample_records(groups, self.tokenizer))
+        metrics_log.log_step(step, metrics, groups, untrained)  # the step's records are complete with this one
         if step < c.controller.steps and (lost := replicas_lost(generators, c.generator.restart_dead)):
             raise TrainingError(f"step {step}: {lost}; {await self._save_step_once()}; continue with --resume")
         return metrics
@@ -349,9 +355,12 @@ class Controller:
         try:
             path = await self.trainer.save_checkpoint.call(str(self.run_dir.checkpoints), self.step, state.files())
         except ActorError as e:  # the trainer could not write it (every rank raises, none is left waiting)
+            what = f"saving the checkpoint of step {self.step} failed"
+            if is_storage_fault(e.exception):
+                raise TrainingError(self.run_dir.storage_error(e.exception, what)) from None
             reason = " ".join(f"{type(e.exception).__name__}: {e.exception}".split())
-            raise TrainingError(f"saving the checkpoint of step {self.step} failed: {reason}; "
-                                f"{self.run_dir.last_checkpoint()}") from None
+            raise TrainingError(f"{what}: {reason}; {self.run_dir.last_checkpoint()}") from None
+        prune(self.run_dir.checkpoints, self.config.controller.keep_checkpoints)
         return Path(first_value(path))
 
 

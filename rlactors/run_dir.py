@@ -12,19 +12,31 @@
         checkpoints/step_N/      trainer checkpoints (rlactors.trainer.checkpoint), each with
                                  controller_state.json: where the run stood after step N
 
-A new run refuses a dir that holds steps; `--resume` continues from the last complete checkpoint
-and refuses a config whose env or seed differ from the run's.
+A new run refuses a dir that holds steps. `--resume` continues from the newest intact checkpoint
+whose step is recorded in metrics.jsonl (records of later steps are dropped, so each step is
+recorded once), or from step 0 when there is none; it refuses a config whose env or seed differ
+from the run's. docs/checkpoints.md tells the whole story.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlactors.config import Config, dump_toml, read_toml
-from rlactors.trainer.checkpoint import HF_DIR, checkpoint_dir, is_complete, latest_checkpoint
+from rlactors.records import read_records, writing
+from rlactors.trainer.checkpoint import (
+    HF_DIR,
+    checkpoint_dir,
+    complete_checkpoints,
+    is_complete,
+    latest_checkpoint,
+    newest_intact,
+)
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
@@ -36,6 +48,7 @@ WANDB_RUN_ID_FILE = "wandb_run_id"
 SLURM_DIR = "slurm"
 CHECKPOINTS_DIR = "checkpoints"
 CONTROLLER_STATE = "controller_state.json"  # in each checkpoint's step dir
+STEP_RECORD_KEY = "rollout/reward_mean"  # in a step's record in metrics.jsonl, not in an evaluation's
 # Settings a resumed run must keep: another env or seed would make it a different run.
 FIXED_ON_RESUME = ("env.name", "env.args", "controller.seed")
 
@@ -61,6 +74,7 @@ class ResumeState:
     def read(cls, checkpoint: Path) -> ResumeState:
         return cls(**json.loads((checkpoint / CONTROLLER_STATE).read_text()))
 
+
     def files(self) -> dict[str, str]:
         """The files a checkpoint holds beside the trainer's state."""
         return {CONTROLLER_STATE: json.dumps(self.__dict__)}
@@ -78,7 +92,7 @@ class RunDir:
     def check(self, config: Config, resume: bool) -> Path | None:
         """A new run never writes over a run dir that holds steps; `--resume` continues the run
         here with its env and seed, and raises RunComplete when it has all its steps. Returns the
-        checkpoint to resume from."""
+        checkpoint to resume from: the newest intact one of a recorded step (None: from step 0)."""
         if not resume:
             # A dir with only config.toml (a run stopped before its first step) holds nothing to lose.
             last = latest_checkpoint(self.checkpoints)
@@ -86,12 +100,20 @@ class RunDir:
                 ([f"{CHECKPOINTS_DIR}/{last.name}"] if last else [])
             if held:
                 raise TrainingError(f"controller.run_dir: {self.path} already holds a run ({', '.join(held)}); "
-                                    f"continue it with --resume, or give this run another controller.run_dir "
-                                    f"(or delete {self.path})")
+                                    f"continue it with --resume (from step 0 if it has no checkpoint), or give "
+                                    f"this run another controller.run_dir (or delete {self.path})")
             return None
-        path = latest_checkpoint(self.checkpoints)
+        recorded = self.last_recorded_step()
+        path = newest_intact(self.checkpoints, through_step=recorded)
+        unrecorded = [step for step, _ in complete_checkpoints(self.checkpoints) if step > recorded]
+        if unrecorded:
+            print(f"--resume: the checkpoint of step {unrecorded[0]} is passed over: the run stopped before "
+                  f"writing that step's records (metrics.jsonl ends at step {recorded}), so it is trained again",
+                  flush=True)
         if path is None:
-            raise TrainingError(f"--resume: no complete checkpoint under {self.checkpoints}")
+            print(f"--resume: no intact checkpoint under {self.checkpoints} (for a recorded step): the run restarts "
+                  f"from step 0 (model.path) and its records are cleared", flush=True)
+            return None
         if not (path / CONTROLLER_STATE).is_file():
             raise TrainingError(f"--resume: {path} has no {CONTROLLER_STATE}")
         self._check_resumed_config(config, path)
@@ -100,6 +122,11 @@ class RunDir:
             raise RunComplete(f"nothing to train: the run in {self.path} is at step {step} and controller.steps "
                               f"is {config.controller.steps}; raise controller.steps to train further")
         return path
+
+    def last_recorded_step(self) -> int:
+        """The last step with a record in metrics.jsonl (written after the step's samples), 0 if none."""
+        records = read_records(self.metrics, say=lambda line: None)  # torn lines: said when they are dropped
+        return max((r["step"] for r in records if STEP_RECORD_KEY in r), default=0)
 
     def _check_resumed_config(self, config: Config, checkpoint: Path) -> None:
         """Refuses a resume whose env or seed differ from the run's config.toml; prints the other
@@ -122,7 +149,8 @@ class RunDir:
 
     def write_config(self, config: Config) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        self.config.write_text(dump_toml(config), encoding="utf-8")
+        with writing(self.config):
+            self.config.write_text(dump_toml(config), encoding="utf-8")
 
     def is_saved(self, step: int) -> bool:
         """Whether the checkpoint of `step` is complete."""
@@ -137,6 +165,16 @@ class RunDir:
         """The error line of a run stopped by `what`: where it resumes from."""
         return f"{what}; {self.last_checkpoint()}; continue with --resume"
 
+    def storage_error(self, error: OSError, what: str = "") -> str:
+        """The error line of a run stopped by a storage fault (records.STORAGE_ERRNOS) at a write:
+        the path, the fault, and the checkpoint a --resume (when there is one) continues from."""
+        fault = f"{error.strerror} ({errno.errorcode.get(error.errno, error.errno)})"
+        line = f"{what}{': ' if what else ''}cannot write {error.filename or self.path}: {fault}"
+        last = latest_checkpoint(self.checkpoints)
+        if last is None:
+            return f"{line}; no checkpoint was completed (--resume restarts the run from step 0)"
+        return f"{line}; the last complete checkpoint is {last}; once it can be written, continue with --resume"
+
     def interrupt_report(self, step: int) -> str:
         """What a run interrupted after `step` (0: before its first) kept, and how to go on."""
         last = latest_checkpoint(self.checkpoints)
@@ -145,6 +183,21 @@ class RunDir:
                     "start the run again (without --resume)")
         after = f" after step {step}" if step else ""
         return f"interrupted{after}: the run is saved in {last}; continue with --resume"
+
+
+def saved_config(config_file: str | Path | None, overrides: Sequence[str]) -> Path | None:
+    """The config.toml of the run dir that `config_file` and `overrides` name, if it exists: the
+    base of a --resume's config."""
+    from rlactors.config import ControllerConfig, parse_override
+
+    run_dir = ControllerConfig.run_dir
+    if config_file is not None:
+        run_dir = read_toml(config_file).get("controller", {}).get("run_dir", run_dir)
+    for keys, value in map(parse_override, overrides):
+        if keys == ["controller", "run_dir"]:
+            run_dir = value
+    path = RunDir(str(run_dir)).config
+    return path if path.is_file() else None
 
 
 def _flat_config(tree: dict[str, Any]) -> dict[str, Any]:

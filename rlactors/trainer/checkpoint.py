@@ -1,29 +1,41 @@
-"""Trainer checkpoint directories: layout, atomic commit, and finding the latest complete one.
+"""Trainer checkpoint directories: layout, atomic commit, verification, and finding the newest
+intact one.
 
     <root>/step_00000010/
         dcp/                  sharded model + optimizer state (torch.distributed.checkpoint)
-        hf/                   the policy as a HF checkpoint dir (safetensors + config + tokenizer)
+        hf/                   the policy as a HF checkpoint dir (safetensors + config + tokenizer),
+            MANIFEST.json     with the size and checksum of each of its files
         trainer_state.json    step, policy version
+        MANIFEST.json         the size and checksum of every file above, written after them
         COMPLETE              written last
 
 A checkpoint is written under `<root>/.step_00000010.partial` and renamed into place only after
 COMPLETE is on disk, so a crash mid-save leaves a hidden partial dir, never a step dir that looks
-complete. `latest_checkpoint` only returns step dirs holding COMPLETE.
+complete. `latest_checkpoint` only returns step dirs holding COMPLETE; `newest_intact` also checks
+their files against the manifest and falls back past damaged ones, naming the damage.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from rlactors.records import writing
 
 DCP_DIR = "dcp"
 HF_DIR = "hf"
 STATE_FILE = "trainer_state.json"
 COMPLETE_FILE = "COMPLETE"
+MANIFEST_FILE = "MANIFEST.json"
+_HASH = "sha256"
+_BLOCK = 8 << 20
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -46,14 +58,105 @@ def looks_like_trainer_checkpoint(path: str | Path) -> bool:
     return any((path / name).exists() for name in (DCP_DIR, STATE_FILE, COMPLETE_FILE))
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete step dir with the highest step under `root`, or None."""
+def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """(step, dir) of the complete step dirs under `root`, newest first."""
     root = Path(root)
     if not root.is_dir():
-        return None
-    steps = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and p.is_dir() and is_complete(p)]
-    return max(steps)[1] if steps else None
+        return []
+    return sorted(((int(m.group(1)), p) for p in root.iterdir()
+                   if (m := _STEP_DIR.match(p.name)) and p.is_dir() and is_complete(p)), reverse=True)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete step dir with the highest step under `root`, or None."""
+    found = complete_checkpoints(root)
+    return found[0][1] if found else None
+
+
+def newest_intact(root: str | Path, through_step: int | None = None,
+                  say: Callable[[str], None] = print) -> Path | None:
+    """The newest complete checkpoint under `root` (of a step <= `through_step`, when given) whose
+    files match its manifest, or None. Each damaged one passed over is said, one line each."""
+    for step, path in complete_checkpoints(root):
+        if through_step is not None and step > through_step:
+            continue
+        damage = verify(path)
+        if damage is None:
+            return path
+        say(f"checkpoint {path} is damaged: {damage}; falling back to an older checkpoint")
+    return None
+
+
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Deletes all but the newest `keep` complete checkpoints (0: keeps all); the deleted."""
+    old = [path for _, path in complete_checkpoints(root)[keep:]] if keep else []
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
+
+
+def checksum(path: Path) -> str:
+    """sha256 of the file, read in large blocks."""
+    h = hashlib.new(_HASH)
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _listed_files(directory: Path) -> list[str]:
+    """The files a manifest of `directory` covers: all, but the manifest itself and COMPLETE."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
+                  if p.is_file() and p.relative_to(directory).as_posix() not in (MANIFEST_FILE, COMPLETE_FILE))
+
+
+def _checksums(directory: Path, names: list[str]) -> list[str]:
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(names)))) as pool:  # hashlib releases the GIL
+        return list(pool.map(lambda name: checksum(directory / name), names))
+
+
+def _digest_of(files: dict[str, Any]) -> str:
+    """The manifest's own checksum: a damaged manifest is told apart from damaged files."""
+    return hashlib.new(_HASH, json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """MANIFEST.json: size and sha256 of every file under `directory`; written (atomically) after them."""
+    names = _listed_files(directory)
+    files = {name: {"bytes": (directory / name).stat().st_size, _HASH: digest}
+             for name, digest in zip(names, _checksums(directory, names))}
+    tmp = directory / f".{MANIFEST_FILE}.tmp"
+    _write_durably(tmp, json.dumps({"files": files, _HASH: _digest_of(files)}, indent=1) + "\n")
+    os.replace(tmp, directory / MANIFEST_FILE)
+
+
+def verify(directory: str | Path) -> str | None:
+    """What is wrong with `directory` against its MANIFEST.json (naming the file), or None when
+    every file it lists has its size and checksum; a missing manifest is damage too."""
+    directory = Path(directory)
+    manifest = directory / MANIFEST_FILE
+    try:
+        content = json.loads(manifest.read_text())
+        files = content["files"]
+        intact = content[_HASH] == _digest_of(files)
+        listed = {name: (int(entry["bytes"]), str(entry[_HASH])) for name, entry in files.items()}
+    except FileNotFoundError:
+        return f"{manifest} is missing"
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{manifest} is unreadable ({type(e).__name__})"
+    if not intact:
+        return f"{manifest} does not match its own checksum"
+    for name, (size, _) in listed.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, the manifest says {size}"
+    names = list(listed)
+    for name, digest in zip(names, _checksums(directory, names)):
+        if digest != listed[name][1]:
+            return f"{directory / name} does not match its checksum in the manifest"
+    return None
 
 
 def read_state(path: str | Path) -> dict[str, Any]:
@@ -64,7 +167,7 @@ def read_state(path: str | Path) -> dict[str, Any]:
 
 
 def _write_durably(path: Path, text: str) -> None:
-    with open(path, "w") as f:
+    with writing(path), open(path, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -79,11 +182,15 @@ def _fsync_dir(path: Path) -> None:
 
 
 def commit(partial: Path, final: Path, state: dict[str, Any]) -> None:
-    """Writes the state file and COMPLETE into `partial`, then renames it to `final`.
+    """Writes the state file, the manifests (of hf/, then of everything) and COMPLETE into
+    `partial`, then renames it to `final`.
 
     An existing `final` (the same step saved again) is replaced: moved aside, then deleted.
     """
     _write_durably(partial / STATE_FILE, json.dumps(state, indent=2) + "\n")
+    if (partial / HF_DIR).is_dir():
+        write_manifest(partial / HF_DIR)
+    write_manifest(partial)
     _write_durably(partial / COMPLETE_FILE, "")
     _fsync_dir(partial)
     replaced = final.with_name(f".{final.name}.replaced")

@@ -126,6 +126,7 @@ IMPOSSIBLE = [
     (['controller.mode="lazy"'], "controller.mode"),
     (["controller.max_staleness=-1"], "controller.max_staleness"),
     (["controller.checkpoint_every=-1"], "controller.checkpoint_every"),
+    (["controller.keep_checkpoints=1"], "controller.keep_checkpoints"),
     (["controller.eval_every=-1"], "controller.eval_every"),
     (["eval.samples=-1"], "eval.samples"),
     (["eval.samples_per_prompt=0"], "eval.samples_per_prompt"),

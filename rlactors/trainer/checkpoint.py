@@ -17,25 +17,20 @@ their files against the manifest and falls back past damaged ones, naming the da
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from rlactors.records import writing
+from rlactors.manifest import verify, write_durably, write_manifest
 
 DCP_DIR = "dcp"
 HF_DIR = "hf"
 STATE_FILE = "trainer_state.json"
 COMPLETE_FILE = "COMPLETE"
-MANIFEST_FILE = "MANIFEST.json"
-_HASH = "sha256"
-_BLOCK = 8 << 20
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -95,82 +90,11 @@ def prune(root: str | Path, keep: int) -> list[Path]:
     return old
 
 
-def checksum(path: Path) -> str:
-    """sha256 of the file, read in large blocks."""
-    h = hashlib.new(_HASH)
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _listed_files(directory: Path) -> list[str]:
-    """The files a manifest of `directory` covers: all, but the manifest itself and COMPLETE."""
-    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
-                  if p.is_file() and p.relative_to(directory).as_posix() not in (MANIFEST_FILE, COMPLETE_FILE))
-
-
-def _checksums(directory: Path, names: list[str]) -> list[str]:
-    with ThreadPoolExecutor(max_workers=min(8, max(1, len(names)))) as pool:  # hashlib releases the GIL
-        return list(pool.map(lambda name: checksum(directory / name), names))
-
-
-def _digest_of(files: dict[str, Any]) -> str:
-    """The manifest's own checksum: a damaged manifest is told apart from damaged files."""
-    return hashlib.new(_HASH, json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
-def write_manifest(directory: Path) -> None:
-    """MANIFEST.json: size and sha256 of every file under `directory`; written (atomically) after them."""
-    names = _listed_files(directory)
-    files = {name: {"bytes": (directory / name).stat().st_size, _HASH: digest}
-             for name, digest in zip(names, _checksums(directory, names))}
-    tmp = directory / f".{MANIFEST_FILE}.tmp"
-    _write_durably(tmp, json.dumps({"files": files, _HASH: _digest_of(files)}, indent=1) + "\n")
-    os.replace(tmp, directory / MANIFEST_FILE)
-
-
-def verify(directory: str | Path) -> str | None:
-    """What is wrong with `directory` against its MANIFEST.json (naming the file), or None when
-    every file it lists has its size and checksum; a missing manifest is damage too."""
-    directory = Path(directory)
-    manifest = directory / MANIFEST_FILE
-    try:
-        content = json.loads(manifest.read_text())
-        files = content["files"]
-        intact = content[_HASH] == _digest_of(files)
-        listed = {name: (int(entry["bytes"]), str(entry[_HASH])) for name, entry in files.items()}
-    except FileNotFoundError:
-        return f"{manifest} is missing"
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"{manifest} is unreadable ({type(e).__name__})"
-    if not intact:
-        return f"{manifest} does not match its own checksum"
-    for name, (size, _) in listed.items():
-        path = directory / name
-        if not path.is_file():
-            return f"{path} is missing"
-        if path.stat().st_size != size:
-            return f"{path} has {path.stat().st_size} bytes, the manifest says {size}"
-    names = list(listed)
-    for name, digest in zip(names, _checksums(directory, names)):
-        if digest != listed[name][1]:
-            return f"{directory / name} does not match its checksum in the manifest"
-    return None
-
-
 def read_state(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not is_complete(path):
         raise ValueError(f"{path} is not a complete checkpoint ({COMPLETE_FILE} missing): the save did not finish")
     return json.loads((path / STATE_FILE).read_text())
-
-
-def _write_durably(path: Path, text: str) -> None:
-    with writing(path), open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -187,11 +111,11 @@ def commit(partial: Path, final: Path, state: dict[str, Any]) -> None:
 
     An existing `final` (the same step saved again) is replaced: moved aside, then deleted.
     """
-    _write_durably(partial / STATE_FILE, json.dumps(state, indent=2) + "\n")
+    write_durably(partial / STATE_FILE, json.dumps(state, indent=2) + "\n")
     if (partial / HF_DIR).is_dir():
         write_manifest(partial / HF_DIR)
-    write_manifest(partial)
-    _write_durably(partial / COMPLETE_FILE, "")
+    write_manifest(partial, later=(COMPLETE_FILE,))
+    write_durably(partial / COMPLETE_FILE, "")
     _fsync_dir(partial)
     replaced = final.with_name(f".{final.name}.replaced")
     if final.exists():

@@ -23,6 +23,7 @@ from rlactors_examples.alphabet_sort.run import DEFAULT_CONFIG, main
 
 from rlactors.config import Config, dump_toml, load_config
 from rlactors.evaluate import main as evaluate_main
+from rlactors.manifest import write_manifest
 from rlactors.metrics import REWARD_MEAN
 from rlactors.models.checkpoint import (
     SINGLE_FILE,
@@ -34,7 +35,7 @@ from rlactors.models.checkpoint import (
 from rlactors.models.tiny import random_state_dict
 from rlactors.models.tokenizer import VOCABULARY_FILES, load_tokenizer
 from rlactors.run_dir import RunDir
-from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir, write_manifest
+from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir
 
 # Any value is well-typed here; what matters is that load_config rejects it before the run.
 BASE = ['model.path="/nonexistent/never-read"', 'controller.run_dir="/nonexistent/never-written"']
@@ -389,7 +390,7 @@ def _run_dir_after(run_dir, step: int):
     checkpoint.mkdir(parents=True)
     (checkpoint / "controller_state.json").write_text(json.dumps(
         {"step": step, "policy_version": step, "samples": {}, "rollouter": {}}))
-    write_manifest(checkpoint)
+    write_manifest(checkpoint, later=(COMPLETE_FILE,))
     (checkpoint / COMPLETE_FILE).write_text("")
     (run_dir / "config.toml").write_text(dump_toml(config))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, REWARD_MEAN: 0.0}) + "\n"

@@ -11,16 +11,9 @@ from support.trainer_inputs import cat, one_rank_process_group, rows
 from test_trainer_core import make_core, step
 
 from rlactors.config import load_config
+from rlactors.manifest import MANIFEST_FILE, verify
 from rlactors.run_dir import ResumeState, RunDir
-from rlactors.trainer.checkpoint import (
-    COMPLETE_FILE,
-    HF_DIR,
-    MANIFEST_FILE,
-    checkpoint_dir,
-    newest_intact,
-    prune,
-    verify,
-)
+from rlactors.trainer.checkpoint import COMPLETE_FILE, HF_DIR, checkpoint_dir, newest_intact, prune
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +147,24 @@ def test_a_storage_fault_during_a_save_names_the_file_and_leaves_no_partial_dir(
     elif where == "hf":
         monkeypatch.setattr(core_module, "save_pretrained", fail)
     else:
-        monkeypatch.setattr(ckpt, "write_manifest", fail)
+        monkeypatch.setattr(ckpt, "write_manifest", fail)  # the commit's first write after the state file
     with pytest.raises(OSError) as raised:
         core.save_checkpoint(tmp_path, step=1)
     assert raised.value.errno == code
     assert raised.value.filename is not None and str(tmp_path) in raised.value.filename
     assert list(tmp_path.iterdir()) == []  # neither the step dir nor its partial dir
+
+
+def test_a_damaged_hf_export_given_as_model_path_is_named_before_any_proc_starts(saved):
+    from rlactors.models.checkpoint import check_checkpoint_dir
+
+    hf = checkpoint_dir(saved / "checkpoints", 1) / HF_DIR
+    check_checkpoint_dir(hf)
+    weights = hf / "model.safetensors"
+    data = weights.read_bytes()
+    try:
+        weights.write_bytes(data[:-8] + bytes(8))  # the same size, its last 8 bytes zeroed
+        with pytest.raises(ValueError, match=f"^{hf} is damaged: {weights} does not match its checksum"):
+            check_checkpoint_dir(hf)
+    finally:
+        weights.write_bytes(data)

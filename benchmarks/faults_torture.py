@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from faults_report import TORTURE_HEADING as HEADING
 from results_table import command, commit, machine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +38,7 @@ from rlactors.trainer.checkpoint import complete_checkpoints  # noqa: E402
 
 RUN_PY = REPO / "examples" / "alphabet_sort" / "run.py"
 RESULTS = REPO / "benchmarks" / "results" / "faults.md"
-HEADING = "## Kill and resume torture"
+
 TINY = ["controller.checkpoint_every=2", "controller.eval_every=0", "rollout.prompts_per_step=4",
         "rollout.group_size=2", "rollout.max_tokens_per_turn=24", "generator.replicas=1"]
 

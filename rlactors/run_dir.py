@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,8 @@ class RunDir:
                                     f"continue it with --resume (from step 0 if it has no checkpoint), or give "
                                     f"this run another controller.run_dir (or delete {self.path})")
             return None
+        for partial in self.checkpoints.glob(".step_*.partial"):  # saves a crash cut short: never loaded
+            shutil.rmtree(partial, ignore_errors=True)
         recorded = self.last_recorded_step()
         path = newest_intact(self.checkpoints, through_step=recorded)
         unrecorded = [step for step, _ in complete_checkpoints(self.checkpoints) if step > recorded]

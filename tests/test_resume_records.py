@@ -93,8 +93,9 @@ def test_a_kill_at_any_point_of_a_steps_end_leaves_every_step_recorded_once_afte
     samples = [r["step"] for r in read_records(tmp_path / "samples.jsonl")]
     assert metrics == list(range(1, STEPS + 1)), (name, step, cut, out)
     assert samples == [s for s in range(1, STEPS + 1) for _ in range(2)], (name, step, cut, out)
-    # The newest complete checkpoint is of the last step.
+    # The newest complete checkpoint is of the last step; no partial dir of a cut save is left.
     assert latest_checkpoint(RunDir(tmp_path).checkpoints) == checkpoint_dir(RunDir(tmp_path).checkpoints, STEPS)
+    assert not list(RunDir(tmp_path).checkpoints.glob(".*"))
     if name == "save" and not cut:  # committed, records not written: passed over, said so
         assert f"the checkpoint of step {step} is passed over" in out.out
         assert resumed == step - EVERY
@@ -217,6 +218,7 @@ def test_resume_without_a_checkpoint_restarts_from_step_0_and_clears_the_records
         RunDir(tmp_path).check(_config(tmp_path), resume=False)
     capsys.readouterr()
     assert RunDir(tmp_path).check(_config(tmp_path), resume=True) is None
+    assert list(RunDir(tmp_path).checkpoints.iterdir()) == []  # the cut save's partial dir is removed
     assert capsys.readouterr().out.splitlines() == [
         f"--resume: no intact checkpoint under {tmp_path / 'checkpoints'} (for a recorded step): the run restarts "
         "from step 0 (model.path) and its records are cleared"]

@@ -99,6 +99,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     steps = args.steps or 2 * args.kills + 4
+    code_commit = commit()  # the code every segment runs: taken before the first starts
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = args.run_dir or Path(tmp) / "run"
@@ -161,7 +162,7 @@ def main() -> int:
     outcome = "; ".join(problems) if problems else (
         f"every step recorded once ({steps} in metrics.jsonl, {len(sample_keys)} samples), final checkpoint "
         "verifies, no proc left")
-    row = (f"| {datetime.date.today().isoformat()} | {commit()} | {machine('cpu')} | `{command()}` | {args.kills} | "
+    row = (f"| {datetime.date.today().isoformat()} | {code_commit} | {machine('cpu')} | `{command()}` | {args.kills} | "
            f"{steps} | {', '.join(f'{p}: {n}' for p, n in counts.items())} | {wall_s:.0f} s | {outcome} |")
     print(row)
     write_row(args.out, row)

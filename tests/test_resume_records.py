@@ -247,3 +247,37 @@ def test_resume_takes_the_runs_own_config_with_the_overrides_on_top(tmp_path, ca
     config = load_resumed_config(Args, None)
     assert (config.model.path, config.trainer.lr, config.env.args, config.controller.steps) == (
         "/not/read", 3e-4, {"max_turns": 1, "max_names_per_turn": 2}, 9)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EIO])
+def test_a_checkpoint_the_disk_refuses_stops_the_run_naming_the_file_and_the_last_checkpoint(tmp_path, code):
+    """The trainer's save raised a storage fault (every rank raises it: rlactors.trainer.core):
+    the controller's line names the save's step, the file and the last complete checkpoint."""
+    import asyncio
+
+    from monarch.actor import ActorError
+
+    from rlactors.controller import Controller
+
+    _save(tmp_path, 2)
+    cut = tmp_path / "checkpoints" / ".step_00000004.partial" / "dcp"
+
+    class Refused:
+        async def call(self, *args):
+            raise ActorError(OSError(code, "injected", str(cut)))
+
+    class Trainer:
+        save_checkpoint = Refused()
+
+    class State:
+        def state_dict(self):
+            return {}
+
+    controller = Controller(_config(tmp_path))
+    controller.trainer, controller.samples, controller.rollouter, controller.step = Trainer(), State(), State(), 4
+    with pytest.raises(TrainingError) as raised:
+        asyncio.run(controller.save_checkpoint())
+    assert str(raised.value) == (
+        f"saving the checkpoint of step 4 failed: cannot write {cut}: injected ({errno.errorcode[code]}); the last "
+        f"complete checkpoint is {checkpoint_dir(tmp_path / 'checkpoints', 2)}; once it can be written, continue "
+        "with --resume")

@@ -8,9 +8,10 @@ benchmarks/results/faults.md.
 The run is the CPU alphabet_sort demo made tiny (few prompts, short turns, a checkpoint every 2
 steps). Each kill takes the whole process tree (the CLI is a session leader: every proc in its
 session is SIGKILLed); each restart is `--resume` naming only the run dir and model.path. Kill
-instants are drawn (seeded) between the restart and a few steps past the first step it records,
-from the startup and step times the first segment measures, so they land at every phase: startup,
-rollouts, the update, the checkpoint save, the records.
+instants are drawn (seeded): a quarter while the run starts again (or in its first step), the others
+at a uniform instant within the step after the first or second step it records (the step time is
+measured by the first segment), so they land in every phase: rollouts, the update, the checkpoint
+save, the records.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from rlactors.trainer.checkpoint import complete_checkpoints  # noqa: E402
 RUN_PY = REPO / "examples" / "alphabet_sort" / "run.py"
 RESULTS = REPO / "benchmarks" / "results" / "faults.md"
 
+STARTUP_SHARE = 0.25  # of the kills after the first, drawn while the run starts again
 TINY = ["controller.checkpoint_every=2", "controller.eval_every=0", "rollout.prompts_per_step=4",
         "rollout.group_size=2", "rollout.max_tokens_per_turn=24", "generator.replicas=1"]
 
@@ -74,6 +76,21 @@ def kill_session(proc: subprocess.Popen) -> int:
     return len(pids)
 
 
+def wait_until(proc: subprocess.Popen, deadline: float) -> None:
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+
+
+def wait_for_records(proc: subprocess.Popen, run_dir: Path, before: int, count: int) -> list[float]:
+    """Waits until the run holds `count` step records more than `before`; when each came."""
+    seen: list[float] = []
+    while len(seen) < count and proc.poll() is None:
+        if len(step_records(run_dir)) - before > len(seen):
+            seen.append(time.monotonic())
+        time.sleep(0.02)
+    return seen
+
+
 def step_records(run_dir: Path) -> list[int]:
     return [r["step"] for r in read_records(run_dir / "metrics.jsonl", say=lambda _: None)
             if "rollout/reward_mean" in r]
@@ -106,7 +123,7 @@ def main() -> int:
         overrides = [f'model.path="{REPO / "examples/alphabet_sort/warm_checkpoint"}"',
                      f'controller.run_dir="{run_dir}"', f"controller.steps={steps}", *TINY]
         start = time.monotonic()
-        phases, startup_s, step_s = [], None, None
+        phases, startup_s, step_s = [], 0.0, None
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         for attempt in range(args.kills + 1):
             resume = ["--resume"] if attempt else []
@@ -122,20 +139,15 @@ def main() -> int:
                 if code != 0:
                     raise SystemExit(f"the final resume failed (exit {code}): {log.name}")
                 break
-            if startup_s is None:  # calibrate: the first segment runs 3 steps, then is killed in the 4th
-                seen = []
-                while len(seen) < 3 and proc.poll() is None:
-                    if len(step_records(run_dir)) > len(seen):
-                        seen.append(time.monotonic())
-                    time.sleep(0.02)
+            if step_s is None:  # calibrate: the first segment runs 3 steps, then is killed in the 4th
+                seen = wait_for_records(proc, run_dir, before, 3)
                 startup_s, step_s = seen[0] - launched, max(0.5, (seen[-1] - seen[0]) / 2)
-                deadline = time.monotonic() + rng.uniform(0, step_s)
-                while time.monotonic() < deadline and proc.poll() is None:
-                    time.sleep(0.02)
-            else:
-                delay = rng.uniform(0.1 * startup_s, startup_s + 3 * step_s)
-                while time.monotonic() - launched < delay and proc.poll() is None:
-                    time.sleep(0.02)
+                wait_until(proc, time.monotonic() + rng.uniform(0, step_s))
+            elif rng.random() < STARTUP_SHARE:  # while it starts again, or in its first step
+                wait_until(proc, launched + rng.uniform(0, startup_s))
+            else:  # in the step after the 1st or 2nd it records: its rollouts, update, save or records
+                wait_for_records(proc, run_dir, before, rng.choice((1, 2)))
+                wait_until(proc, time.monotonic() + rng.uniform(0, 1.2 * step_s))
             if proc.poll() is not None:
                 raise SystemExit(f"segment {attempt} ended by itself (exit {proc.returncode}) before its kill: "
                                  f"raise --steps; {log.name}")
@@ -176,7 +188,8 @@ def write_row(out: Path, row: str) -> None:
         text = text.rstrip("\n") + "\n\n" + "\n".join([
             HEADING, "",
             "`benchmarks/faults_torture.py`: a tiny CPU alphabet_sort run SIGKILLed whole (every process of its "
-            "session) at seeded random instants, resumed with `--resume` after each kill; then checked: each step "
+            "session) at seeded random instants (a quarter while it starts again, the others inside the step after "
+            "its first or second new record), resumed with `--resume` after each kill; then checked: each step "
             "recorded once in metrics.jsonl and samples.jsonl, the final checkpoint verified against its manifest.",
             "", "| date | commit | machine | command | kills | steps | where the kills landed | wall time | outcome |",
             "|---|---|---|---|---|---|---|---|---|"]) + "\n"

@@ -23,11 +23,15 @@ def device():
 
 
 @pytest.fixture(scope="module")
-def saved(tiny_ckpt, device, tmp_path_factory):
+def core(tiny_ckpt, device):
+    return make_core(tiny_ckpt, device)
+
+
+@pytest.fixture(scope="module")
+def saved(core, tmp_path_factory):
     """A run dir whose checkpoints of steps 1 and 2 were written by the trainer's save, with the
     controller's state inside, and metrics.jsonl recording both steps."""
     run = tmp_path_factory.mktemp("run")
-    core = make_core(tiny_ckpt, device)
     for s in (1, 2):
         step(core, [cat(rows(20 + s))])
         state = ResumeState(s, core.version, samples={}, rollouter={})
@@ -127,17 +131,13 @@ def test_prune_keeps_the_newest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
 
 
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EIO])
-@pytest.mark.parametrize("where", ["dcp", "hf", "manifest"])
+@pytest.mark.parametrize("where,code", [("dcp", errno.ENOSPC), ("hf", errno.EROFS), ("manifest", errno.EIO)])
 def test_a_storage_fault_during_a_save_names_the_file_and_leaves_no_partial_dir(
-        tiny_ckpt, device, tmp_path, monkeypatch, where, code):
+        core, saved, tmp_path, monkeypatch, where, code):
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     import rlactors.trainer.checkpoint as ckpt
     import rlactors.trainer.core as core_module
-
-    core = make_core(tiny_ckpt, device)
-    step(core, [cat(rows(30))])
 
     def fail(*args, **kwargs):
         raise OSError(code, "injected")  # as a failed write() raises it: naming no file

@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 from support.trainer_inputs import cat, one_rank_process_group, rows
-from test_trainer_core import make_core, step
+from support.true_on_policy import make_core
 
-from rlactors.config import load_config
+from rlactors.config import LossConfig, load_config
+from rlactors.losses import LossNorm
 from rlactors.manifest import MANIFEST_FILE, verify
 from rlactors.run_dir import ResumeState, RunDir
 from rlactors.trainer.checkpoint import COMPLETE_FILE, HF_DIR, checkpoint_dir, newest_intact, prune
@@ -24,7 +25,13 @@ def device():
 
 @pytest.fixture(scope="module")
 def core(tiny_ckpt, device):
-    return make_core(tiny_ckpt, device)
+    return make_core(tiny_ckpt, device, true_on_policy=False)
+
+
+def step(core, seed):
+    mb = cat(rows(seed))
+    core.forward_backward([mb], LossNorm.for_step([mb], "grpo"), LossConfig())
+    core.optim_step()
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +40,7 @@ def saved(core, tmp_path_factory):
     controller's state inside, and metrics.jsonl recording both steps."""
     run = tmp_path_factory.mktemp("run")
     for s in (1, 2):
-        step(core, [cat(rows(20 + s))])
+        step(core, 20 + s)
         state = ResumeState(s, core.version, samples={}, rollouter={})
         core.save_checkpoint(run / "checkpoints", s, state.files())
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "rollout/reward_mean": 0.5}) + "\n"

@@ -202,6 +202,7 @@ class ControllerConfig(_Section):
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 1  # async: oldest policy version an episode may come from, in versions
     checkpoint_every: int = 0  # steps; 0 = only at the end
+    keep_checkpoints: int = 0  # the newest this many complete checkpoints are kept; 0 = all (>= 2: a fallback)
     eval_every: int = 0  # steps; evaluates at step 0, every eval_every steps and at the end ([eval]); 0 = off
     run_dir: str = "runs/alphabet_sort"
     seed: int = 0
@@ -217,6 +218,8 @@ class ControllerConfig(_Section):
                f"must be between 5 and {most:g} s, got {self.unresponsive_timeout_s}")
         _check(self.max_staleness >= 0, f"{key}.max_staleness", "must be >= 0")
         _check(self.checkpoint_every >= 0, f"{key}.checkpoint_every", "must be >= 0")
+        _check(self.keep_checkpoints == 0 or self.keep_checkpoints >= 2, f"{key}.keep_checkpoints",
+               f"must be 0 (keep all) or >= 2 (an intact one to fall back to), got {self.keep_checkpoints}")
         _check(self.eval_every >= 0, f"{key}.eval_every", f"must be >= 0 (0 = off), got {self.eval_every}")
         _check(bool(self.run_dir), f"{key}.run_dir", "must not be empty")
         _check(self.seed >= 0, f"{key}.seed", f"must be >= 0, got {self.seed}")
@@ -534,14 +537,20 @@ def _drop_args_of_another_env(tree: dict[str, Any], overrides: list[tuple[list[s
         del env["args"]
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), available_gpus: int | None = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] = (), available_gpus: int | None = None,
+                base: str | Path | None = None) -> Config:
     """Loads a TOML file (or the defaults), applies overrides, builds and validates the Config.
 
+    `base` (a run's config.toml, on --resume) is read first and the file's keys go on top of it.
     An override of `env.name` naming another env than the file's drops the file's `env.args`:
     they were written for its env."""
-    tree: dict[str, Any] = {}
+    tree: dict[str, Any] = read_toml(base) if base is not None else {}
     if path is not None:
-        tree = read_toml(path)
+        for section, table in read_toml(path).items():
+            if isinstance(table, dict) and isinstance(tree.get(section), dict):
+                tree[section].update(table)
+            else:
+                tree[section] = table
     parsed = [parse_override(text) for text in overrides]
     _drop_args_of_another_env(tree, parsed)
     for keys, value in parsed:

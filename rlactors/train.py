@@ -3,10 +3,11 @@
     python -m rlactors.train --config configs/alphabet_sort_cpu.toml
     python -m rlactors.train --config configs/math_1gpu.toml model.path=/models/Qwen3-1.7B
     python -m rlactors.train --config my_run.toml env.name=my_envs.echo:EchoEnv controller.mode=async
-    python -m rlactors.train --config my_run.toml --resume           # from the last complete checkpoint
+    python -m rlactors.train --resume controller.run_dir=runs/my_run      # from its last intact checkpoint
 
 Overrides are `section.key=value` (TOML values) on top of the config file (or of the defaults);
-`model.path` has no default. Metrics, samples, env errors (env_errors.log), TensorBoard logs,
+`model.path` has no default. `--resume` starts from the run dir's own config.toml, with --config's
+keys and the overrides on top (docs/checkpoints.md). Metrics, samples, env errors (env_errors.log), TensorBoard logs,
 checkpoints and reward_curve.png go to controller.run_dir, which holds one run: a new run there is
 refused once it holds steps (continue it with --resume). Ctrl-C saves the last completed step.
 Exit codes: 0 done, 2 a bad config or input or a run that cannot go on (one `error:` line), 130
@@ -27,6 +28,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from rlactors.config import Config
     from rlactors.run.controller import Controller
 
 
@@ -35,9 +37,11 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
     without --config (none: the Config defaults)."""
     parser = argparse.ArgumentParser(prog=None if default_config else "python -m rlactors.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    parser.add_argument("--config", type=Path, default=default_config,
-                        help=f"TOML config (default: {default_config or 'the Config defaults'})")
-    parser.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
+    parser.add_argument("--config", type=Path, default=None,
+                        help=f"TOML config (default: {default_config or 'the Config defaults'}; "
+                             "with --resume: the run dir's config.toml)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the last intact checkpoint (none: from step 0), with the run's config")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -52,7 +56,8 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
 
     controller = None
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_resumed_config(args, default_config) if args.resume else \
+            load_config(args.config or default_config, args.overrides)
         controller = Controller(config, resume=args.resume)
         history = run_controller(controller)
     except (ConfigError, TrainingError) as e:
@@ -81,6 +86,16 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
             print(f"no step trained: the rollouts of each group earned equal rewards, so GRPO had nothing to "
                   f"learn from; {NO_SIGNAL_HINT}")
     return 0
+
+
+def load_resumed_config(args: argparse.Namespace, default_config: Path | None) -> Config:
+    """A --resume's config: the run dir's config.toml, then --config's keys, then the overrides
+    (only a run dir without one takes the default config)."""
+    from rlactors.config import load_config
+    from rlactors.run.run_dir import saved_config
+
+    base = saved_config(args.config or default_config, args.overrides)
+    return load_config(args.config or (None if base else default_config), args.overrides, base=base)
 
 
 def run_controller(controller: Controller) -> list[dict[str, float]]:

@@ -129,9 +129,9 @@ def test_readme_env_example_loads_with_the_config_it_suggests(tmp_path, monkeypa
     """The README's env, saved where it says, passes every check a run makes before it spawns a
     proc, with the command line the README gives (the newcomer's path)."""
     from rlactors.config import load_config
-    from rlactors.run.evaluation import training_evaluator
     from rlactors.models import load_checked_tokenizer
     from rlactors.rollout import load_env
+    from rlactors.run.evaluation import training_evaluator
 
     readme = ROOT / "README.md"
     (env_code,) = [code for lang, code, _ in blocks(readme) if lang == "python" and "class EchoEnv" in code]

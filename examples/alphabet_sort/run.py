@@ -25,7 +25,8 @@ DEMO_CHECKPOINT = EXAMPLE / "warm_checkpoint_gpu"
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(arg == "--config" or arg.startswith("--config=") for arg in argv):
+    # A resumed run takes its model.path from its own config.toml.
+    if not any(arg == "--config" or arg.startswith("--config=") or arg == "--resume" for arg in argv):
         argv = [f'model.path="{DEMO_CHECKPOINT}"', *argv]
     return train.main(argv, default_config=DEFAULT_CONFIG)
 

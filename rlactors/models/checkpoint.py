@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from rlactors.manifest import MANIFEST_FILE, verify
 from rlactors.models.args import DTYPES, ModelArgs
 from rlactors.models.decoder import DecoderForCausalLM
 from rlactors.models.tokenizer import VOCABULARY_FILES
@@ -44,7 +45,8 @@ TOKENIZER_FILES = (
 
 def check_checkpoint_dir(ckpt_dir: str | Path) -> ModelArgs:
     """Checks, without loading a weight, that ``ckpt_dir`` holds what a run loads: a ``config.json``
-    of a supported family, weight files whose tensors match it, and a tokenizer vocabulary.
+    of a supported family, weight files whose tensors match it (and their manifest, where the dir
+    has one: an rlactors checkpoint's hf/ export), and a tokenizer vocabulary.
     Returns its ModelArgs; raises ValueError (one line, naming what is missing or wrong)."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
@@ -61,6 +63,8 @@ def check_checkpoint_dir(ckpt_dir: str | Path) -> ModelArgs:
         args = ModelArgs.from_hf_config(config)
     except ValueError as e:
         raise ValueError(f"{ckpt_dir}: {e}") from None
+    if (ckpt_dir / MANIFEST_FILE).is_file() and (damage := verify(ckpt_dir)):  # a checkpoint's hf/ export
+        raise ValueError(f"{ckpt_dir} is damaged: {damage}")
     index = ckpt_dir / INDEX_FILE
     if not index.is_file() and not (ckpt_dir / SINGLE_FILE).is_file():
         raise ValueError(f"{ckpt_dir} holds no weights (neither {SINGLE_FILE} nor {INDEX_FILE})")

@@ -29,6 +29,7 @@ from rlactors.config import Config
 from rlactors.procs.liveness import ProcLost
 from rlactors.procs.placement import first_value, placement_line
 from rlactors.procs.watchdog import LoopWatchdog
+from rlactors.records import is_storage_fault
 from rlactors.rollout.env import OnTokens
 from rlactors.rollout.producer import RolloutProducer, fresh_episodes
 from rlactors.rollout.rollouter import group_number
@@ -149,6 +150,10 @@ class Controller:
             return []
         except ProcLost as e:  # while starting: no step to name
             raise TrainingError(f"{e}; {self.run_dir.last_checkpoint()}") from None
+        except OSError as e:  # a record, sample or plot that the disk refused (a checkpoint: save_checkpoint)
+            if is_storage_fault(e):
+                raise TrainingError(self.run_dir.storage_error(e)) from None
+            raise
         except asyncio.CancelledError:
             await self.keep_last_step()
             raise
@@ -201,7 +206,7 @@ class Controller:
                 await self.producer.stop()
             finally:
                 evals.cancel()
-                png = metrics_log.close()
+                png = metrics_log.close(failing=sys.exc_info()[1] is not None)
         if png is not None:
             print(f"reward curve: {png}", flush=True)
         return history
@@ -263,9 +268,9 @@ class Controller:
         if self.gateway is not None:
             metrics.update(self.gateway.step_metrics())
         untrained = None if trained else untrained_reason(groups, episodes, stale, c.controller.max_staleness)
-        metrics_log.log_step(step, metrics, groups, untrained)
         if c.controller.log_samples:
             metrics_log.log_samples(step, sample_records(groups, self.tokenizer))
+        metrics_log.log_step(step, metrics, groups, untrained)  # the step's records are complete with this one
         if step < c.controller.steps and (lost := replicas_lost(generators, c.generator.restart_dead)):
             raise TrainingError(f"step {step}: {lost}; {await self._save_step_once()}; continue with --resume")
         return metrics
@@ -318,7 +323,8 @@ class Controller:
     async def save_checkpoint(self) -> Path:
         resume = (self.producer.resume_state(self.step + 1) if self.producer is not None else
                   {"samples": self.samples.state_dict(), "rollouter": self.rollouter.state_dict()})
-        return await self.run_dir.save(self.trainer, ResumeState(self.step, self.policy_version, **resume))
+        return await self.run_dir.save(self.trainer, ResumeState(self.step, self.policy_version, **resume),
+                                       self.config.controller.keep_checkpoints)
 
 
 def _let_go(pushing: asyncio.Future | None) -> None:

@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlactors.records import keep_records_through, read_records, writing
 from rlactors.run.run_dir import (
     ENV_ERRORS_FILE,
     METRICS_FILE,
     REWARD_CURVE_FILE,
     SAMPLES_FILE,
+    STEP_RECORD_KEY,
     TENSORBOARD_DIR,
     WANDB_RUN_ID_FILE,
 )
@@ -30,7 +33,7 @@ from rlactors.run.run_dir import (
 if TYPE_CHECKING:
     from rlactors.rollout.types import Episode, Rollout, RolloutGroup
 
-REWARD_MEAN, REWARD_MIN, REWARD_MAX = "rollout/reward_mean", "rollout/reward_min", "rollout/reward_max"
+REWARD_MEAN, REWARD_MIN, REWARD_MAX = STEP_RECORD_KEY, "rollout/reward_min", "rollout/reward_max"
 REWARD_P25, REWARD_P75 = "rollout/reward_p25", "rollout/reward_p75"
 EVAL_REWARD_MEAN = "eval/reward_mean"
 
@@ -51,7 +54,7 @@ NO_SIGNAL_HINT = ("start from a policy that sometimes succeeds (a warm start in 
 
 class MetricsLogger:
     """Writes step and eval records under `run_dir` (and to `wandb`, a WandbSink, when given);
-    `resume_step` drops records of steps after it."""
+    `resume_step` drops records of steps after it (all of them for 0: a run from step 0)."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, resume_step: int = 0, tensorboard: bool = True,
                  wandb: WandbSink | None = None):
@@ -61,7 +64,7 @@ class MetricsLogger:
         self.metrics_path = self.run_dir / METRICS_FILE
         self.samples_path = self.run_dir / SAMPLES_FILE
         for path in (self.metrics_path, self.samples_path):
-            _truncate_after(path, resume_step)
+            keep_records_through(path, resume_step)
         self._writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -93,7 +96,7 @@ class MetricsLogger:
 
     def _write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
-        with self.metrics_path.open("a") as f:
+        with writing(self.metrics_path), self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         scalars = {key: float(value) for key, value in record.items() if key not in ("step", "time")
                    and isinstance(value, (int, float)) and math.isfinite(value)}
@@ -121,16 +124,23 @@ class MetricsLogger:
         return "  ".join(parts)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
-        with self.samples_path.open("a") as f:
-            for sample in samples:
-                f.write(json.dumps({"step": step, **sample}) + "\n")
+        """A step's samples: written before its metrics record, which marks the step as recorded."""
+        with writing(self.samples_path), self.samples_path.open("a") as f:
+            f.writelines(json.dumps({"step": step, **sample}) + "\n" for sample in samples)
 
-    def close(self) -> Path | None:
-        if self._writer is not None:
-            self._writer.close()
-        if self._wandb is not None:
-            self._wandb.finish()
-        return plot_reward_curve(self.run_dir)
+    def close(self, failing: bool = False) -> Path | None:
+        """Closes the sinks and draws reward_curve.png. When the run is `failing` already, an
+        error here is dropped: the first error is the one the run stops with."""
+        try:
+            if self._writer is not None:
+                self._writer.close()
+            if self._wandb is not None:
+                self._wandb.finish()
+            return plot_reward_curve(self.run_dir)
+        except Exception:  # noqa: BLE001 - re-raised unless another error already stops the run
+            if failing:
+                return None
+            raise
 
 
 def eval_line(step: int, metrics: dict[str, float]) -> str:
@@ -206,18 +216,19 @@ class EnvErrorLog:
         self.console_kinds = console_kinds
         self._kinds: set[tuple[str, ...]] = set()
         self._told_more = False
-        if resume_step:
-            with self.path.open("a") as f:
-                f.write(f"--- resumed after step {resume_step} ---\n")
-        else:
-            self.path.write_text("")
+        with writing(self.path):
+            if resume_step:
+                with self.path.open("a") as f:
+                    f.write(f"--- resumed after step {resume_step} ---\n")
+            else:
+                self.path.write_text("")
 
     def record(self, step: int, rollouts: Iterable[Rollout]) -> int:
         """Logs the env errors among `rollouts` (trained in `step`); returns how many there were."""
         errors = [r for r in rollouts if r.status.value in ENV_ERROR_STATUSES]
         if not errors:
             return 0
-        with self.path.open("a") as f:
+        with writing(self.path), self.path.open("a") as f:
             for rollout in errors:
                 traceback = f"{rollout.error_traceback}\n" if rollout.error_traceback else ""
                 f.write(f"{self._describe(step, rollout)}\nsample: {_short(repr(rollout.sample), 500)}\n{traceback}\n")
@@ -386,18 +397,9 @@ def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
-def _truncate_after(path: Path, step: int) -> None:
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
-
-
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+    """The records of metrics.jsonl; a torn line (a crash mid-write) is dropped, and said."""
+    return read_records(Path(run_dir) / METRICS_FILE)
 
 
 def plot_reward_curve(run_dir: str | Path, title: str | None = None) -> Path | None:
@@ -410,8 +412,14 @@ def plot_reward_curve(run_dir: str | Path, title: str | None = None) -> Path | N
     import matplotlib.pyplot as plt
 
     out = Path(run_dir) / REWARD_CURVE_FILE
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    tmp = out.with_name(f".{out.name}.tmp")  # never a cut PNG in its place
+    try:
+        with writing(tmp):
+            fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return out
 
 

@@ -12,20 +12,34 @@
         checkpoints/step_N/      trainer checkpoints (rlactors.trainer.checkpoint), each with
                                  controller_state.json: where the run stood after step N
 
-A new run refuses a dir that holds steps; `--resume` continues from the last complete checkpoint
-and refuses a config whose env or seed differ from the run's.
+A new run refuses a dir that holds steps. `--resume` continues from the newest intact checkpoint
+whose step is recorded in metrics.jsonl (records of later steps are dropped, so each step is
+recorded once), or from step 0 when there is none; it refuses a config whose env or seed differ
+from the run's. docs/checkpoints.md tells the whole story.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlactors.config import Config, dump_toml, read_toml
 from rlactors.procs.placement import first_value
-from rlactors.trainer.checkpoint import HF_DIR, checkpoint_dir, is_complete, latest_checkpoint
+from rlactors.records import is_storage_fault, read_records, writing
+from rlactors.trainer.checkpoint import (
+    HF_DIR,
+    checkpoint_dir,
+    complete_checkpoints,
+    is_complete,
+    latest_checkpoint,
+    newest_intact,
+    prune,
+)
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
@@ -37,6 +51,7 @@ WANDB_RUN_ID_FILE = "wandb_run_id"
 SLURM_DIR = "slurm"
 CHECKPOINTS_DIR = "checkpoints"
 CONTROLLER_STATE = "controller_state.json"  # in each checkpoint's step dir
+STEP_RECORD_KEY = "rollout/reward_mean"  # in a step's record in metrics.jsonl, not in an evaluation's
 # Settings a resumed run must keep: another env or seed would make it a different run.
 FIXED_ON_RESUME = ("env.name", "env.args", "controller.seed")
 
@@ -62,6 +77,7 @@ class ResumeState:
     def read(cls, checkpoint: Path) -> ResumeState:
         return cls(**json.loads((checkpoint / CONTROLLER_STATE).read_text()))
 
+
     def files(self) -> dict[str, str]:
         """The files a checkpoint holds beside the trainer's state."""
         return {CONTROLLER_STATE: json.dumps(self.__dict__)}
@@ -79,7 +95,7 @@ class RunDir:
     def check(self, config: Config, resume: bool) -> Path | None:
         """A new run never writes over a run dir that holds steps; `--resume` continues the run
         here with its env and seed, and raises RunComplete when it has all its steps. Returns the
-        checkpoint to resume from."""
+        checkpoint to resume from: the newest intact one of a recorded step (None: from step 0)."""
         if not resume:
             # A dir with only config.toml (a run stopped before its first step) holds nothing to lose.
             last = latest_checkpoint(self.checkpoints)
@@ -87,12 +103,22 @@ class RunDir:
                 ([f"{CHECKPOINTS_DIR}/{last.name}"] if last else [])
             if held:
                 raise TrainingError(f"controller.run_dir: {self.path} already holds a run ({', '.join(held)}); "
-                                    f"continue it with --resume, or give this run another controller.run_dir "
-                                    f"(or delete {self.path})")
+                                    f"continue it with --resume (from step 0 if it has no checkpoint), or give "
+                                    f"this run another controller.run_dir (or delete {self.path})")
             return None
-        path = latest_checkpoint(self.checkpoints)
+        for partial in self.checkpoints.glob(".step_*.partial"):  # saves a crash cut short: never loaded
+            shutil.rmtree(partial, ignore_errors=True)
+        recorded = self.last_recorded_step()
+        path = newest_intact(self.checkpoints, through_step=recorded)
+        unrecorded = [step for step, _ in complete_checkpoints(self.checkpoints) if step > recorded]
+        if unrecorded:
+            print(f"--resume: the checkpoint of step {unrecorded[0]} is passed over: the run stopped before "
+                  f"writing that step's records (metrics.jsonl ends at step {recorded}), so it is trained again",
+                  flush=True)
         if path is None:
-            raise TrainingError(f"--resume: no complete checkpoint under {self.checkpoints}")
+            print(f"--resume: no intact checkpoint under {self.checkpoints} (for a recorded step): the run restarts "
+                  f"from step 0 (model.path) and its records are cleared", flush=True)
+            return None
         if not (path / CONTROLLER_STATE).is_file():
             raise TrainingError(f"--resume: {path} has no {CONTROLLER_STATE}")
         self._check_resumed_config(config, path)
@@ -101,6 +127,11 @@ class RunDir:
             raise RunComplete(f"nothing to train: the run in {self.path} is at step {step} and controller.steps "
                               f"is {config.controller.steps}; raise controller.steps to train further")
         return path
+
+    def last_recorded_step(self) -> int:
+        """The last step with a record in metrics.jsonl (written after the step's samples), 0 if none."""
+        records = read_records(self.metrics, say=lambda line: None)  # torn lines: said when they are dropped
+        return max((r["step"] for r in records if STEP_RECORD_KEY in r), default=0)
 
     def _check_resumed_config(self, config: Config, checkpoint: Path) -> None:
         """Refuses a resume whose env or seed differ from the run's config.toml; prints the other
@@ -123,23 +154,28 @@ class RunDir:
 
     def write_config(self, config: Config) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        self.config.write_text(dump_toml(config), encoding="utf-8")
+        with writing(self.config):
+            self.config.write_text(dump_toml(config), encoding="utf-8")
 
     def is_saved(self, step: int) -> bool:
         """Whether the checkpoint of `step` is complete."""
         return is_complete(checkpoint_dir(self.checkpoints, step))
 
-    async def save(self, trainer: Any, state: ResumeState) -> Path:
+    async def save(self, trainer: Any, state: ResumeState, keep: int) -> Path:
         """Has `trainer` (a PolicyTrainer mesh) save the checkpoint of `state.step`, with `state`
-        in it; its path. One it could not write is a TrainingError naming why."""
+        in it, then keeps the newest `keep` checkpoints; its path. One it could not write is a
+        TrainingError naming why (a storage fault: the path and the fault)."""
         from monarch.actor import ActorError
 
         try:
             path = await trainer.save_checkpoint.call(str(self.checkpoints), state.step, state.files())
         except ActorError as e:  # the trainer could not write it (every rank raises, none is left waiting)
+            what = f"saving the checkpoint of step {state.step} failed"
+            if is_storage_fault(e.exception):
+                raise TrainingError(self.storage_error(e.exception, what)) from None
             reason = " ".join(f"{type(e.exception).__name__}: {e.exception}".split())
-            raise TrainingError(f"saving the checkpoint of step {state.step} failed: {reason}; "
-                                f"{self.last_checkpoint()}") from None
+            raise TrainingError(f"{what}: {reason}; {self.last_checkpoint()}") from None
+        prune(self.checkpoints, keep)
         return Path(first_value(path))
 
     def last_checkpoint(self) -> str:
@@ -151,6 +187,16 @@ class RunDir:
         """The error line of a run stopped by `what`: where it resumes from."""
         return f"{what}; {self.last_checkpoint()}; continue with --resume"
 
+    def storage_error(self, error: OSError, what: str = "") -> str:
+        """The error line of a run stopped by a storage fault (records.STORAGE_ERRNOS) at a write:
+        the path, the fault, and the checkpoint a --resume (when there is one) continues from."""
+        fault = f"{error.strerror} ({errno.errorcode.get(error.errno, error.errno)})"
+        line = f"{what}{': ' if what else ''}cannot write {error.filename or self.path}: {fault}"
+        last = latest_checkpoint(self.checkpoints)
+        if last is None:
+            return f"{line}; no checkpoint was completed (--resume restarts the run from step 0)"
+        return f"{line}; the last complete checkpoint is {last}; once it can be written, continue with --resume"
+
     def interrupt_report(self, step: int) -> str:
         """What a run interrupted after `step` (0: before its first) kept, and how to go on."""
         last = latest_checkpoint(self.checkpoints)
@@ -159,6 +205,21 @@ class RunDir:
                     "start the run again (without --resume)")
         after = f" after step {step}" if step else ""
         return f"interrupted{after}: the run is saved in {last}; continue with --resume"
+
+
+def saved_config(config_file: str | Path | None, overrides: Sequence[str]) -> Path | None:
+    """The config.toml of the run dir that `config_file` and `overrides` name, if it exists: the
+    base of a --resume's config."""
+    from rlactors.config import ControllerConfig, parse_override
+
+    run_dir = ControllerConfig.run_dir
+    if config_file is not None:
+        run_dir = read_toml(config_file).get("controller", {}).get("run_dir", run_dir)
+    for keys, value in map(parse_override, overrides):
+        if keys == ["controller", "run_dir"]:
+            run_dir = value
+    path = RunDir(str(run_dir)).config
+    return path if path.is_file() else None
 
 
 def _flat_config(tree: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -41,6 +42,7 @@ from rlactors.models.checkpoint import (
 )
 from rlactors.models.moe import SparseMoeBlock, load_balancing_loss
 from rlactors.on_policy.sides import TrainerSide
+from rlactors.records import writing
 from rlactors.trainer import checkpoint as ckpt
 from rlactors.trainer import expert_parallel
 from rlactors.trainer.batch import MicroBatch
@@ -421,17 +423,23 @@ class PolicyTrainerCore:
             state = {"model": model_sd, "optimizer": optim_sd}
         else:
             state = {"model": get_model_state_dict(self.model)}
-        dcp.save(state, checkpoint_id=partial / ckpt.DCP_DIR)
+        try:
+            dcp.save(state, checkpoint_id=partial / ckpt.DCP_DIR)
+        except CheckpointException as e:  # a BaseException: raised on every rank
+            if self.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise _first_failure(e, partial / ckpt.DCP_DIR) from None
         weights = self.full_weights(DTYPES[self.model_config.dtype])
 
         def export_and_commit() -> None:
-            save_pretrained(weights, self.args, partial / ckpt.HF_DIR)
-            copy_tokenizer_files(self.model_config.path, partial / ckpt.HF_DIR)
-            for name, text in (extra_files or {}).items():
-                (partial / name).write_text(text)
-            ckpt.commit(partial, final, {"step": step, "policy_version": self.version,
-                                         "optimizer_state": has_optimizer_state,
-                                         "world_size": self.world_size})
+            with writing(partial):  # a failed write() names no file: name the checkpoint at least
+                save_pretrained(weights, self.args, partial / ckpt.HF_DIR)
+                copy_tokenizer_files(self.model_config.path, partial / ckpt.HF_DIR)
+                for name, text in (extra_files or {}).items():
+                    (partial / name).write_text(text)
+                ckpt.commit(partial, final, {"step": step, "policy_version": self.version,
+                                             "optimizer_state": has_optimizer_state,
+                                             "world_size": self.world_size})
 
         self._on_rank_0(export_and_commit, f"save the checkpoint of step {step}", partial)
         return str(final)
@@ -447,12 +455,17 @@ class PolicyTrainerCore:
             except Exception as e:  # noqa: BLE001 - raised again below, on every rank
                 error = e
                 shutil.rmtree(partial, ignore_errors=True)
-        outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+        outcome = [None if error is None else (f"{type(error).__name__}: {error}",
+                                               *((error.errno, error.strerror, error.filename)
+                                                 if isinstance(error, OSError) else (None, None, None)))]
         dist.broadcast_object_list(outcome, src=0)
         if error is not None:
             raise error
         if outcome[0] is not None:
-            raise RuntimeError(f"rank 0 failed to {what}: {outcome[0]}")
+            text, errno, strerror, filename = outcome[0]
+            if errno is not None:  # as rank 0's: a full disk is told as such whichever rank reports it
+                raise OSError(errno, strerror, filename)
+            raise RuntimeError(f"rank 0 failed to {what}: {text}")
 
     def load_checkpoint(self, path: str | Path) -> dict[str, int]:
         """Resumes from a complete trainer checkpoint, or starts over from an HF dir (step 0).
@@ -488,3 +501,14 @@ class PolicyTrainerCore:
     def _discard_accumulation(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self._stats, self._accumulated = LossStats(), 0
+
+
+def _first_failure(error: CheckpointException, where: Path) -> Exception:
+    """The error of a failed DCP save as one exception: the first rank's, an OSError naming the
+    file (`where` when it names none)."""
+    failures = [exc for exc, _ in error.failures.values()]
+    for exc in failures:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return OSError(exc.errno, exc.strerror, exc.filename or str(where))
+    first = failures[0] if failures else error
+    return RuntimeError(f"saving {where} failed: {type(first).__name__}: {first}")

@@ -23,6 +23,7 @@ from rlactors_examples.alphabet_sort.run import DEFAULT_CONFIG, main
 
 from rlactors.config import Config, dump_toml, load_config
 from rlactors.evaluate import main as evaluate_main
+from rlactors.manifest import write_manifest
 from rlactors.models.checkpoint import (
     SINGLE_FILE,
     TOKENIZER_FILES,
@@ -32,6 +33,8 @@ from rlactors.models.checkpoint import (
 )
 from rlactors.models.tiny import random_state_dict
 from rlactors.models.tokenizer import VOCABULARY_FILES, load_tokenizer
+from rlactors.run.metrics import REWARD_MEAN
+from rlactors.run.run_dir import RunDir
 from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir
 
 # Any value is well-typed here; what matters is that load_config rejects it before the run.
@@ -126,6 +129,7 @@ IMPOSSIBLE = [
     (['controller.mode="lazy"'], "controller.mode"),
     (["controller.max_staleness=-1"], "controller.max_staleness"),
     (["controller.checkpoint_every=-1"], "controller.checkpoint_every"),
+    (["controller.keep_checkpoints=1"], "controller.keep_checkpoints"),
     (["controller.eval_every=-1"], "controller.eval_every"),
     (["eval.samples=-1"], "eval.samples"),
     (["eval.samples_per_prompt=0"], "eval.samples_per_prompt"),
@@ -356,14 +360,16 @@ def test_bad_data_is_named_before_any_proc_starts(capsys, tmp_path, tiny_ckpt, f
                  "exit code 2")
 
 
-def test_resume_without_a_checkpoint_is_named(capsys, tmp_path, tiny_ckpt, fault_record):
-    line = cli_error(capsys, "--resume", f'model.path="{tiny_ckpt}"', f'controller.run_dir="{tmp_path}"',
-                     'env.name="fault_envs:FaultyEnv"', "env.args={}", "trainer.ranks=1",
-                     "generator.replicas=1")
-    assert line == f"error: --resume: no complete checkpoint under {tmp_path / 'checkpoints'}"
-    assert not (tmp_path / "config.toml").exists()  # failed before any proc was spawned
-    fault_record("bad inputs", "--resume with no checkpoint in controller.run_dir", None,
-                 "nothing trains: one line `error: --resume: no complete checkpoint under ...`, exit code 2")
+def test_resume_without_a_checkpoint_restarts_from_step_0_saying_so(capsys, tmp_path, fault_record):
+    _run_dir_after(tmp_path, 1)
+    shutil.rmtree(tmp_path / "checkpoints")
+    config = load_config(DEFAULT_CONFIG, [*RUN, f'controller.run_dir="{tmp_path}"'])
+    assert RunDir(tmp_path).check(config, resume=True) is None  # from step 0 (model.path)
+    assert capsys.readouterr().out.splitlines() == [
+        f"--resume: no intact checkpoint under {tmp_path / 'checkpoints'} (for a recorded step): the run restarts "
+        "from step 0 (model.path) and its records are cleared"]
+    fault_record("bad inputs", "--resume with no checkpoint in controller.run_dir (a run killed before its first)",
+                 None, "the run restarts from step 0, saying so in one line; its records are cleared")
 
 
 def test_cli_process_prints_one_line_and_exits_2():
@@ -384,9 +390,11 @@ def _run_dir_after(run_dir, step: int):
     checkpoint.mkdir(parents=True)
     (checkpoint / "controller_state.json").write_text(json.dumps(
         {"step": step, "policy_version": step, "samples": {}, "rollouter": {}}))
+    write_manifest(checkpoint, later=(COMPLETE_FILE,))
     (checkpoint / COMPLETE_FILE).write_text("")
     (run_dir / "config.toml").write_text(dump_toml(config))
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, step + 1)))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, REWARD_MEAN: 0.0}) + "\n"
+                                                   for s in range(1, step + 1)))
     return {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
 
 
@@ -400,8 +408,8 @@ def test_a_new_run_never_writes_over_a_run_dir_that_holds_a_run(capsys, tmp_path
             (run_dir / "metrics.jsonl").unlink()
         files = {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
         assert cli_error(capsys, *RUN, f'controller.run_dir="{run_dir}"') == (
-            f"error: controller.run_dir: {run_dir} already holds a run ({held}); continue it with --resume, or give "
-            f"this run another controller.run_dir (or delete {run_dir})")
+            f"error: controller.run_dir: {run_dir} already holds a run ({held}); continue it with --resume (from "
+            f"step 0 if it has no checkpoint), or give this run another controller.run_dir (or delete {run_dir})")
         assert {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()} == files
     fault_record("bad inputs", "a new run (no --resume) into a run dir that holds metrics or a checkpoint", None,
                  "nothing is written: one line `error: controller.run_dir: ... already holds a run ...`, exit code 2")

@@ -36,7 +36,7 @@ def run_together(*placements: tuple[str, int], together: tuple[str, ...] = ()) -
     with context.Manager() as manager:
         times, ready = manager.list(), manager.Barrier(len(placements))
         inside = manager.Barrier(len(together)) if together else None
-        procs = [context.Process(target=start, 
+        procs = [context.Process(target=start,
                                  args=(visible, tp, times, ready, inside if visible in together else None))
                  for visible, tp in placements]
         for p in procs:

@@ -30,6 +30,7 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "faults.md"
 # Records of the two_gpus fault tests (tests/faults/test_nccl_faults.py), kept from runs on GPU
 # machines with their machine, date, commit and command; shown beside the CPU suite's.
 GPU_RECORDS = REPO / "benchmarks" / "results" / "faults_gpu.jsonl"
+KEPT_FROM = "## In-job trainer recovery"  # the section benchmarks/trainer_recovery.py appends to
 
 
 def run_suite(records: Path) -> float:
@@ -122,7 +123,11 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     gpu = [json.loads(line) for line in GPU_RECORDS.read_text().splitlines()] if GPU_RECORDS.exists() else []
     stamp = f"{machine('cpu')}, {datetime.date.today().isoformat()}, commit {commit()}"
-    args.out.write_text(render(rows, args.runs, suite_s, stamp) + ("\n" + render_gpu(gpu) if gpu else ""))
+    # Sections other tools append to the file (benchmarks/trainer_recovery.py) stay as they are.
+    text = args.out.read_text() if args.out.exists() else ""
+    kept = text[text.index(KEPT_FROM):] if KEPT_FROM in text else ""
+    args.out.write_text(render(rows, args.runs, suite_s, stamp) + ("\n" + render_gpu(gpu) if gpu else "")
+                        + ("\n" + kept if kept else ""))
     print(f"wrote {args.out}")
     return 0
 

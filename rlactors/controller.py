@@ -217,16 +217,17 @@ class Controller:
     async def train(self) -> list[dict[str, float]]:
         """Trains from `self.step` to controller.steps; the metrics of the steps trained. A trainer
         rank's death with a restart left rebuilds the trainer and trains on from its checkpoint."""
-        history: list[dict[str, float]] = []
+        history: dict[int, dict[str, float]] = {}  # step -> its metrics
         while True:
             try:
-                return await self._train_from_step(history)
+                await self._train_from_step(history)
+                return list(history.values())
             except TrainerLost as lost:
-                trained_to = self.step
                 await self.recover_trainer(str(lost))
-                del history[len(history) - (trained_to - self.step):]  # those steps are trained again
+                for step in [s for s in history if s > self.step]:
+                    del history[step]  # trained again
 
-    async def _train_from_step(self, history: list[dict[str, float]]) -> list[dict[str, float]]:
+    async def _train_from_step(self, history: dict[int, dict[str, float]]) -> None:
         c = self.config
         resumed = self.resume or self.trainer_restarts.done > 0
         wandb = WandbSink.for_run(self.run_dir.path, c, resumed) if c.metrics.wandb_project else None
@@ -244,7 +245,8 @@ class Controller:
         self.watchdog.start()  # while rollouts run: their env calls share this loop
         try:
             while self.step < c.controller.steps:
-                history.append(await self._train_step(metrics_log))
+                metrics = await self._train_step(metrics_log)
+                history[self.step] = metrics  # the step it completed
                 evals.raise_failed()
                 await evals.after_step(self.step)
             await evals.finish()
@@ -265,7 +267,6 @@ class Controller:
                 png = metrics_log.close()
         if png is not None:
             print(f"reward curve: {png}", flush=True)
-        return history
 
     async def _train_step(self, metrics_log: MetricsLogger) -> dict[str, float]:
         c = self.config

@@ -8,38 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import time
 
 import pytest
-from faultkit import small_run_overrides
+from faultkit import TrainerKilledAsStepsBegin, small_run_overrides
 
 from rlactors.config import load_config
-from rlactors.controller import Controller
 from rlactors.metrics import read_metrics
 from rlactors.run_dir import SAMPLES_FILE
 
 COMPARED = ("loss/loss", "loss/tokens", "train/grad_norm", "rollout/reward_mean")
-
-
-class TrainerKilledAsStepsBegin(Controller):
-    """SIGKILLs trainer rank 0 as each step of `kill_at` begins (its first attempt only), keeping
-    the step records written before each kill."""
-
-    kill_at: tuple[int, ...] = ()
-
-    async def _train_step(self, metrics_log):
-        step = self.step + 1
-        if step in self.kill_at and step not in self.killed:
-            self.killed[step] = (read_metrics(self.run_dir.path), time.monotonic())
-            pid = next(p.pid for p in self.meshes.watcher.procs if p.name == "trainer rank 0")
-            os.kill(pid, signal.SIGKILL)
-        return await super()._train_step(metrics_log)
-
-    def __init__(self, config, kill_at):
-        super().__init__(config)
-        self.kill_at, self.killed = kill_at, {}
 
 
 @pytest.mark.slow
@@ -73,8 +50,11 @@ def test_a_trainer_killed_twice_is_rebuilt_from_its_checkpoints_and_every_step_i
     checkpoint = tmp_path / "checkpoints" / "step_00000002"
     assert f"the trainer was rebuilt from {checkpoint} in " in lines[1] and lines[1].endswith(
         "(restart 2 of controller.restart_trainer=2); training again from step 3"), lines[1]
-    seconds = [float(line.split(" in ")[1].split(" s ")[0]) for line in lines]
+    kills = [at for _, at in controller.killed.values()]
+    training_again = [round(after - kill, 2) for kill, after in zip(kills, controller.stepped_at)]
     fault_record("trainer rank SIGKILLed twice (controller.restart_trainer=2)",
                  "trainer rank 0's proc as step 2 begins (no checkpoint yet) and as step 4 begins (after checkpoint 2)",
                  None, "nothing: steps 1 and 3 trained again, identical to their first attempts; 4/4 steps recorded "
-                 "once; the run completed", rebuild_1_s=seconds[0], rebuild_2_s=seconds[1])
+                 "once; the run completed", kill_to_rebuilt_s=controller.rebuilt_at[0] - kills[0],
+                 kill_to_rebuilt_2_s=controller.rebuilt_at[1] - kills[1], kill_to_a_step_again_s=training_again[0],
+                 kill_to_a_step_again_2_s=training_again[1])

@@ -30,7 +30,8 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "faults.md"
 # Records of the two_gpus fault tests (tests/faults/test_nccl_faults.py), kept from runs on GPU
 # machines with their machine, date, commit and command; shown beside the CPU suite's.
 GPU_RECORDS = REPO / "benchmarks" / "results" / "faults_gpu.jsonl"
-TORTURE_HEADING = "## Kill and resume torture"  # faults_torture.py's section, at the end
+# Sections other tools append at the end (faults_torture.py, trainer_recovery.py): kept as they are.
+KEPT_SECTIONS = ("## Kill and resume torture", "## In-job trainer recovery")
 
 
 def run_suite(records: Path) -> float:
@@ -123,11 +124,12 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     gpu = [json.loads(line) for line in GPU_RECORDS.read_text().splitlines()] if GPU_RECORDS.exists() else []
     stamp = f"{machine('cpu')}, {datetime.date.today().isoformat()}, commit {commit()}"
-    # faults_torture.py's rows are kept: they come from runs of that tool, not of this suite.
-    kept = args.out.read_text() if args.out.exists() else ""
-    torture = kept[kept.index(TORTURE_HEADING):] if TORTURE_HEADING in kept else ""
+    # Sections other tools append to the file stay as they are: they come from runs of those tools.
+    text = args.out.read_text() if args.out.exists() else ""
+    starts = [text.index(heading) for heading in KEPT_SECTIONS if heading in text]
+    kept = text[min(starts):] if starts else ""
     args.out.write_text(render(rows, args.runs, suite_s, stamp) + ("\n" + render_gpu(gpu) if gpu else "")
-                        + ("\n" + torture if torture else ""))
+                        + ("\n" + kept if kept else ""))
     print(f"wrote {args.out}")
     return 0
 

@@ -33,8 +33,8 @@ from results_table import command, commit, machine
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rlactors.manifest import verify  # noqa: E402
-from rlactors.records import read_records  # noqa: E402
+from rlactors.storage.manifest import verify  # noqa: E402
+from rlactors.storage.records import read_records  # noqa: E402
 from rlactors.trainer.checkpoint import complete_checkpoints  # noqa: E402
 
 RUN_PY = REPO / "examples" / "alphabet_sort" / "run.py"

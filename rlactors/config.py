@@ -210,9 +210,14 @@ class ControllerConfig(_Section):
     # A proc that stops answering (stopped, CPU-starved, in a long call) is slow, not dead, until
     # it has been silent this long; one whose process exits is dead at once (rlactors.procs.liveness).
     unresponsive_timeout_s: float = UNRESPONSIVE_TIMEOUT_S
+    # How many times a run rebuilds its trainer from the last checkpoint after a trainer rank died
+    # (rlactors.run.recovery); 0: the run stops, to be continued with --resume.
+    restart_trainer: int = 0
 
     def validate(self, key: str) -> None:
         _check(self.steps >= 1, f"{key}.steps", f"must be >= 1, got {self.steps}")
+        _check(self.restart_trainer >= 0, f"{key}.restart_trainer",
+               f"must be >= 0 (0 = off), got {self.restart_trainer}")
         most = MONARCH_STATE_QUERY_WAIT_S / 2  # Monarch's own verdict on a silent proc must come later
         _check(5 <= self.unresponsive_timeout_s <= most, f"{key}.unresponsive_timeout_s",
                f"must be between 5 and {most:g} s, got {self.unresponsive_timeout_s}")

@@ -94,6 +94,8 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
         ("gateway.max_messages=0", r"^gateway\.max_messages: must be >= 1"),
         ("controller.keep_checkpoints=1", r"^controller\.keep_checkpoints: must be 0 \(keep all\) or >= 2"),
         ("controller.keep_checkpoints=-1", r"^controller\.keep_checkpoints: must be 0 \(keep all\) or >= 2"),
+        ("controller.restart_trainer=-1", r"^controller\.restart_trainer: must be >= 0 \(0 = off\), got -1$"),
+        ("controller.restart_trainer=true", r"^controller\.restart_trainer: expected an integer"),
         ("trainer=3", r"^trainer: expected a table"),
         ("trainer.lr", r"expected key=value"),
     ],

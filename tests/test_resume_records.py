@@ -9,9 +9,9 @@ import json
 import pytest
 
 from rlactors.config import dump_toml, load_config
-from rlactors.records import keep_records_through, read_records
 from rlactors.run.metrics import REWARD_MEAN, MetricsLogger, plot_reward_curve, read_metrics
 from rlactors.run.run_dir import ResumeState, RunComplete, RunDir, TrainingError
+from rlactors.storage.records import keep_records_through, read_records
 from rlactors.train import main
 from rlactors.trainer.checkpoint import checkpoint_dir, commit, latest_checkpoint, partial_dir
 

@@ -25,10 +25,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from rlactors.manifest import MANIFEST_FILE, verify
 from rlactors.models.args import DTYPES, ModelArgs
 from rlactors.models.decoder import DecoderForCausalLM
 from rlactors.models.tokenizer import VOCABULARY_FILES
+from rlactors.storage.manifest import MANIFEST_FILE, verify
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

@@ -12,6 +12,10 @@ thread in the proc) with its machine and OS pid. `ProcWatcher` keeps two facts p
   requests elsewhere), logged every `report_every_s` with how long it has been silent; one
   unanswered for `unresponsive_timeout_s` (controller.unresponsive_timeout_s) is lost (and, on this
   machine, killed). A proc that answers again is back, and says so.
+- The watcher's own pauses: silence is measured by the watcher's clock, which runs on while the
+  watcher does not (its process stopped by SIGSTOP or Ctrl-Z, its machine suspended). A check
+  that comes `PAUSED_AFTER_S` later than its interval finds the watcher was away: the silence is
+  its own, so it pings the proc afresh and judges by that ping alone.
 
 A lost proc's verdict ("trainer rank 0 (pid 123) exited (signal 9)", "... unresponsive for 63 s")
 fails every call made through `guard` at once, with `ProcLost`, while Monarch, whose state queries
@@ -48,6 +52,7 @@ PIDFD_INFO_EXIT = 1 << 3
 PIDFD_INFO_SIZE = 64
 SLOW_AFTER_S = 3.0
 REPORT_EVERY_S = 10.0
+PAUSED_AFTER_S = 5.0
 
 
 class ProcLost(RuntimeError):
@@ -157,18 +162,22 @@ class WatchedProc:
 
     def silent_s(self, now: float | None = None) -> float:
         """Seconds its oldest unanswered ping has waited (0 when it answers)."""
-        return 0.0 if self.silent_since is None else (now or time.monotonic()) - self.silent_since
+        if self.silent_since is None:
+            return 0.0
+        return (now if now is not None else time.monotonic()) - self.silent_since
 
 
 class ProcWatcher:
     """Watches procs for exits and silence (see the module docstring); one per event loop."""
 
     def __init__(self, unresponsive_timeout_s: float, *, ping_every_s: float = PING_EVERY_S,
-                 slow_after_s: float = SLOW_AFTER_S, report_every_s: float = REPORT_EVERY_S):
+                 slow_after_s: float = SLOW_AFTER_S, report_every_s: float = REPORT_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic):
         self.unresponsive_timeout_s = unresponsive_timeout_s
         self.ping_every_s = ping_every_s
         self.slow_after_s = slow_after_s
         self.report_every_s = report_every_s
+        self.clock = clock  # what silence is measured by
         self.procs: list[WatchedProc] = []
 
     async def watch(self, name: str, ping: Callable[[], Awaitable[dict[str, Any]]]) -> WatchedProc:
@@ -231,16 +240,22 @@ class ProcWatcher:
 
     async def _ping_loop(self, proc: WatchedProc) -> None:
         while not proc.verdict.done():
-            proc.silent_since = time.monotonic()
+            proc.silent_since = checked = self.clock()
             answer = asyncio.ensure_future(proc.ping())
             reported_at = None
+            away = 0.0  # how much later than meant this check came
             while not answer.done():
                 await asyncio.wait([answer, proc.verdict], timeout=self.ping_every_s,
                                    return_when=asyncio.FIRST_COMPLETED)
                 if proc.verdict.done():
                     answer.cancel()
                     return
-                silent = proc.silent_s()
+                now = self.clock()
+                away, checked = now - checked - self.ping_every_s, now
+                if away >= PAUSED_AFTER_S:
+                    answer.cancel()  # its silence spans the watcher's own absence: ask again
+                    break
+                silent = proc.silent_s(now)
                 if silent >= self.unresponsive_timeout_s:
                     answer.cancel()
                     self._conclude(proc, f"unresponsive for {silent:.0f} s (alive, but no answer within "
@@ -253,11 +268,14 @@ class ProcWatcher:
                         except ProcessLookupError:
                             pass  # it has just exited
                     return
-                if silent >= self.slow_after_s and (reported_at is None or
-                                                    time.monotonic() - reported_at >= self.report_every_s):
-                    reported_at = time.monotonic()
+                if silent >= self.slow_after_s and (reported_at is None or now - reported_at >= self.report_every_s):
+                    reported_at = now
                     logger.warning("%s unresponsive for %.0f s (counted lost after %s=%g s)", proc.label, silent,
                                    TIMEOUT_KEY, self.unresponsive_timeout_s)
+            if away >= PAUSED_AFTER_S:
+                logger.warning("%s: this watcher did not run for %.0f s (its process stopped or starved); "
+                               "pinging it afresh before judging it", proc.label, away)
+                continue
             if answer.cancelled():
                 return
             if answer.exception() is not None:
@@ -265,13 +283,13 @@ class ProcWatcher:
                 self._conclude(proc, describe_failure(answer.exception()))
                 return
             if reported_at is not None:
-                logger.warning("%s answers again after %.0f s", proc.label, proc.silent_s())
+                logger.warning("%s answers again after %.0f s", proc.label, proc.silent_s(self.clock()))
             proc.silent_since = None
             await asyncio.wait([proc.verdict], timeout=self.ping_every_s)
 
     def slow(self, proc: WatchedProc) -> bool:
         """Its ping has waited `slow_after_s` or more (it is not lost yet)."""
-        return proc.silent_s() >= self.slow_after_s
+        return proc.silent_s(self.clock()) >= self.slow_after_s
 
     def lost(self, *procs: WatchedProc) -> str | None:
         """The verdict of the first of `procs` that is lost, else None."""

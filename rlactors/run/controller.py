@@ -10,6 +10,8 @@ rewards equal) is a whole step all the same; its policy is the previous step's. 
 layout and rules are rlactors.run.run_dir's, evaluation's schedule rlactors.run.evaluation's. Ctrl-C lets
 a step whose update has begun complete, then saves the last completed step unless it is saved. A
 step after which every generator replica is dead for good (none restarting) stops the run, saved.
+A dead trainer rank stops the run, or, with `controller.restart_trainer`, has the trainer rebuilt
+from the last checkpoint and the steps since redone (rlactors.run.recovery).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from rlactors.config import Config
 from rlactors.procs.liveness import ProcLost
 from rlactors.procs.placement import first_value, placement_line
 from rlactors.procs.watchdog import LoopWatchdog
-from rlactors.records import is_storage_fault
 from rlactors.rollout.env import OnTokens
 from rlactors.rollout.producer import RolloutProducer, fresh_episodes
 from rlactors.rollout.rollouter import group_number
@@ -48,7 +49,9 @@ from rlactors.run.metrics import (
     step_metrics,
     untrained_reason,
 )
+from rlactors.run.recovery import TrainerLost, TrainerRestarts, recovery_point
 from rlactors.run.run_dir import SLURM_DIR, ResumeState, RunComplete, RunDir, TrainingError
+from rlactors.storage.records import is_storage_fault
 from rlactors.trainer.losses import LossNorm
 from rlactors.types import Completion, SamplingParams
 from rlactors.weight_sync.sync import BroadcastStuck, NoReplicaUp, WeightSync, WeightSyncError, create_weight_sync
@@ -77,6 +80,7 @@ class Controller:
         # which cannot fire then.
         self.watchdog = LoopWatchdog(after_s=config.rollout.step_timeout_s)
         self.gateway = None  # an AgentEnv's harnesses call the policy through it (rlactors.gateway)
+        self.trainer_restarts = TrainerRestarts(config.controller.restart_trainer)
 
     async def start(self) -> None:
         c = self.config
@@ -92,15 +96,39 @@ class Controller:
         self.weight_sync = create_weight_sync(c, self.trainer, self.router)
         await self._sync_call(self.weight_sync.start())
         self.run_dir.write_config(c)
+        # Where a trainer rebuilt before the first checkpoint starts again (rlactors.run.recovery).
+        self._start_state = ResumeState(0, 0, self.samples.state_dict(), self.rollouter.state_dict())
         if resume_from is not None:
-            state = ResumeState.read(resume_from)
-            await self.trainer.load_checkpoint.call(str(resume_from))
-            self.samples.load_state_dict(state.samples)
-            self.rollouter.load_state_dict(state.rollouter)
-            self.step, self.policy_version = state.step, state.policy_version
-            # The generators start from model.path: give them the resumed policy before any rollout.
-            await self._sync_call(self.push_weights(self.policy_version))
+            await self._restore(resume_from, ResumeState.read(resume_from))
             print(f"resumed from {resume_from} at step {self.step} (policy version {self.policy_version})", flush=True)
+
+    async def _restore(self, checkpoint: Path | None, state: ResumeState) -> None:
+        """The trainer, the run's state and the generators' policy as `checkpoint` (None: model.path,
+        which the trainer holds) holds them after `state.step`."""
+        if checkpoint is not None:
+            await self.trainer.load_checkpoint.call(str(checkpoint))
+        self.samples.load_state_dict(state.samples)
+        self.rollouter.load_state_dict(state.rollouter)
+        self.step, self.policy_version = state.step, state.policy_version
+        # The generators hold model.path's policy, or a later one: give them this one before any rollout.
+        await self._sync_call(self.push_weights(self.policy_version))
+
+    async def recover_trainer(self, cause: str) -> None:
+        """Rebuilds the trainer after one of its ranks died (`cause`) from the last complete
+        checkpoint, brings the run and the generators back to it, and says so (rlactors.run.recovery)."""
+        start, lost_in = time.monotonic(), self.step + 1
+        point = recovery_point(self.run_dir, self._start_state)
+        # From here the run stands at the checkpoint's step: a Ctrl-C meanwhile saves nothing more.
+        self.step, self.policy_version = point.state.step, point.state.policy_version
+        try:
+            self.trainer, _ = await self.meshes.respawn_trainer()
+            self.weight_sync = create_weight_sync(self.config, self.trainer, self.router)
+            await self._sync_call(self.weight_sync.start())
+            await self._restore(point.checkpoint, point.state)
+        except (SupervisionError, ProcLost) as e:
+            raise TrainingError(self.run_dir.resumable(f"rebuilding the trainer after {cause}: "
+                                                       f"{await self.meshes.cause(e)}")) from None
+        print(self.trainer_restarts.recovered_line(lost_in, cause, point, time.monotonic() - start), flush=True)
 
     async def shutdown(self) -> None:
         """Stops the gateway, the router and the procs (`Meshes.shutdown`: killed if they hang)."""
@@ -174,13 +202,27 @@ class Controller:
         print(self.interrupt_report, file=sys.stderr, flush=True)
 
     async def train(self) -> list[dict[str, float]]:
+        """Trains from `self.step` to controller.steps; the metrics of the steps trained. A trainer
+        rank's death with a restart left rebuilds the trainer and trains on from its checkpoint."""
+        history: dict[int, dict[str, float]] = {}  # step -> its metrics
+        while True:
+            try:
+                await self._train_from_step(history)
+                return list(history.values())
+            except TrainerLost as lost:
+                await self.recover_trainer(str(lost))
+                for step in [s for s in history if s > self.step]:
+                    del history[step]  # trained again
+
+    async def _train_from_step(self, history: dict[int, dict[str, float]]) -> None:
         c = self.config
-        wandb = WandbSink.for_run(self.run_dir.path, c, self.resume) if c.metrics.wandb_project else None
+        resumed = self.resume or self.trainer_restarts.done > 0
+        wandb = WandbSink.for_run(self.run_dir.path, c, resumed) if c.metrics.wandb_project else None
         metrics_log = MetricsLogger(self.run_dir.path, c.controller.steps, resume_step=self.step, wandb=wandb)
         self._env_errors = EnvErrorLog(self.run_dir.path, resume_step=self.step)
         evals = EvalSchedule(self.evaluator, c.controller, metrics_log.log_eval, lambda: self.weight_sync.version)
-        if self.step == 0:
-            await evals.after_step(0)  # the policy before training
+        if self.step == 0 and not self.trainer_restarts.done:
+            await evals.after_step(0)  # the policy before training (kept in the records by a rebuilt trainer)
         self._generator_metrics.read(await self.meshes.router_stats(self.router))  # busy time at start: step 1 idle
         # The generators hold the policy of self.step: start() pushed the resumed one, if any.
         self.producer = RolloutProducer(self.rollouter, self.samples, c.rollout.prompts_per_step,
@@ -188,10 +230,10 @@ class Controller:
                                         first_step=self.step + 1, last_step=c.controller.steps)
         self.producer.start()
         self.watchdog.start()  # while rollouts run: their env calls share this loop
-        history = []
         try:
             while self.step < c.controller.steps:
-                history.append(await self._train_step(metrics_log))
+                metrics = await self._train_step(metrics_log)
+                history[self.step] = metrics  # the step it completed
                 evals.raise_failed()
                 await evals.after_step(self.step)
             await evals.finish()
@@ -199,6 +241,9 @@ class Controller:
             # A proc died or stayed unresponsive (trainer or router), or the job's hosts went away:
             # stop with which, how, and where to resume from.
             cause = await self.meshes.cause(e)
+            if self.trainer_restarts.allow(self.meshes.trainer_lost()):
+                raise TrainerLost(cause) from None
+            cause = self.trainer_restarts.exhausted(cause)
             raise TrainingError(self.run_dir.resumable(f"step {self.step + 1}: {cause}")) from None
         finally:
             self.watchdog.stop()
@@ -209,7 +254,6 @@ class Controller:
                 png = metrics_log.close(failing=sys.exc_info()[1] is not None)
         if png is not None:
             print(f"reward curve: {png}", flush=True)
-        return history
 
     async def _train_step(self, metrics_log: MetricsLogger) -> dict[str, float]:
         c = self.config

@@ -43,6 +43,8 @@ class Meshes:
         self.hosts_lost: str | None = None  # what took the job's hosts away mid-run
         self._procs: list[Any] = []  # the router's last: on this host
         self._replica_pids: set[int] = set()  # replicas' OS processes on this machine (router_stats)
+        self._trainer_watch: list[Any] = []  # the trainer ranks' WatchedProcs
+        self._kernels: Any = None  # what the trainer runs (rlactors.on_policy.sides)
 
     async def spawn(self, slurm_log_dir: Path) -> tuple[Any, Any, list[dict[str, Any]]]:
         """The trainer and the router, each guarded by the watcher, and the trainer's ranks."""
@@ -60,15 +62,49 @@ class Meshes:
             self.hosts = await allocate_hosts(c.job, gpus=c.controller.device == "cuda", log_dir=slurm_log_dir)
         except NoHosts as e:
             raise TrainingError(f"job.scheduler: {e}") from None
-        kernels = sides(c.model.true_on_policy, c.generator.engine, c.controller.device).trainer
-        trainer_procs, trainer, ranks = await spawn_trainer(self.hosts.trainers, c.model, c.trainer, kernels,
+        self._kernels = sides(c.model.true_on_policy, c.generator.engine, c.controller.device).trainer
+        trainer_procs, trainer, ranks = await spawn_trainer(self.hosts.trainers, c.model, c.trainer, self._kernels,
                                                             c.controller.device)
         router_procs, router = spawn_router(c, self.hosts.generators)
         self._procs = [trainer_procs, router_procs]
         # Calls to a proc that exits (or stays unresponsive past the timeout) fail at once with ProcLost.
-        trainer_watch = await watch_procs(self.watcher, trainer_procs, [f"trainer rank {r['rank']}" for r in ranks])
+        trainer = await self._watch_trainer(trainer_procs, trainer, ranks)
         router_watch = await watch_procs(self.watcher, router_procs, ["generator router"])
-        return self.watcher.guard(trainer, trainer_watch), self.watcher.guard(router, router_watch), ranks
+        return trainer, self.watcher.guard(router, router_watch), ranks
+
+    async def _watch_trainer(self, procs: Any, trainer: Any, ranks: list[dict[str, Any]]) -> Any:
+        from rlactors.procs.liveness_actor import watch_procs
+
+        self._trainer_watch = await watch_procs(self.watcher, procs, [f"trainer rank {r['rank']}" for r in ranks])
+        return self.watcher.guard(trainer, self._trainer_watch)
+
+    def trainer_lost(self) -> str | None:
+        """The verdict of a trainer rank that was lost (rlactors.procs.liveness), else None."""
+        return self.watcher.lost(*self._trainer_watch)
+
+    async def respawn_trainer(self) -> tuple[Any, list[dict[str, Any]]]:
+        """Replaces the trainer mesh, one of whose ranks was lost, with a new one on the same hosts
+        (rlactors.run.recovery): the ranks left on this machine are killed (they may wait in a
+        collective for the lost one), the old procs stopped, killed if they do not stop within
+        SHUTDOWN_WAIT_S; returns the new trainer, guarded, and its ranks."""
+        from rlactors.actors.trainer import spawn_trainer
+
+        c = self.config
+        local = [p.pid for p in self._trainer_watch  # the lost rank's pid may be another process's by now
+                 if p.pid is not None and p.machine == this_machine() and not p.verdict.done()]
+        for proc in self._trainer_watch:
+            self.watcher.forget(proc)  # stopped on purpose from here on
+        for pid in with_descendants(local):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            await asyncio.wait_for(self._procs[0].stop(), SHUTDOWN_WAIT_S)
+        except Exception as e:  # noqa: BLE001 - its procs are dead or killed: the new mesh does not need them
+            logger.warning("stopping the lost trainer's procs: %s", " ".join(str(e).split()) or type(e).__name__)
+        procs, trainer, ranks = await spawn_trainer(self.hosts.trainers, c.model, c.trainer, self._kernels,
+                                                    c.controller.device)
+        self._procs[0] = procs
+        return await self._watch_trainer(procs, trainer, ranks), ranks
 
     async def router_stats(self, router: Any) -> dict[str, Any]:
         """The stats of `router`; notes the OS processes of the replicas that run on this

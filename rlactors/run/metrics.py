@@ -19,7 +19,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlactors.records import keep_records_through, read_records, writing
 from rlactors.run.run_dir import (
     ENV_ERRORS_FILE,
     METRICS_FILE,
@@ -29,6 +28,7 @@ from rlactors.run.run_dir import (
     TENSORBOARD_DIR,
     WANDB_RUN_ID_FILE,
 )
+from rlactors.storage.records import keep_records_through, read_records, writing
 
 if TYPE_CHECKING:
     from rlactors.rollout.types import Episode, Rollout, RolloutGroup

@@ -30,7 +30,7 @@ from typing import Any
 
 from rlactors.config import Config, dump_toml, read_toml
 from rlactors.procs.placement import first_value
-from rlactors.records import is_storage_fault, read_records, writing
+from rlactors.storage.records import is_storage_fault, read_records, writing
 from rlactors.trainer.checkpoint import (
     HF_DIR,
     checkpoint_dir,

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlactors.manifest import verify, write_durably, write_manifest
+from rlactors.storage.manifest import verify, write_durably, write_manifest
 
 DCP_DIR = "dcp"
 HF_DIR = "hf"

@@ -42,7 +42,7 @@ from rlactors.models.checkpoint import (
 )
 from rlactors.models.moe import SparseMoeBlock, load_balancing_loss
 from rlactors.on_policy.sides import TrainerSide
-from rlactors.records import writing
+from rlactors.storage.records import writing
 from rlactors.trainer import checkpoint as ckpt
 from rlactors.trainer import expert_parallel
 from rlactors.trainer.batch import MicroBatch

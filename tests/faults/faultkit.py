@@ -1,4 +1,5 @@
-"""Helpers of the fault-injection suite: the CLI in a subprocess, small run configs, /proc reads."""
+"""Helpers of the fault-injection suite: the CLI in a subprocess, small run configs, /proc reads, a
+controller that SIGKILLs its trainer's ranks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from rlactors.run.controller import Controller
+from rlactors.run.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_PY = REPO / "examples" / "alphabet_sort" / "run.py"
@@ -137,3 +141,31 @@ async def kill_replica(router, index: int) -> float:
     stats = await router.stats.call_one()
     os.kill(stats["replicas"][index]["engine"]["pid"], signal.SIGKILL)
     return time.monotonic()
+
+
+class TrainerKilledAsStepsBegin(Controller):
+    """SIGKILLs a trainer rank (rank 0, 1, ... in turn) as each step of `kill_at` begins, its first
+    attempt only. Keeps, per kill, the step records written before it and when it came (`killed`:
+    step -> (records, time.monotonic())); and when each rebuilt trainer was ready (`rebuilt_at`)
+    and completed its first step (`stepped_at`)."""
+
+    def __init__(self, config, kill_at: tuple[int, ...]):
+        super().__init__(config)
+        self.kill_at, self.killed = kill_at, {}
+        self.rebuilt_at: list[float] = []
+        self.stepped_at: list[float] = []
+
+    async def _train_step(self, metrics_log):
+        step = self.step + 1
+        if step in self.kill_at and step not in self.killed:
+            rank = len(self.killed) % self.config.trainer.ranks
+            self.killed[step] = (read_metrics(self.run_dir.path), time.monotonic())
+            os.kill(next(p.pid for p in self.meshes.watcher.procs if p.name == f"trainer rank {rank}"), signal.SIGKILL)
+        metrics = await super()._train_step(metrics_log)
+        if len(self.stepped_at) < len(self.rebuilt_at):
+            self.stepped_at.append(time.monotonic())
+        return metrics
+
+    async def recover_trainer(self, cause: str) -> None:
+        await super().recover_trainer(cause)
+        self.rebuilt_at.append(time.monotonic())

@@ -23,7 +23,6 @@ from rlactors_examples.alphabet_sort.run import DEFAULT_CONFIG, main
 
 from rlactors.config import Config, dump_toml, load_config
 from rlactors.evaluate import main as evaluate_main
-from rlactors.manifest import write_manifest
 from rlactors.models.checkpoint import (
     SINGLE_FILE,
     TOKENIZER_FILES,
@@ -35,6 +34,7 @@ from rlactors.models.tiny import random_state_dict
 from rlactors.models.tokenizer import VOCABULARY_FILES, load_tokenizer
 from rlactors.run.metrics import REWARD_MEAN
 from rlactors.run.run_dir import RunDir
+from rlactors.storage.manifest import write_manifest
 from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir
 
 # Any value is well-typed here; what matters is that load_config rejects it before the run.

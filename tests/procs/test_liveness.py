@@ -135,3 +135,72 @@ def test_a_silent_proc_is_slow_then_lost_and_killed_after_the_timeout(caplog):
         message.endswith("(alive, but no answer within controller.unresponsive_timeout_s=1.5)")
     said = [r.getMessage() for r in caplog.records]
     assert any(f"worker (pid {child.pid}) unresponsive for 0 s (counted lost after" in line for line in said), said
+
+
+class SteppedClock:
+    """A watcher's clock that moves only when the test moves it; counts its reads."""
+
+    def __init__(self):
+        self.now, self.reads = 0.0, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+
+class CountedPing(Pinged):
+    def __init__(self, pid: int):
+        super().__init__(pid)
+        self.calls = 0
+
+    async def __call__(self):
+        self.calls += 1
+        return await super().__call__()
+
+
+async def _until(condition) -> None:
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.001)
+    await asyncio.wait_for(poll(), 30)
+
+
+def test_a_watcher_that_was_paused_pings_afresh_before_judging_and_still_finds_a_silent_proc_lost(caplog):
+    """The watcher's process stopped for 75 s (SIGSTOP) under a 60 s timeout: by its clock the proc was
+    silent 75 s, but the watcher was away; it pings afresh, the live proc is not lost (nor killed), and
+    a proc that then stays silent while the watcher runs is lost 60 s after the fresh ping."""
+    child = _child("import time; time.sleep(120)")
+
+    async def main():
+        clock = SteppedClock()
+        watcher = ProcWatcher(60.0, ping_every_s=0.01, clock=clock)
+        ping = CountedPing(child.pid)
+        proc = await watcher.watch("worker", ping)
+        ping.silent.set()
+        await _until(lambda: ping.calls == 2)  # the first ping of the loop, sent at 0 s, unanswered
+        clock.now = 75.0  # what the watcher's clock reads when it runs again
+        await _until(lambda: ping.calls == 3)  # asked afresh, at 75 s
+        reads = clock.reads
+        await _until(lambda: clock.reads >= reads + 3)  # it has checked the fresh ping since
+        paused = (watcher.lost(proc), watcher.slow(proc), child.poll())
+        while watcher.lost(proc) is None:  # the watcher runs on, the proc stays silent
+            clock.now += 1.0
+            reads = clock.reads
+            await _until(lambda: clock.reads >= reads + 2 or watcher.lost(proc) is not None)  # noqa: B023
+        watcher.close()
+        return paused, watcher.lost(proc), clock.now
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="rlactors.procs.liveness"):
+            paused, verdict, lost_at = asyncio.run(main())
+        assert paused == (None, False, None)  # not lost, not slow, not killed
+        assert lost_at == 135.0
+        assert verdict == (f"worker (pid {child.pid}) unresponsive for 60 s (alive, but no answer within "
+                           "controller.unresponsive_timeout_s=60)")
+        assert child.wait(10) == -signal.SIGKILL  # lost for good then: killed by the watcher
+    finally:
+        child.kill()
+        child.wait()
+    said = [r.getMessage() for r in caplog.records]
+    assert f"worker (pid {child.pid}): this watcher did not run for 75 s (its process stopped or starved); " \
+           "pinging it afresh before judging it" in said, said

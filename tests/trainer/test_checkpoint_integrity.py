@@ -11,8 +11,8 @@ from support.trainer_inputs import cat, one_rank_process_group, rows
 from support.true_on_policy import make_core
 
 from rlactors.config import LossConfig, load_config
-from rlactors.manifest import MANIFEST_FILE, verify
 from rlactors.run.run_dir import ResumeState, RunDir
+from rlactors.storage.manifest import MANIFEST_FILE, verify
 from rlactors.trainer.checkpoint import COMPLETE_FILE, HF_DIR, checkpoint_dir, newest_intact, prune
 from rlactors.trainer.losses import LossNorm
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from rlactors.records import writing
+from rlactors.storage.records import writing
 
 MANIFEST_FILE = "MANIFEST.json"
 _HASH = "sha256"

@@ -31,6 +31,7 @@ from rlactors.evaluation import EvalSchedule, Evaluator, training_evaluator
 from rlactors.generation import generate, replicas_lost, serve_gateway
 from rlactors.liveness import ProcLost
 from rlactors.losses import LossNorm
+from rlactors.memory_plan import gpu_gib, plan
 from rlactors.meshes import HostsLost, Meshes
 from rlactors.metrics import (
     EnvErrorLog,
@@ -86,7 +87,10 @@ class Controller:
         c = self.config
         resume_from = self.run_dir.check(c, self.resume)  # fails (or finds the run complete) before any proc starts
         self.tokenizer = load_checked_tokenizer(c.model.path)
-        check_model_keys(c.model, c.trainer, load_args(c.model.path))
+        args = load_args(c.model.path)
+        check_model_keys(c.model, c.trainer, args)
+        if c.controller.device == "cuda":  # a run that cannot fit stops here, before any proc starts
+            plan(c, args, gpu_gib(c)).check()
         env = load_env(c.env, self.tokenizer)
         dataset = env.dataset("train")
         if len(dataset) == 0:

@@ -4,6 +4,7 @@
     python -m rlactors.train --config configs/math_1gpu.toml model.path=/models/Qwen3-1.7B
     python -m rlactors.train --config my_run.toml env.name=my_envs.echo:EchoEnv controller.mode=async
     python -m rlactors.train --config my_run.toml --resume           # from the last complete checkpoint
+    python -m rlactors.train --config configs/qwen3_32b_8gpu.toml --plan   # memory per GPU; spawns nothing
 
 Overrides are `section.key=value` (TOML values) on top of the config file (or of the defaults);
 `model.path` has no default. Metrics, samples, env errors (env_errors.log), TensorBoard logs,
@@ -38,6 +39,9 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
     parser.add_argument("--config", type=Path, default=default_config,
                         help=f"TOML config (default: {default_config or 'the Config defaults'})")
     parser.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the memory plan per GPU (rlactors.memory_plan) and exit; exit code 2 when "
+                             "the run cannot fit")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -50,6 +54,8 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
     from rlactors.controller import Controller, TrainingError
     from rlactors.metrics import EVAL_REWARD_MEAN, NO_SIGNAL_HINT, REWARD_MEAN, read_metrics
 
+    if args.plan:
+        return print_plan(args.config, args.overrides)
     controller = None
     try:
         config = load_config(args.config, args.overrides)
@@ -81,6 +87,24 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
         if all(r["rollout/groups_dropped"] == r["rollout/groups"] for r in steps):
             print(f"no step trained: the rollouts of each group earned equal rewards, so GRPO had nothing to "
                   f"learn from; {NO_SIGNAL_HINT}")
+    return 0
+
+
+def print_plan(path: Path | None, overrides: Sequence[str]) -> int:
+    """Prints the memory plan of the config at `path` for the GPUs it asks for, whether or not
+    this machine has them; 2 (and one `error:` line) when it cannot fit or the config is bad."""
+    from rlactors.config import ConfigError, load_config
+    from rlactors.memory_plan import gpu_gib, plan
+    from rlactors.models.checkpoint import load_args
+
+    try:
+        config = load_config(path, overrides, available_gpus=sys.maxsize)
+        memory = plan(config, load_args(config.model.path), gpu_gib(config))
+        print(memory.table())
+        memory.check()
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -146,15 +146,15 @@ def test_a_run_that_cannot_fit_fails_in_one_line_naming_the_keys(shapes):
     with pytest.raises(ConfigError, match=r"^memory plan: 148\.3 GiB needed per GPU of 80\.0 \(trainer GPUs: trainer "
                                           r"148\.3 \+ vllm 0\.0\): set .*; vLLM's share \(18\.0 GiB\) leaves KV cache "
                                           r"for 0 tokens after its weights \(15\.3 GiB\), fewer than "
-                                          r"generator\.max_model_len = 16384: raise generator\.gpu_memory_utilization or "
-                                          r"generator\.tp$"):
+                                          r"generator\.max_model_len = 16384: raise "
+                                          r"generator\.gpu_memory_utilization or generator\.tp$"):
         plan(c, load_args(c.model.path), gpu_gib=80).check()
 
 
 def test_plan_command_prints_the_table_and_refuses_what_cannot_fit(shapes, capsys):
     base = ["--plan", f'model.path="{shapes["4b"]}"', 'model.dtype="bfloat16"', 'controller.device="cuda"',
-            'generator.engine="vllm"', "trainer.ranks=1", "generator.replicas=1", "generator.gpu_memory_utilization=0.3",
-            "controller.colocate=true", "controller.gpu_memory_gib=139.8", "batcher.row_tokens=16384",
+            'generator.engine="vllm"', "trainer.ranks=1", "generator.replicas=1",
+            "generator.gpu_memory_utilization=0.3", "controller.colocate=true", "controller.gpu_memory_gib=139.8", "batcher.row_tokens=16384",
             "batcher.rows_per_microbatch=1"]
     assert train.main([*base, "generator.sleep=true", "trainer.offload_optimizer=true"]) == 0
     out = capsys.readouterr().out

@@ -154,8 +154,8 @@ def test_a_run_that_cannot_fit_fails_in_one_line_naming_the_keys(shapes):
 def test_plan_command_prints_the_table_and_refuses_what_cannot_fit(shapes, capsys):
     base = ["--plan", f'model.path="{shapes["4b"]}"', 'model.dtype="bfloat16"', 'controller.device="cuda"',
             'generator.engine="vllm"', "trainer.ranks=1", "generator.replicas=1",
-            "generator.gpu_memory_utilization=0.3", "controller.colocate=true", "controller.gpu_memory_gib=139.8", "batcher.row_tokens=16384",
-            "batcher.rows_per_microbatch=1"]
+            "generator.gpu_memory_utilization=0.3", "controller.colocate=true", "controller.gpu_memory_gib=139.8",
+            "batcher.row_tokens=16384", "batcher.rows_per_microbatch=1"]
     assert train.main([*base, "generator.sleep=true", "trainer.offload_optimizer=true"]) == 0
     out = capsys.readouterr().out
     assert "trainer: step peak" in out and "GPU in phase 'generation'" in out

@@ -51,6 +51,7 @@ from rlactors.rollout.producer import RolloutProducer, fresh_episodes
 from rlactors.rollout.rollouter import Rollouter, group_number, prompts_too_long_line
 from rlactors.rollout.types import Episode, RolloutGroup
 from rlactors.run_dir import SLURM_DIR, ResumeState, RunComplete, RunDir, TrainingError
+from rlactors.turns import NoTurns, Turns, take_turns
 from rlactors.types import Completion, SamplingParams
 from rlactors.watchdog import LoopWatchdog
 from rlactors.weight_sync.sync import BroadcastStuck, NoReplicaUp, WeightSync, WeightSyncError, create_weight_sync
@@ -74,6 +75,7 @@ class Controller:
         self._env_errors: EnvErrorLog | None = None  # while train() runs
         self.evaluator: Evaluator | None = None  # with controller.eval_every (rlactors.evaluation)
         self.trainer = self.router = None  # guarded by the meshes' watcher
+        self.turns = NoTurns()  # colocated engines that sleep: Turns, once the meshes are up
         self.weight_sync: WeightSync | None = None
         # During training, a call that blocks the loop (an env's) is named after step_timeout_s,
         # which cannot fire then.
@@ -110,6 +112,8 @@ class Controller:
         print(placement_line(ranks, await self.meshes.router_stats(self.router)), flush=True)
         self.gateway = await serve_gateway(env, c, self.tokenizer)
 
+        if c.generator.sleep:
+            self.turns = Turns(self.trainer, self.router)
         self.weight_sync = create_weight_sync(c, self.trainer, self.router)
         await self._sync_call(self.weight_sync.start())
         self.run_dir.write_config(c)
@@ -262,33 +266,36 @@ class Controller:
         self._env_errors.record(step, (r for g in groups for r in g.rollouts))
         episodes, ages, stale = fresh_episodes(groups, self.policy_version, c.controller.max_staleness)
 
-        train_start = time.perf_counter()
         version_before = self.policy_version
-        train_metrics, pushing = await self._train_on(episodes, step) if episodes else ({}, None)
+        pushing = None
+
+        async def train() -> dict[str, float]:
+            nonlocal pushing
+            train_metrics, pushing = await self._train_on(episodes, step) if episodes else ({}, None)
+            return train_metrics
+
+        async def checkpoint() -> None:
+            self.step = step
+            if c.controller.checkpoint_due(step):
+                await self.save_checkpoint()
+
+        async def sync() -> dict[str, float]:
+            if pushing is not None:
+                return await self._sync_call(pushing)
+            if await self.weight_sync.due(self.policy_version):
+                return await self._sync_call(self.push_weights(self.policy_version))
+            return {}
+
+        update = await take_turns(self.turns, train, checkpoint, sync)
         trained = self.policy_version != version_before
-        train_s = time.perf_counter() - train_start
-
-        self.step = step
-        checkpoint_s = 0.0
-        if c.controller.checkpoint_due(step):
-            checkpoint_start = time.perf_counter()
-            await self.save_checkpoint()
-            checkpoint_s = time.perf_counter() - checkpoint_start
-
-        sync_start = time.perf_counter()
-        if pushing is not None:
-            sync = await self._sync_call(pushing)
-        elif await self.weight_sync.due(self.policy_version):
-            sync = await self._sync_call(self.push_weights(self.policy_version))
-        else:
-            sync = {}
-        sync_s = time.perf_counter() - sync_start
         await self.producer.reached(step)
         step_s = time.perf_counter() - step_start
 
-        metrics = step_metrics(groups, train_metrics, trained=trained, policy_version=self.policy_version, ages=ages,
-                               stale=stale, step_s=step_s, rollout_wait_s=rollout_wait, train_s=train_s, sync=sync,
-                               sync_s=sync_s, checkpoint_s=checkpoint_s)
+        metrics = step_metrics(groups, update.trained, trained=trained, policy_version=self.policy_version, ages=ages,
+                               stale=stale, step_s=step_s, rollout_wait_s=rollout_wait, train_s=update.seconds["train"],
+                               sync=update.synced, sync_s=update.seconds["sync"],
+                               checkpoint_s=update.seconds["checkpoint"])
+        metrics.update(update.turns)
         generators = await self.meshes.router_stats(self.router)
         metrics.update(self._generator_metrics.read(generators))
         if self.gateway is not None:

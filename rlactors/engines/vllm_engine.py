@@ -154,6 +154,7 @@ class VLLMEngine(Engine):
             disable_log_stats=True,
             disable_custom_all_reduce=not custom_all_reduce_works(g.tp),
             load_format=load_format,
+            enable_sleep_mode=g.sleep,
             **mode_args,
         )
         with one_start_per_gpu(g.tp):
@@ -234,6 +235,16 @@ class VLLMEngine(Engine):
         # sampled tokens of a step still in flight are dropped and resampled, so every returned
         # token is tagged with the version that produced it.
         self.engine.reset_prefix_cache(reset_running_requests=True)
+
+    def sleep(self) -> None:
+        # Level 1: weights to host memory, KV cache dropped. Level 2 would drop the weights too,
+        # but outputs after its wake were seen to differ from before (something besides the
+        # checkpoint's tensors is lost), so it is not used.
+        self.engine.reset_prefix_cache()
+        self.engine.sleep(level=1)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.wake_up(tags=None if tags is None else list(tags))
 
     def stats(self) -> dict[str, Any]:
         return {"version": self.version, "running": len(self.requests), **self.counters}

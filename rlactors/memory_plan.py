@@ -20,6 +20,7 @@ master weights, and its moments unless offloaded, stay); the plan is the larger 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -66,6 +67,7 @@ def saved_bytes_per_token_layer(args: ModelArgs, dtype_bytes: int = 2) -> int:
     return norms + attention + mlp
 
 
+@functools.cache
 def _param_counts(args: ModelArgs) -> tuple[int, int, int]:
     """(all parameters, the root unit's, the largest decoder layer's)."""
     from rlactors.models.checkpoint import model_shapes

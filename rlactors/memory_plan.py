@@ -153,6 +153,14 @@ class MemoryPlan:
         name, (trainer, generator) = max(self.phases().items(), key=lambda kv: sum(kv[1]))
         return name, trainer, generator
 
+    @property
+    def host_bytes(self) -> float:
+        """Host memory per GPU that the run moves there (not checked): AdamW's offloaded moments
+        and, asleep, vLLM's weights."""
+        t, g = self.trainer, self.generator
+        moments = t.master_weights * 2 if self.config.trainer.offload_optimizer else 0.0
+        return moments + (g.weights if self.sleeps and g.engine == "vllm" else 0.0)
+
     def problems(self) -> list[str]:
         """Why the run cannot fit this GPU, each with the keys to change; empty when it fits or
         the GPU's size is unknown."""
@@ -217,6 +225,8 @@ class MemoryPlan:
             rows.append((f"{g.engine}: asleep", g.asleep))
         for name, (trainer, generator) in self.phases().items():
             rows.append((f"GPU in phase '{name}' (trainer + generator)", trainer + generator))
+        if self.host_bytes:
+            rows.append(("host memory per GPU (offloaded moments, sleeping weights)", self.host_bytes))
         width = max(len(name) for name, _ in rows)
         lines = [f"{'memory plan, GiB per GPU':<{width}}  {'GiB':>7}", f"{'-' * width}  {'-' * 7}"]
         lines += [f"{name:<{width}}  {_gib(value):>7}" for name, value in rows]

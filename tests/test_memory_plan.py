@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,12 +14,13 @@ import torch
 from rlactors import train
 from rlactors.config import ConfigError, load_config
 from rlactors.controller import Controller
-from rlactors.memory_plan import GIB, plan, saved_bytes_per_token_layer
+from rlactors.memory_plan import GIB, gpu_gib, plan, saved_bytes_per_token_layer
 from rlactors.models.checkpoint import checkpoint_shapes, load_args
 from rlactors.models.decoder import DecoderLayer
 from rlactors.models.tiny import make_tiny_checkpoint, size_args
 
 V = 151936  # Qwen3's vocabulary
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,7 @@ def test_plan_of_4b_on_one_gpu_colocated_with_sleep_and_offload(shapes):
     assert phases["training"] == (pytest.approx(peak), 2 * GIB)
     assert phases["generation"] == (4 * params + GIB / 2, share + 2 * GIB)
     assert sum(phases["training"]) / GIB == pytest.approx(71.3, abs=0.05)
+    assert p.host_bytes == 8 * params + 2 * params  # the offloaded moments, vLLM's weights asleep
     assert p.problems() == []
 
 
@@ -127,6 +130,15 @@ def test_plan_of_8b_on_two_trainer_gpus_apart_from_the_generators(shapes):
     assert p.phases() == {"trainer GPUs": (pytest.approx(peak), 0.0), "generator GPUs": (0.0, 0.9 * 80 * GIB + 2 * GIB)}
     assert peak / GIB == pytest.approx(74.5, abs=0.05)
     assert p.problems() == []
+
+
+def test_the_32b_config_fits_eight_80gb_gpus(tmp_path):
+    checkpoint = make_tiny_checkpoint(tmp_path / "32b", size="32b", weights=False)
+    c = load_config(ROOT / "configs" / "qwen3_32b_8gpu.toml", [f'model.path="{checkpoint}"'], available_gpus=8)
+    p = plan(c, load_args(checkpoint), gpu_gib(c))
+    assert p.gpu_bytes == 79.6 * GIB and p.problems() == []
+    name, trainer, generator = p.needed
+    assert name == "generation" and (trainer + generator) / GIB == pytest.approx(69.5, abs=0.05)
 
 
 def test_a_run_that_cannot_fit_fails_in_one_line_naming_the_keys(shapes):

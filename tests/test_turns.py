@@ -10,6 +10,7 @@ import pytest
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.async_engine import AsyncEngine
 from rlactors.engines.native import NativeEngine
+from rlactors.engines.vllm_engine import without_expandable_segments
 from rlactors.models.checkpoint import load_state_dict
 from rlactors.turns import NoTurns, Turns, take_turns
 from rlactors.types import SamplingParams
@@ -117,3 +118,11 @@ def test_an_engine_does_not_sleep_with_requests_in_flight(replica):
 
     asyncio.run(sleep_while_generating())
     assert "sleep" not in calls
+
+
+def test_a_sleeping_vllm_gets_no_expandable_segments():
+    environ = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128",
+               "PYTORCH_ALLOC_CONF": " expandable_segments : True", "OTHER": "expandable_segments:True"}
+    without_expandable_segments(environ)
+    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128", "PYTORCH_ALLOC_CONF": "",
+                       "OTHER": "expandable_segments:True"}

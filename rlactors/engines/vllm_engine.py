@@ -67,6 +67,17 @@ def custom_all_reduce_works(tp: int, alloc_conf: str | None = None) -> bool:
     return tp == 1 or not expandable_segments(alloc_conf)
 
 
+def without_expandable_segments(environ: dict[str, str]) -> None:
+    """Drops `expandable_segments` from PyTorch's allocator settings in `environ` (both names it
+    reads them under): vLLM's sleep mode allocates from a memory pool that refuses them
+    (vLLM asserts at start, PyTorch issue 147851)."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if name in environ:
+            kept = [item for item in environ[name].split(",")
+                    if item.strip() and not item.replace(" ", "").startswith("expandable_segments:")]
+            environ[name] = ",".join(kept)
+
+
 @dataclass
 class _Request:
     prompt_token_ids: list[int]
@@ -125,6 +136,8 @@ class VLLMEngine(Engine):
         from rlactors.on_policy.sides import sides
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+        if generator_config.sleep:  # before this process's first CUDA allocation
+            without_expandable_segments(os.environ)
         kernels = sides(model_config.true_on_policy, "vllm", "cuda").generator
         os.environ.update(kernels.environment)  # read by vLLM's import
         model_args = load_args(model_config.path)

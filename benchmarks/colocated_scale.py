@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import subprocess
 import sys
@@ -105,7 +106,8 @@ def fitting_config(opts: argparse.Namespace, ckpt: Path, run_dir: Path) -> tuple
 
 
 class GpuMemoryPoll:
-    """The most memory GPU 0 held while running, as nvidia-smi reports it (all processes)."""
+    """The most memory the first visible GPU held while running, as nvidia-smi reports it (all
+    processes)."""
 
     def __init__(self, every_s: float = 0.5):
         self.every_s, self.peak_mib, self._stop = every_s, 0.0, threading.Event()
@@ -113,7 +115,8 @@ class GpuMemoryPoll:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i",
+                                  os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]],
                                  capture_output=True, text=True)
             if out.returncode == 0 and out.stdout.strip():
                 self.peak_mib = max(self.peak_mib, float(out.stdout.split()[0]))

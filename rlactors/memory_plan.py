@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import subprocess
 from dataclasses import dataclass
 
 from rlactors.config import Config, ConfigError
@@ -244,15 +246,20 @@ def _gib(value: float) -> str:
 
 
 def gpu_gib(config: Config) -> float | None:
-    """One GPU's memory: `controller.gpu_memory_gib` when set, else GPU 0's where CUDA is
-    present, else unknown (None)."""
+    """One GPU's memory: `controller.gpu_memory_gib` when set, else that of the first GPU this
+    process sees (CUDA_VISIBLE_DEVICES) as nvidia-smi reports it, else unknown (None). Asked of
+    nvidia-smi, not CUDA, so that the controller's process holds no CUDA context on the GPU."""
     if config.controller.gpu_memory_gib > 0:
         return config.controller.gpu_memory_gib
-    import torch
-
-    if not torch.cuda.is_available():
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
+                               "-i", visible], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
         return None
-    return torch.cuda.get_device_properties(0).total_memory / GIB
+    if done.returncode != 0 or not done.stdout.strip():
+        return None
+    return float(done.stdout.split()[0]) / 1024  # MiB
 
 
 def plan(config: Config, args: ModelArgs, gpu_gib: float | None = None) -> MemoryPlan:

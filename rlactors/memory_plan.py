@@ -70,19 +70,19 @@ def saved_bytes_per_token_layer(args: ModelArgs, dtype_bytes: int = 2) -> int:
 
 
 @functools.cache
-def _param_counts(args: ModelArgs) -> tuple[int, int, int]:
-    """(all parameters, the root unit's, the largest decoder layer's)."""
+def _param_counts(args: ModelArgs) -> tuple[int, int, int, int]:
+    """(all parameters, the root unit's, the largest decoder layer's, the root's largest tensor's)."""
     from rlactors.models.checkpoint import model_shapes
 
     layers = [0] * args.num_hidden_layers
-    root = 0
+    root = largest = 0
     for name, shape in model_shapes(args).items():
         n = math.prod(shape)
         if name.startswith("model.layers."):
             layers[int(name.split(".")[2])] += n
         else:
-            root += n
-    return root + sum(layers), root, max(layers)
+            root, largest = root + n, max(largest, n)
+    return root + sum(layers), root, max(layers), largest
 
 
 @dataclass(frozen=True)
@@ -272,12 +272,12 @@ def plan(config: Config, args: ModelArgs, gpu_gib: float | None = None) -> Memor
 def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
     t, b = config.trainer, config.batcher
     ranks = t.ranks
-    params, root, layer = _param_counts(args)
+    params, root, layer, largest_root = _param_counts(args)
     mixed = t.mixed_precision  # on CUDA: bf16 compute over fp32 masters
     compute_bytes = 2 if mixed else 4
-    # One offload group is a decoder layer or the root unit (rlactors.trainer.offload).
+    # An offload group is a decoder layer or one tensor of the root unit (rlactors.trainer.offload).
     moments = 8 * params / ranks
-    on_gpu = 8 * max(root, layer) / ranks if t.offload_optimizer else moments
+    on_gpu = 8 * max(largest_root, layer) / ranks if t.offload_optimizer else moments
     copies = compute_bytes * (root + 2 * layer) if (mixed or ranks > 1) else 0.0
     tokens = b.rows_per_microbatch * b.row_tokens
     per_layer = saved_bytes_per_token_layer(args, compute_bytes)
@@ -308,7 +308,7 @@ def generator_memory(config: Config, args: ModelArgs, gpu_bytes: float | None) -
     `generator.kv_cache_tokens`."""
     g, m = config.generator, config.model
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
-    params, _, _ = _param_counts(args)
+    params = _param_counts(args)[0]
     weights = dtype_bytes * params / g.tp
     per_token = kv_bytes_per_token(args, dtype_bytes) / g.tp
     if g.engine == "native":

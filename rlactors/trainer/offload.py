@@ -1,9 +1,10 @@
 """Optimizer state offload: AdamW's moments in host memory between steps, on the GPU only for the step.
 
 `OffloadedStep` keeps each parameter's optimizer state (exp_avg, exp_avg_sq, step) in pinned host
-memory and runs the optimizer step one group of parameters at a time (a decoder layer, or the
-root unit): the group's state is copied to the device, the optimizer steps those parameters alone
-(the others' gradients are held aside), and the updated state is copied back. The GPU holds one
+memory and runs the optimizer step one group of parameters at a time (a decoder layer, or one of
+the others: embedding, LM head, final norm): the group's state is copied to the device, the
+optimizer steps those parameters alone (the others' gradients are held aside), and the updated
+state is copied back. The GPU holds one
 group's state at a time, not the model's; the update is the optimizer's own, on the device, so
 the weights and state are bitwise those of the plain step (AdamW's update of one parameter does
 not depend on the others'). The cost is a copy of the state each way per step, over PCIe.
@@ -20,11 +21,12 @@ from torch.distributed.tensor import DTensor
 
 
 def layer_groups(model: nn.Module) -> list[list[nn.Parameter]]:
-    """The parameters of each decoder layer, then the rest (the root unit), in model order."""
+    """The parameters of each decoder layer, then each of the others (embedding, LM head, final
+    norm) on its own, in model order."""
     layers = [list(layer.parameters()) for layer in model.model.layers]
     in_layers = {id(p) for group in layers for p in group}
-    rest = [p for p in model.parameters() if id(p) not in in_layers]
-    return [group for group in (*layers, rest) if group]
+    rest = [[p] for p in model.parameters() if id(p) not in in_layers]
+    return [group for group in (*layers, *rest) if group]
 
 
 def copy_to(value: Any, device: torch.device, pin: bool) -> Any:

@@ -41,10 +41,11 @@ class RecordingEngine(NativeEngine):
 
 
 def endpoint(fn):
-    """A stand-in for an actor endpoint: `call_one` and `call` run `fn`; a whole-mesh call's value
-    is a one-point ValueMesh's stand-in."""
+    """A stand-in for an actor endpoint: `call_one` runs `fn`; `call` (a whole-mesh call) returns
+    its result as a one-point ValueMesh would (`placement.first_value` reads it)."""
     async def call(*args):
-        return SimpleNamespace(extent={}, item=lambda: fn_result) if (fn_result := await fn(*args)) else None
+        result = await fn(*args)
+        return SimpleNamespace(extent={}, item=lambda: result)
     return SimpleNamespace(call_one=fn, call=call)
 
 

@@ -1,7 +1,8 @@
 """vLLM's sleep as `generator.sleep` uses it (GPU): level 1 frees the replica's memory, and after
 waking the weights, loading the policy and waking the KV cache, seeded completions are the same
 tokens and logprobs as before. Skipped without CUDA and vLLM; its own group in
-benchmarks/gpu_suite.py, a process whose allocator never grew expandable segments."""
+benchmarks/gpu_suite.py, a process whose allocator grew no expandable segments before the engine
+turned them off."""
 
 from __future__ import annotations
 

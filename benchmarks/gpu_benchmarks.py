@@ -9,6 +9,8 @@ own table in benchmarks/results/ (index: benchmarks/results/README.md).
     python benchmarks/gpu_benchmarks.py on-policy-cost           # 1 GPU: true on-policy cost, matmul vs cuBLAS
     python benchmarks/gpu_benchmarks.py learning-curve [--gpus 2|4] [--true-on-policy]  # the GPU demo, 100 steps
     python benchmarks/gpu_benchmarks.py moe                      # 1 GPU: Qwen3-MoE generation, training, a run
+    python benchmarks/gpu_benchmarks.py scale                    # 1 GPU: 1.7B/4B/8B x 2k/8k/16k rollouts, colocated
+    python benchmarks/gpu_benchmarks.py scale-on-policy          # 1 GPU: 5 true on-policy steps of 4B and 8B
 
 Which GPUs a mode may use and what each runs: `MODES` below. Needs vLLM and Monarch importable
 (docs/gpu.md); the GPU test suite is scripts/gpu_suite.py. The tools' output streams to the
@@ -136,6 +138,32 @@ def moe(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
     return steps
 
 
+SCALE = [PY, "benchmarks/colocated_scale.py"]
+# Per rollout length: (steps, seconds a case may run). A case makes the checkpoint the first time
+# (4B ~1 min, 8B ~2), starts vLLM (~1 min) and the trainer, then each step decodes its rollouts
+# (16k tokens: minutes) and syncs the weights by messages; at 16k one step (its time includes the
+# trainer's compilation) is what fits 10 minutes.
+SCALE_CASES = {2048: (2, 480), 8192: (2, 590), 16384: (1, 590)}
+
+
+def scale(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
+    """Issue #59 on one GPU: each Qwen3 shape (1.7B, 4B, 8B) with rollouts of 2k, 8k and 16k
+    tokens, trainer and vLLM colocated, taking turns (`generator.sleep`); each case within 10
+    minutes, about 75 in all. 8B offloads its optimizer state."""
+    return [(f"{size}, {tokens} tokens", within(seconds, [
+        *SCALE, "--size", size, "--rollout-tokens", str(tokens), "--steps", str(steps),
+        *(["--offload"] if size == "8b" else [])]))
+        for size in ("1.7b", "4b", "8b") for tokens, (steps, seconds) in SCALE_CASES.items()]
+
+
+def scale_on_policy(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
+    """5 GRPO steps in true on-policy mode, colocated on one GPU: 4B fully fine-tuned, 8B with its
+    optimizer state offloaded; `loss/logprob_diff/max` of every step in the row."""
+    return [(f"{size}, true on-policy", within(590, [
+        *SCALE, "--size", size, "--rollout-tokens", "1024", "--steps", "5", "--true-on-policy", *extra]))
+        for size, extra in (("4b", []), ("8b", ["--offload"]))]
+
+
 def learning_curve(gpus: int, true_on_policy: bool) -> list[tuple[str, list[str]]]:
     """The demo as a user runs it, in a new run dir under the temp dir; its curve appended to the
     demo's results file, its metrics and drawn curve copied beside it."""
@@ -159,6 +187,8 @@ MODES = {
     "on-policy-cost": Mode((1,), on_policy_cost),
     "learning-curve": Mode((1, 2, 4), learning_curve),
     "moe": Mode((1,), moe),
+    "scale": Mode((1,), scale),
+    "scale-on-policy": Mode((1,), scale_on_policy),
 }
 
 

@@ -79,6 +79,9 @@ class TrainerConfig(_Section):
     activation_checkpointing: bool = False
     compile_layers: bool = True  # CUDA: torch.compile each decoder layer (not in model.true_on_policy)
     logprob_chunk_tokens: int = 1024  # tokens per chunk of the fp32 log-softmax
+    # AdamW's moments in pinned host memory between steps, brought to the GPU one layer at a time
+    # for the step (rlactors.trainer.offload)
+    offload_optimizer: bool = False
     # Mixture-of-experts models: weight of the router's load-balancing loss (0: off, as RL recipes run)
     router_aux_loss_coef: float = 0.0
     # Mixture-of-experts models: consecutive ranks each sparse layer's experts are split over, by
@@ -119,6 +122,9 @@ class GeneratorConfig(_Section):
     # "auto": broadcast for vLLM replicas on GPUs of their own (NCCL cannot join two ranks on one
     # GPU), messages otherwise; resolved when the Config is made, so only those two go further.
     weight_sync: Literal["auto", "messages", "broadcast"] = "auto"
+    # controller.colocate: the engines sleep (KV cache freed, vLLM's weights to host memory) while
+    # the trainer steps, and wake for generation (rlactors.run.turns)
+    sleep: bool = False
 
     def validate(self, key: str) -> None:
         for name in ("replicas", "tp", "max_num_seqs", "max_num_tokens", "kv_cache_tokens", "block_size"):
@@ -213,8 +219,12 @@ class ControllerConfig(_Section):
     # How many times a run rebuilds its trainer from the last checkpoint after a trainer rank died
     # (rlactors.run.recovery); 0: the run stops, to be continued with --resume.
     restart_trainer: int = 0
+    # One GPU's memory for the memory plan (rlactors.run.memory_plan); 0: the device's, where CUDA is
+    gpu_memory_gib: float = 0.0
 
     def validate(self, key: str) -> None:
+        _check(0 <= self.gpu_memory_gib < math.inf, f"{key}.gpu_memory_gib",
+               f"must be >= 0 (0 = the device's) and finite, got {self.gpu_memory_gib}")
         _check(self.steps >= 1, f"{key}.steps", f"must be >= 1, got {self.steps}")
         _check(self.restart_trainer >= 0, f"{key}.restart_trainer",
                f"must be >= 0 (0 = off), got {self.restart_trainer}")
@@ -380,6 +390,12 @@ class Config:
             f"the job.trainer_hosts={j.trainer_hosts} (job.generator_hosts=0)"
         _check(c.generator.replicas % j.replica_hosts == 0, "generator.replicas",
                f"{c.generator.replicas} replicas do not split evenly over {hosts}")
+        _check(not c.generator.sleep or c.controller.colocate, "generator.sleep",
+               "the engines sleep to lend the trainer their GPUs: it needs controller.colocate = true")
+        # Asleep, the engines serve nothing: the trainer's phase and generation take turns, so
+        # there is no generation ahead of the trainer for async to overlap.
+        _check(not c.generator.sleep or c.controller.mode == "sync", "controller.mode",
+               "must be 'sync' with generator.sleep (the engines sleep while the trainer steps)")
         _check(c.generator.weight_sync != "broadcast" or not c.controller.colocate, "generator.weight_sync",
                "'broadcast' needs generators on GPUs of their own (controller.colocate is set)")
         # vLLM runs our own model in true on-policy mode (rlactors.on_policy.vllm_model), unsharded.

@@ -4,6 +4,7 @@
     python -m rlactors.train --config configs/math_1gpu.toml model.path=/models/Qwen3-1.7B
     python -m rlactors.train --config my_run.toml env.name=my_envs.echo:EchoEnv controller.mode=async
     python -m rlactors.train --resume controller.run_dir=runs/my_run      # from its last intact checkpoint
+    python -m rlactors.train --config configs/qwen3_32b_8gpu.toml --plan   # memory per GPU; spawns nothing
 
 Overrides are `section.key=value` (TOML values) on top of the config file (or of the defaults);
 `model.path` has no default. `--resume` starts from the run dir's own config.toml, with --config's
@@ -42,6 +43,9 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
                              "with --resume: the run dir's config.toml)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the last intact checkpoint (none: from step 0), with the run's config")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the memory plan per GPU (rlactors.run.memory_plan) and exit; exit code 2 when "
+                             "the run cannot fit")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -54,6 +58,8 @@ def main(argv: Sequence[str] | None = None, default_config: Path | None = None) 
     from rlactors.run.controller import Controller, TrainingError
     from rlactors.run.metrics import EVAL_REWARD_MEAN, NO_SIGNAL_HINT, REWARD_MEAN, read_metrics, reward_trend
 
+    if args.plan:
+        return print_plan(args.config or default_config, args.overrides)
     controller = None
     try:
         config = load_resumed_config(args, default_config) if args.resume else \
@@ -96,6 +102,24 @@ def load_resumed_config(args: argparse.Namespace, default_config: Path | None) -
 
     base = saved_config(args.config or default_config, args.overrides)
     return load_config(args.config or (None if base else default_config), args.overrides, base=base)
+
+
+def print_plan(path: Path | None, overrides: Sequence[str]) -> int:
+    """Prints the memory plan of the config at `path` for the GPUs it asks for, whether or not
+    this machine has them; 2 (and one `error:` line) when it cannot fit or the config is bad."""
+    from rlactors.config import ConfigError, load_config
+    from rlactors.models.checkpoint import load_args
+    from rlactors.run.memory_plan import gpu_gib, plan
+
+    try:
+        config = load_config(path, overrides, available_gpus=sys.maxsize)
+        memory = plan(config, load_args(config.model.path), gpu_gib(config))
+        print(memory.table())
+        memory.check()
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def run_controller(controller: Controller) -> list[dict[str, float]]:

@@ -312,3 +312,25 @@ def test_expert_parallel_divides_the_trainer_ranks():
         with pytest.raises(ConfigError, match=rf"^trainer\.expert_parallel: must be >= 1 and divide trainer\.ranks "
                                               rf"\(4\), got {expert_parallel}$"):
             load_config(overrides=["trainer.ranks=4", f"trainer.expert_parallel={expert_parallel}"])
+
+
+def test_memory_knobs_are_checked_at_load():
+    """Activation checkpointing, logprob chunking, optimizer offload, engines that sleep, the GPU size."""
+    config = load_config(overrides=["trainer.activation_checkpointing=true", "trainer.logprob_chunk_tokens=256",
+                                    "trainer.offload_optimizer=true", "controller.gpu_memory_gib=79.6"])
+    assert (config.trainer.activation_checkpointing, config.trainer.logprob_chunk_tokens,
+            config.trainer.offload_optimizer, config.controller.gpu_memory_gib) == (True, 256, True, 79.6)
+    for override, error in [("trainer.activation_checkpointing=1",
+                             r"^trainer\.activation_checkpointing: expected a boolean"),
+                            ("trainer.logprob_chunk_tokens=0", r"^trainer\.logprob_chunk_tokens: must be >= 1"),
+                            ("trainer.offload_optimizer=\"yes\"", r"^trainer\.offload_optimizer: expected a boolean"),
+                            ("controller.gpu_memory_gib=-1", r"^controller\.gpu_memory_gib: must be >= 0"),
+                            ("generator.sleep=true", r"^generator\.sleep: .* it needs controller\.colocate = true$")]:
+        with pytest.raises(ConfigError, match=error):
+            load_config(overrides=[override])
+    colocated = ['controller.device="cuda"', 'generator.engine="vllm"', "trainer.ranks=1", "generator.replicas=1",
+                 "controller.colocate=true", "generator.sleep=true"]
+    assert load_config(overrides=[*colocated, 'controller.mode="sync"'], available_gpus=1).generator.sleep
+    with pytest.raises(ConfigError, match=r"^controller\.mode: must be 'sync' with generator\.sleep \(the engines "
+                                          r"sleep while the trainer steps\)$"):
+        load_config(overrides=[*colocated, 'controller.mode="async"'], available_gpus=1)

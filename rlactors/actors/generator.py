@@ -61,6 +61,14 @@ class Generator(Actor):
         return await self.engine.updates.receive_weights(version, mode)
 
     @concurrent_endpoint
+    async def sleep(self) -> None:
+        await self.engine.sleep()
+
+    @concurrent_endpoint
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        await self.engine.wake_up(tags)
+
+    @concurrent_endpoint
     async def stats(self) -> dict[str, Any]:
         return {"replica": self.replica, "host": host_name(), "pid": os.getpid(), **self.engine.stats()}
 

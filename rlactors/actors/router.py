@@ -396,6 +396,19 @@ class GeneratorRouter(Actor):
         return await self.weights.receive(version, mode)
 
     @concurrent_endpoint
+    async def sleep(self) -> None:
+        """Every serving replica's engine sleeps (`generator.sleep`: the trainer's turn on their GPUs)."""
+        await self._ensure_started()
+        await asyncio.gather(*(r.actor.sleep.call_one() for r in self._serving_replicas()))
+
+    @concurrent_endpoint
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Every serving replica's engine takes back what its sleep freed (`tags`: "weights",
+        "kv_cache"; None: both)."""
+        await self._ensure_started()
+        await asyncio.gather(*(r.actor.wake_up.call_one(tags) for r in self._serving_replicas()))
+
+    @concurrent_endpoint
     async def stats(self) -> dict[str, Any]:
         """Router counters; per replica its state, load, version and, when serving, the replica's
         own stats; `states`: how many replicas are in each state.

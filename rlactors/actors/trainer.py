@@ -85,6 +85,10 @@ class PolicyTrainer(Actor):
         self._core().abort_weight_broadcast()
 
     @endpoint
+    async def release_memory(self) -> dict[str, float]:
+        return self._core().release_memory()
+
+    @endpoint
     async def save_checkpoint(self, root: str, step: int, extra_files: dict[str, str] | None = None) -> str:
         return self._core().save_checkpoint(root, step, extra_files)
 

@@ -96,6 +96,26 @@ class AsyncEngine:
             **self.engine.stats(),
         }
 
+    async def sleep(self) -> None:
+        """The engine sleeps (`Engine.sleep`) between its steps; RuntimeError, and no sleep, while
+        a request is in flight: asleep it could not serve it."""
+        self._check_alive()
+        in_flight = len(self._incoming) + len(self._in_engine)
+        if in_flight:
+            raise RuntimeError(f"cannot sleep with {in_flight} request(s) in flight")
+        await asyncio.get_running_loop().run_in_executor(self._step_executor, self.engine.sleep)
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Takes back what `sleep` freed (`Engine.wake_up`), between the engine's steps, once
+        weights verified before it are loaded: a weight sync between a wake of the weights and
+        one of the KV cache lands before the cache is allocated again."""
+        self._check_alive()
+        pending = self.updates.pending
+        if pending is not None and not pending.held:
+            await asyncio.wait([pending.future])
+        self._check_alive()
+        await asyncio.get_running_loop().run_in_executor(self._step_executor, self.engine.wake_up, tags)
+
     async def close(self) -> None:
         """Aborts what is in flight (those calls return finish_reason "abort") and stops the loop."""
         if self._closed:

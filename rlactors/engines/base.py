@@ -84,6 +84,15 @@ class Engine(abc.ABC):
     def stats(self) -> dict[str, Any]:
         """Counters and gauges: requests waiting/running, tokens, steps, cache use."""
 
+    def sleep(self) -> None:  # noqa: B027 - not abstract: an engine with nothing to free keeps it
+        """Frees the device memory the engine can do without while it serves nothing (colocated
+        with the trainer, `generator.sleep`); called only with no request in the engine. The
+        native engine keeps its memory: it runs on CPUs and beside small models."""
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:  # noqa: B027 - see sleep
+        """Takes back what `sleep` freed: `tags` "weights" or "kv_cache" (None: both), weights
+        first, so that a weight load can come before the KV cache is allocated again."""
+
     def close(self) -> None:  # noqa: B027 - not abstract: an engine with nothing to release keeps it
         """Releases the engine's resources; the engine is unusable afterwards."""
 

@@ -67,6 +67,17 @@ def custom_all_reduce_works(tp: int, alloc_conf: str | None = None) -> bool:
     return tp == 1 or not expandable_segments(alloc_conf)
 
 
+def without_expandable_segments(environ: dict[str, str]) -> None:
+    """Drops `expandable_segments` from PyTorch's allocator settings in `environ` (both names it
+    reads them under): vLLM's sleep mode allocates from a memory pool that refuses them
+    (vLLM asserts at start, PyTorch issue 147851)."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if name in environ:
+            kept = [item for item in environ[name].split(",")
+                    if item.strip() and not item.replace(" ", "").startswith("expandable_segments:")]
+            environ[name] = ",".join(kept)
+
+
 @dataclass
 class _Request:
     prompt_token_ids: list[int]
@@ -125,6 +136,9 @@ class VLLMEngine(Engine):
         from rlactors.on_policy.sides import sides
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+        if generator_config.sleep:  # vLLM checks the variable; the allocator may be running already
+            without_expandable_segments(os.environ)
+            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
         kernels = sides(model_config.true_on_policy, "vllm", "cuda").generator
         os.environ.update(kernels.environment)  # read by vLLM's import
         model_args = load_args(model_config.path)
@@ -154,6 +168,7 @@ class VLLMEngine(Engine):
             disable_log_stats=True,
             disable_custom_all_reduce=not custom_all_reduce_works(g.tp),
             load_format=load_format,
+            enable_sleep_mode=g.sleep,
             **mode_args,
         )
         with one_start_per_gpu(g.tp):
@@ -234,6 +249,16 @@ class VLLMEngine(Engine):
         # sampled tokens of a step still in flight are dropped and resampled, so every returned
         # token is tagged with the version that produced it.
         self.engine.reset_prefix_cache(reset_running_requests=True)
+
+    def sleep(self) -> None:
+        # Level 1: weights to host memory, KV cache dropped. Level 2 would drop the weights too,
+        # but outputs after its wake were seen to differ from before (something besides the
+        # checkpoint's tensors is lost), so it is not used.
+        self.engine.reset_prefix_cache()
+        self.engine.sleep(level=1)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.wake_up(tags=None if tags is None else list(tags))
 
     def stats(self) -> dict[str, Any]:
         return {"version": self.version, "running": len(self.requests), **self.counters}

@@ -3,8 +3,9 @@
     python -m rlactors.models.tiny OUT_DIR [--family qwen3|qwen3_moe|qwen2|llama] [--size SIZE] [--seed N] [--no-tie]
                                    [--no-weights]
 
-Sizes: ``tiny`` and ``small`` for every family, and the shapes of real models: ``0.6b``, ``1.7b``
-(Qwen3), ``30b-a3b``, ``235b-a22b`` and ``30b-a3b-4l`` (4 of Qwen3-30B-A3B's 48 layers)
+Sizes: ``tiny`` and ``small`` for every family, and the shapes of real models: ``0.6b``, ``1.7b``,
+``4b``, ``8b``, ``14b``, ``32b`` (Qwen3; 8B and up with an untied LM head, as the real ones),
+``30b-a3b``, ``235b-a22b`` and ``30b-a3b-4l`` (4 of Qwen3-30B-A3B's 48 layers)
 (Qwen3-MoE), ``0.5b`` (Qwen2.5), ``1b`` (Llama 3.2). A tiny
 or small Qwen3-MoE has a dense first layer and sparse others, with ``norm_topk_prob`` on, as
 the real ones have. Each family gets its real models' RoPE: Qwen's
@@ -72,7 +73,11 @@ SIZES: dict[str, tuple] = {  # any family
 }
 REAL_SIZES: dict[str, dict[str, tuple]] = {  # family: the shapes of its real models
     "qwen3": {"0.6b": (1024, 3072, 28, 16, 8, 128, 151936, 40960, "bfloat16"),  # Qwen3-0.6B
-              "1.7b": (2048, 6144, 28, 16, 8, 128, 151936, 40960, "bfloat16")},  # Qwen3-1.7B
+              "1.7b": (2048, 6144, 28, 16, 8, 128, 151936, 40960, "bfloat16"),  # Qwen3-1.7B
+              "4b": (2560, 9728, 36, 32, 8, 128, 151936, 40960, "bfloat16"),  # Qwen3-4B
+              "8b": (4096, 12288, 36, 32, 8, 128, 151936, 40960, "bfloat16"),  # Qwen3-8B
+              "14b": (5120, 17408, 40, 40, 8, 128, 151936, 40960, "bfloat16"),  # Qwen3-14B
+              "32b": (5120, 25600, 64, 64, 8, 128, 151936, 40960, "bfloat16")},  # Qwen3-32B
     "qwen3_moe": {"30b-a3b": (2048, 6144, 48, 32, 4, 128, 151936, 40960, "bfloat16"),  # Qwen3-30B-A3B
                   # Qwen3-30B-A3B's layers, 4 of its 48: trains on one 80 GB GPU
                   "30b-a3b-4l": (2048, 6144, 4, 32, 4, 128, 151936, 40960, "bfloat16"),
@@ -80,6 +85,8 @@ REAL_SIZES: dict[str, dict[str, tuple]] = {  # family: the shapes of its real mo
     "qwen2": {"0.5b": (896, 4864, 24, 14, 2, 64, 151936, 32768, "bfloat16")},  # Qwen2.5-0.5B
     "llama": {"1b": (2048, 8192, 16, 32, 8, 64, 128256, 131072, "bfloat16")},  # Llama-3.2-1B
 }
+# The dense shapes whose LM head is a matrix of its own, as in the real models (smaller ones tie it).
+UNTIED_SIZES = frozenset({"8b", "14b", "32b"})
 # family: (rope_theta, rope_scaling) of its real models (Qwen2.5 and Qwen3; Llama 3.2), and the
 # max positions of tiny/small (Llama's must exceed the scaling's original 8192).
 FAMILY_ROPE: dict[str, tuple[float, Llama3RopeScaling | None, int]] = {
@@ -192,11 +199,12 @@ def _trained_tokenizer_json() -> str:
     return train_tokenizer().to_str()
 
 
-def size_args(size: str, vocab_size: int, tie_word_embeddings: bool = True,
+def size_args(size: str, vocab_size: int, tie_word_embeddings: bool | None = None,
               dtype: str | None = None, eos_token_id: int | None = None,
               bos_token_id: int | None = None, family: str = "qwen3") -> ModelArgs:
     """The ModelArgs of a named size of ``family``; tiny/small take the vocab rounded up to a
-    multiple of 64."""
+    multiple of 64. ``tie_word_embeddings=None``: as the real model of that size has it (tied
+    for tiny and small)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
     shapes = {**SIZES, **REAL_SIZES[family]}
@@ -206,6 +214,8 @@ def size_args(size: str, vocab_size: int, tie_word_embeddings: bool = True,
     if fixed_vocab is not None and vocab_size > fixed_vocab:
         raise ValueError(f"tokenizer has {vocab_size} tokens, more than size {size!r}'s vocab {fixed_vocab}")
     rope_theta, rope_scaling, family_max_pos = FAMILY_ROPE[family]
+    if tie_word_embeddings is None:
+        tie_word_embeddings = size not in UNTIED_SIZES
     return ModelArgs(
         vocab_size=fixed_vocab or -(-vocab_size // 64) * 64,
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -233,7 +243,7 @@ def random_state_dict(args: ModelArgs, seed: int, std: float = 0.02) -> dict[str
 
 
 def make_tiny_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0,
-                         tie_word_embeddings: bool = True, dtype: str | None = None,
+                         tie_word_embeddings: bool | None = None, dtype: str | None = None,
                          family: str = "qwen3", weights: bool = True) -> Path:
     """Writes a random-init checkpoint dir of ``family`` with tokenizer; ``dtype=None`` is fp32
     for tiny/small and bf16 for the real models' shapes. ``weights=False`` writes no weights,
@@ -295,8 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="tiny", help="tiny, small, or a real model's shape: "
                         + "; ".join(f"{family}: {', '.join(shapes)}" for family, shapes in REAL_SIZES.items()))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tie", action=argparse.BooleanOptionalAction, default=True,
-                        help="tie lm_head to the input embedding (default: tied)")
+    parser.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None,
+                        help="tie lm_head to the input embedding (default: as the real model of --size does)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     parser.add_argument("--weights", action=argparse.BooleanOptionalAction, default=True,
                         help="write the weights (--no-weights: config and tokenizer only, for vLLM's dummy weights)")

@@ -51,6 +51,7 @@ from rlactors.run.metrics import (
 )
 from rlactors.run.recovery import TrainerLost, TrainerRestarts, recovery_point
 from rlactors.run.run_dir import SLURM_DIR, ResumeState, RunComplete, RunDir, TrainingError
+from rlactors.run.turns import NoTurns, Turns, take_turns
 from rlactors.storage.records import is_storage_fault
 from rlactors.trainer.losses import LossNorm
 from rlactors.types import Completion, SamplingParams
@@ -75,6 +76,7 @@ class Controller:
         self._env_errors: EnvErrorLog | None = None  # while train() runs
         self.evaluator: Evaluator | None = None  # with controller.eval_every (rlactors.run.evaluation)
         self.trainer = self.router = None  # guarded by the meshes' watcher
+        self.turns = NoTurns()  # colocated engines that sleep: Turns, once the meshes are up
         self.weight_sync: WeightSync | None = None
         # During training, a call that blocks the loop (an env's) is named after step_timeout_s,
         # which cannot fire then.
@@ -93,6 +95,8 @@ class Controller:
         print(placement_line(ranks, await self.meshes.router_stats(self.router)), flush=True)
         self.gateway = await serve_gateway(inputs.env, c, self.tokenizer)
 
+        if c.generator.sleep:
+            self.turns = Turns(self.trainer, self.router)
         self.weight_sync = create_weight_sync(c, self.trainer, self.router)
         await self._sync_call(self.weight_sync.start())
         self.run_dir.write_config(c)
@@ -280,33 +284,36 @@ class Controller:
         self._env_errors.record(step, (r for g in groups for r in g.rollouts))
         episodes, ages, stale = fresh_episodes(groups, self.policy_version, c.controller.max_staleness)
 
-        train_start = time.perf_counter()
         version_before = self.policy_version
-        train_metrics, pushing = await self._train_on(episodes, step) if episodes else ({}, None)
+        pushing = None
+
+        async def train() -> dict[str, float]:
+            nonlocal pushing
+            train_metrics, pushing = await self._train_on(episodes, step) if episodes else ({}, None)
+            return train_metrics
+
+        async def checkpoint() -> None:
+            self.step = step
+            if c.controller.checkpoint_due(step):
+                await self.save_checkpoint()
+
+        async def sync() -> dict[str, float]:
+            if pushing is not None:
+                return await self._sync_call(pushing)
+            if await self.weight_sync.due(self.policy_version):
+                return await self._sync_call(self.push_weights(self.policy_version))
+            return {}
+
+        update = await take_turns(self.turns, train, checkpoint, sync)
         trained = self.policy_version != version_before
-        train_s = time.perf_counter() - train_start
-
-        self.step = step
-        checkpoint_s = 0.0
-        if c.controller.checkpoint_due(step):
-            checkpoint_start = time.perf_counter()
-            await self.save_checkpoint()
-            checkpoint_s = time.perf_counter() - checkpoint_start
-
-        sync_start = time.perf_counter()
-        if pushing is not None:
-            sync = await self._sync_call(pushing)
-        elif await self.weight_sync.due(self.policy_version):
-            sync = await self._sync_call(self.push_weights(self.policy_version))
-        else:
-            sync = {}
-        sync_s = time.perf_counter() - sync_start
         await self.producer.reached(step)
         step_s = time.perf_counter() - step_start
 
-        metrics = step_metrics(groups, train_metrics, trained=trained, policy_version=self.policy_version, ages=ages,
-                               stale=stale, step_s=step_s, rollout_wait_s=rollout_wait, train_s=train_s, sync=sync,
-                               sync_s=sync_s, checkpoint_s=checkpoint_s)
+        metrics = step_metrics(groups, update.trained, trained=trained, policy_version=self.policy_version, ages=ages,
+                               stale=stale, step_s=step_s, rollout_wait_s=rollout_wait, train_s=update.seconds["train"],
+                               sync=update.synced, sync_s=update.seconds["sync"],
+                               checkpoint_s=update.seconds["checkpoint"])
+        metrics.update(update.turns)
         generators = await self.meshes.router_stats(self.router)
         metrics.update(self._generator_metrics.read(generators))
         if self.gateway is not None:

@@ -11,6 +11,7 @@ from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.env import SampleStream, TokenEnv, load_env
 from rlactors.rollout.rollouter import GenerateFn, Rollouter, prompts_too_long_line
 from rlactors.run.evaluation import Evaluator, training_evaluator
+from rlactors.run.memory_plan import gpu_gib, plan
 from rlactors.run.metrics import check_wandb
 from rlactors.run.run_dir import TrainingError
 
@@ -32,7 +33,10 @@ async def load_inputs(c: Config, generate: GenerateFn) -> RunInputs:
     from rlactors.models.checkpoint import load_args
 
     tokenizer = load_checked_tokenizer(c.model.path)
-    check_model_keys(c.model, c.trainer, load_args(c.model.path))
+    args = load_args(c.model.path)
+    check_model_keys(c.model, c.trainer, args)
+    if c.controller.device == "cuda":  # a run that cannot fit stops here, before any proc starts
+        plan(c, args, gpu_gib(c)).check()
     env = load_env(c.env, tokenizer)
     dataset = env.dataset("train")
     if len(dataset) == 0:

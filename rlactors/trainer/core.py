@@ -12,9 +12,10 @@ changes: no rank is left waiting in a collective, and gradients, optimizer and v
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from rlactors.trainer import expert_parallel
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.gather import RowGather, gather_rows, plan_packing
 from rlactors.trainer.losses import LossNorm, LossStats, compute_loss, loss_tokens
+from rlactors.trainer.offload import OffloadedStep, layer_groups
 from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, local_rows, make_mesh
 from rlactors.weight_sync.broadcast import WeightSender
 from rlactors.weight_sync.checksum import state_checksum
@@ -143,7 +145,7 @@ class PolicyTrainerCore:
             module.replay.register_forward_hook(lambda _, inputs, out: self._routing.append(inputs[2]))
             if trainer.router_aux_loss_coef > 0:
                 module.gate.register_forward_hook(lambda _, inputs, logits: self._router_logits.append(logits))
-        self.optimizer = self._new_optimizer()
+        self._set_optimizer()
         self.version = 0
         # The version the last optim_step aimed at (one more than the version before it, reached
         # or not), or the version loaded since: never below `version`. And the sends waiting for a
@@ -215,7 +217,10 @@ class PolicyTrainerCore:
         if finite:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            self.optimizer.step()
+            if self._offload is not None:
+                self._offload.step()
+            else:
+                self.optimizer.step()
             self.version += 1
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self._reduced_stats()
@@ -299,10 +304,25 @@ class PolicyTrainerCore:
             stats = LossStats(stats.sums, dict(zip(max_keys, maxes)))
         return stats.metrics()
 
-    def _new_optimizer(self) -> torch.optim.AdamW:
+    def _set_optimizer(self) -> None:
+        """A new AdamW (no state); with `trainer.offload_optimizer`, stepped a layer at a time with
+        its state in host memory between steps (rlactors.trainer.offload)."""
         c = self.config
-        return torch.optim.AdamW(self.model.parameters(), lr=lr_at(c, 0), betas=tuple(c.betas),
-                                 weight_decay=c.weight_decay, fused=self.device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr_at(c, 0), betas=tuple(c.betas),
+                                           weight_decay=c.weight_decay, fused=self.device.type == "cuda")
+        self._offload = (OffloadedStep(self.optimizer, layer_groups(self.model), self.device)
+                         if c.offload_optimizer else None)
+
+    def release_memory(self) -> dict[str, float]:
+        """Gives the GPU memory this rank's allocator caches but no tensor uses back to the device,
+        for the engines that wake on it; returns the peak this rank allocated since the last call
+        (`peak_allocated_gib`; 0 on CPU)."""
+        if self.device.type != "cuda":
+            return {"peak_allocated_gib": 0.0}
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(self.device)
+        torch.cuda.empty_cache()
+        return {"peak_allocated_gib": peak}
 
     # ------------------------------------------------------------------------------------------
     # Weights: HF load, checkpoints, sync
@@ -418,13 +438,13 @@ class PolicyTrainerCore:
         # Before the first optim_step AdamW has no state, and asking DCP for it would create
         # some (a zero-gradient step): save the model alone then.
         has_optimizer_state = bool(self.optimizer.state)
-        if has_optimizer_state:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state = {"model": model_sd, "optimizer": optim_sd}
-        else:
-            state = {"model": get_model_state_dict(self.model)}
         try:
-            dcp.save(state, checkpoint_id=partial / ckpt.DCP_DIR)
+            if has_optimizer_state:
+                with self._optimizer_state_on_device():
+                    model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+                    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=partial / ckpt.DCP_DIR)
+            else:
+                dcp.save({"model": get_model_state_dict(self.model)}, checkpoint_id=partial / ckpt.DCP_DIR)
         except CheckpointException as e:  # a BaseException: raised on every rank
             if self.rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -477,14 +497,15 @@ class PolicyTrainerCore:
             state = ckpt.read_state(path)
             self._discard_accumulation()
             if state["optimizer_state"]:
-                model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-                dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path / ckpt.DCP_DIR)
-                set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+                with self._optimizer_state_on_device():
+                    model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+                    dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path / ckpt.DCP_DIR)
+                    set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
             else:
                 model_sd = get_model_state_dict(self.model)
                 dcp.load({"model": model_sd}, checkpoint_id=path / ckpt.DCP_DIR)
                 set_model_state_dict(self.model, model_sd)
-                self.optimizer = self._new_optimizer()
+                self._set_optimizer()
             self.version = self._tried_version = int(state["policy_version"])
             return {"step": int(state["step"]), "policy_version": self.version}
         if (path / "config.json").is_file():
@@ -493,10 +514,23 @@ class PolicyTrainerCore:
                 raise ValueError(f"{path} holds a model of another shape than {self.model_config.path}")
             self._discard_accumulation()
             self._load_hf_weights(path)
-            self.optimizer = self._new_optimizer()
+            self._set_optimizer()
             self.version = self._tried_version = 0
             return {"step": 0, "policy_version": 0}
         raise ValueError(f"{path} is neither a trainer checkpoint nor a HF model dir")
+
+    @contextlib.contextmanager
+    def _optimizer_state_on_device(self) -> Iterator[None]:
+        """The optimizer's state where DCP reads and writes it (the device) for the block; back in
+        host memory after, when offloaded."""
+        if self._offload is None:
+            yield
+            return
+        self._offload.to_device()
+        try:
+            yield
+        finally:
+            self._offload.to_host()
 
     def _discard_accumulation(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

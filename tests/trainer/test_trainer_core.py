@@ -192,6 +192,37 @@ def test_activation_checkpointing_gives_the_same_step(tiny_ckpt, device):
     assert_weights_close(checkpointed.full_weights(torch.float32), plain.full_weights(torch.float32), atol=0)
 
 
+def optimizer_state(core):
+    """AdamW's state by parameter name, as local tensors on the CPU."""
+    names = {p: n for n, p in core.model.named_parameters()}
+    return {names[p]: {k: (v.to_local() if hasattr(v, "to_local") else v).cpu() for k, v in state.items()}
+            for p, state in core.optimizer.state.items()}
+
+
+def test_offloaded_optimizer_steps_bitwise_as_the_resident_one_and_reloads(tiny_ckpt, device, tmp_path):
+    """trainer.offload_optimizer: AdamW stepped a layer at a time, its state kept on the host
+    (here the CPU is both), gives the plain step's weights and state bit for bit, and its
+    checkpoint loads them back."""
+    plain, offloaded = make_core(tiny_ckpt, device), make_core(tiny_ckpt, device, offload_optimizer=True)
+    # 4 layers, the embedding (tied to the LM head) and the final norm
+    assert offloaded._offload is not None and len(offloaded._offload.groups) == 6
+    for mb in (cat(rows(12)), cat(rows(13))):
+        assert step(offloaded, [mb]) == step(plain, [mb])
+
+    def assert_as_plain():
+        assert_weights_close(offloaded.full_weights(torch.float32), plain.full_weights(torch.float32), atol=0)
+        expected, actual = optimizer_state(plain), optimizer_state(offloaded)
+        assert expected.keys() == actual.keys()
+        for name, state in actual.items():
+            assert state.keys() == expected[name].keys()
+            assert all(torch.equal(value, expected[name][key]) for key, value in state.items()), name
+
+    assert_as_plain()
+    path = offloaded.save_checkpoint(tmp_path, step=2)
+    offloaded.load_checkpoint(path)
+    assert_as_plain()
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_compute_logprobs_match_hf_transformers_per_document(family, family_ckpt, device):
     from transformers import AutoModelForCausalLM

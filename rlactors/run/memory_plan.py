@@ -1,0 +1,321 @@
+"""The memory plan: what one GPU holds for a run, from the Config and the checkpoint's config.json.
+
+Pure arithmetic, before anything spawns (`python -m rlactors.train --config F --plan` prints it;
+`Controller.start` refuses a run that cannot fit, in one line naming the keys to change).
+
+The trainer keeps, per rank (FSDP2 over `trainer.ranks`): fp32 master weights, fp32 gradients and
+AdamW's two fp32 moments, each 1/ranks of the model; with bf16 mixed precision, bf16 copies of the
+root unit (embedding, untied LM head, final norm: gathered for the whole forward and backward) and
+of two decoder layers (the one running and the one prefetched); the activations a microbatch
+(`batcher.rows_per_microbatch` x `batcher.row_tokens` tokens) saves for backward
+(`saved_bytes_per_token_layer`); and the LM head's chunk of `trainer.logprob_chunk_tokens` x vocab
+logits. With `trainer.offload_optimizer` the moments live in host memory and only the largest
+offload group's (`rlactors.trainer.offload`) is on the GPU during the step.
+
+A vLLM generator takes `generator.gpu_memory_utilization` of each of its GPUs (weights, runtime,
+KV cache). Colocated with `generator.sleep` the GPU is held in turns: the trainer's phase (the
+engines asleep: weights in host memory, KV cache freed) and the generation phase (the trainer's
+master weights, and its moments unless offloaded, stay); the plan is the larger of the two.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import subprocess
+from dataclasses import dataclass
+
+from rlactors.config import Config, ConfigError
+from rlactors.models.args import ModelArgs
+
+GIB = 2**30
+# Every process that uses a GPU: the CUDA context and kernels (not seen by torch's allocator).
+CUDA_CONTEXT_GIB = 0.5
+# vLLM's own use inside its share beside weights and KV cache: profiled activations, sampler,
+# CUDA graphs.
+VLLM_RUNTIME_GIB = 2.0
+# What a vLLM process holds outside its gpu_memory_utilization share, awake or asleep (level 1):
+# CUDA context, NCCL, allocator pools. Measured on an H200 at 0.3: 43.9 GiB held for a 41.9 GiB
+# share, of which sleep freed 41.8.
+VLLM_OUTSIDE_SHARE_GIB = 2.0
+# Compiled layers (`trainer.compile_layers`, CUDA) save this share of the eager layer's bytes:
+# the compiler recomputes the norms' fp32 copies and the activations' elementwise products instead
+# of keeping them. Fitted to the 1.7B and 4B shapes' peaks on one H200 (trainer_throughput_gpu.md).
+COMPILED_ACTIVATION_SHARE = 0.70
+# Bytes per vocabulary entry of one LM-head chunk's token, at most live at once (forward with the
+# entropy): bf16 logits, fp32 log-probabilities, their exp and its product with them.
+LOGPROB_CHUNK_BYTES = 2 + 4 + 4 + 4
+
+
+def saved_bytes_per_token_layer(args: ModelArgs, dtype_bytes: int = 2) -> int:
+    """The bytes one eager decoder layer saves for backward per token (what autograd keeps), with
+    a FlashAttention-style attention that saves q, k, v, its output and an fp32 logsumexp per head.
+
+    Each RMSNorm keeps the fp32 copy of its input, an fp32 rsqrt per row, the normalized input
+    (for the weight's gradient) and its output (the next matmul's input): two norms of `hidden`,
+    and in Qwen3 a q/k norm per head, whose output RoPE does not keep (it multiplies by
+    constants). Attention keeps rotated q and k, v, its output and the logsumexp; the MLP keeps
+    gate, silu(gate), up and their product (down's input)."""
+    h, i = args.hidden_size, args.intermediate_size
+    q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+    heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
+    b = dtype_bytes
+    norms = 2 * ((4 + 2 * b) * h + 4)
+    if args.family.qk_norm:  # no output kept: fp32 copy, rsqrt, normalized input
+        norms += (4 + b) * (q + kv) + 4 * (heads + kv_heads)
+    attention = b * (2 * q + 2 * kv) + 4 * heads
+    mlp = 4 * b * i
+    return norms + attention + mlp
+
+
+@functools.cache
+def _param_counts(args: ModelArgs) -> tuple[int, int, int, int]:
+    """(all parameters, the root unit's, the largest decoder layer's, the root's largest tensor's)."""
+    from rlactors.models.checkpoint import model_shapes
+
+    layers = [0] * args.num_hidden_layers
+    root = largest = 0
+    for name, shape in model_shapes(args).items():
+        n = math.prod(shape)
+        if name.startswith("model.layers."):
+            layers[int(name.split(".")[2])] += n
+        else:
+            root, largest = root + n, max(largest, n)
+    return root + sum(layers), root, max(layers), largest
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """Bytes on one trainer GPU at the peak of a step (the last microbatch's backward)."""
+
+    master_weights: float
+    gradients: float
+    optimizer: float  # AdamW's moments on the GPU (offloaded: one group's, during the step)
+    compute_copies: float  # bf16 root unit and two layers, gathered
+    activations: float
+    logprob_head: float
+    optimizer_resident: float  # AdamW's moments on the GPU between steps (0: offloaded)
+    context: float = CUDA_CONTEXT_GIB * GIB
+
+    @property
+    def peak(self) -> float:
+        return (self.master_weights + self.gradients + self.optimizer + self.compute_copies + self.activations
+                + self.logprob_head + self.context)
+
+    @property
+    def resident(self) -> float:
+        """What stays while the engines generate: master weights, the moments unless offloaded
+        (the gradients are freed by the step, the activations by backward)."""
+        return self.master_weights + self.optimizer_resident + self.context
+
+
+@dataclass(frozen=True)
+class GeneratorMemory:
+    """Bytes of one generator replica on each of its GPUs."""
+
+    engine: str
+    share: float  # what it takes awake: vLLM its gpu_memory_utilization, native its weights and cache
+    weights: float
+    kv_cache: float
+    kv_tokens: int
+    asleep: float  # what stays while it sleeps (vLLM level 1: the CUDA context)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    config: Config
+    args: ModelArgs
+    trainer: TrainerMemory
+    generator: GeneratorMemory
+    gpu_bytes: float | None  # one GPU's memory; None: unknown (no check)
+
+    @property
+    def colocated(self) -> bool:
+        return self.config.controller.colocate
+
+    @property
+    def sleeps(self) -> bool:
+        return self.colocated and self.config.generator.sleep
+
+    def phases(self) -> dict[str, tuple[float, float]]:
+        """Per GPU, (trainer, generator) bytes in each phase that holds the GPU. Colocated with
+        sleep: the trainer's phase and the generation phase; colocated without: both at their
+        peak at once; apart: the trainer's GPUs and the generators' GPUs."""
+        t, g = self.trainer, self.generator
+        if self.sleeps:
+            return {"training": (t.peak, g.asleep), "generation": (t.resident, g.share)}
+        if self.colocated:
+            return {"both": (t.peak, g.share)}
+        return {"trainer GPUs": (t.peak, 0.0), "generator GPUs": (0.0, g.share)}
+
+    @property
+    def needed(self) -> tuple[str, float, float]:
+        """The phase that needs most, with its (trainer, generator) bytes."""
+        name, (trainer, generator) = max(self.phases().items(), key=lambda kv: sum(kv[1]))
+        return name, trainer, generator
+
+    @property
+    def host_bytes(self) -> float:
+        """Host memory per GPU that the run moves there (not checked): AdamW's offloaded moments
+        and, asleep, vLLM's weights."""
+        t, g = self.trainer, self.generator
+        moments = t.master_weights * 2 if self.config.trainer.offload_optimizer else 0.0
+        return moments + (g.weights if self.sleeps and g.engine == "vllm" else 0.0)
+
+    def problems(self) -> list[str]:
+        """Why the run cannot fit this GPU, each with the keys to change; empty when it fits or
+        the GPU's size is unknown."""
+        if self.gpu_bytes is None:
+            return []
+        c, g = self.config, self.generator
+        found = []
+        name, trainer, generator = self.needed
+        if trainer + generator > self.gpu_bytes:
+            found.append(f"{_gib(trainer + generator)} GiB needed per GPU of {_gib(self.gpu_bytes)} ({name}: trainer "
+                         f"{_gib(trainer)} + {g.engine} {_gib(generator)}): {self._fixes()}")
+        if g.engine == "vllm" and g.kv_tokens < c.generator.max_model_len:
+            found.append(f"vLLM's share ({_gib(g.share)} GiB) leaves KV cache for {g.kv_tokens} tokens after its "
+                         f"weights ({_gib(g.weights)} GiB), fewer than generator.max_model_len = "
+                         f"{c.generator.max_model_len}: raise generator.gpu_memory_utilization or generator.tp")
+        return found
+
+    def _fixes(self) -> str:
+        c = self.config
+        keys = []
+        if not c.trainer.offload_optimizer:
+            keys.append("trainer.offload_optimizer = true")
+        if self.colocated and c.generator.engine == "vllm" and not c.generator.sleep:
+            keys.append("generator.sleep = true")
+        if not c.trainer.activation_checkpointing:
+            keys.append("trainer.activation_checkpointing = true")
+        if self.colocated and not self.sleeps:
+            keys.append("lower generator.gpu_memory_utilization")
+        keys.append("more trainer.ranks")
+        keys.append("lower batcher.rows_per_microbatch or batcher.row_tokens")
+        return "set " + ", ".join(keys[:-1]) + " or " + keys[-1]
+
+    def check(self) -> None:
+        """Raises ConfigError, one line, when the run cannot fit (`problems`)."""
+        found = self.problems()
+        if found:
+            raise ConfigError("memory plan: " + "; ".join(found))
+
+    def table(self) -> str:
+        """The plan as a table, GiB per GPU, and its verdict."""
+        c, t, g = self.config, self.trainer, self.generator
+        ranks = c.trainer.ranks
+        tokens = c.batcher.rows_per_microbatch * c.batcher.row_tokens
+        rows = [
+            ("trainer: fp32 master weights" + (f" (1/{ranks} each)" if ranks > 1 else ""), t.master_weights),
+            ("trainer: fp32 gradients", t.gradients),
+            ("trainer: AdamW moments on the GPU" + (" (offloaded: one group)" if c.trainer.offload_optimizer else ""),
+             t.optimizer),
+            ("trainer: gathered compute copies", t.compute_copies),
+            (f"trainer: activations, {tokens} tokens a microbatch, checkpointing "
+             f"{'on' if c.trainer.activation_checkpointing else 'off'}", t.activations),
+            (f"trainer: LM head, {c.trainer.logprob_chunk_tokens}-token chunks", t.logprob_head),
+            ("trainer: CUDA context", t.context),
+            ("trainer: step peak", t.peak),
+            ("trainer: kept while generating", t.resident),
+            (f"{g.engine}: weights" + (f" (1/{c.generator.tp} each)" if c.generator.tp > 1 else ""), g.weights),
+            (f"{g.engine}: KV cache, {g.kv_tokens} tokens", g.kv_cache),
+            (f"{g.engine}: awake" + (f" (gpu_memory_utilization {c.generator.gpu_memory_utilization:g})"
+                                     if g.engine == "vllm" else ""), g.share),
+        ]
+        if self.sleeps:
+            rows.append((f"{g.engine}: asleep", g.asleep))
+        for name, (trainer, generator) in self.phases().items():
+            rows.append((f"GPU in phase '{name}' (trainer + generator)", trainer + generator))
+        if self.host_bytes:
+            rows.append(("host memory per GPU (offloaded moments, sleeping weights)", self.host_bytes))
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{'memory plan, GiB per GPU':<{width}}  {'GiB':>7}", f"{'-' * width}  {'-' * 7}"]
+        lines += [f"{name:<{width}}  {_gib(value):>7}" for name, value in rows]
+        if self.gpu_bytes is None:
+            lines.append("GPU size unknown: set controller.gpu_memory_gib (or plan on a machine with the GPU) to check")
+        else:
+            found = self.problems()
+            verdict = "fits" if not found else "does NOT fit: " + "; ".join(found)
+            lines.append(f"GPU of {_gib(self.gpu_bytes)} GiB: {verdict}")
+        return "\n".join(lines)
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.1f}"
+
+
+def gpu_gib(config: Config) -> float | None:
+    """One GPU's memory: `controller.gpu_memory_gib` when set, else that of the first GPU this
+    process sees (CUDA_VISIBLE_DEVICES) as nvidia-smi reports it, else unknown (None). Asked of
+    nvidia-smi, not CUDA, so that the controller's process holds no CUDA context on the GPU."""
+    if config.controller.gpu_memory_gib > 0:
+        return config.controller.gpu_memory_gib
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
+                               "-i", visible], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0 or not done.stdout.strip():
+        return None
+    return float(done.stdout.split()[0]) / 1024  # MiB
+
+
+def plan(config: Config, args: ModelArgs, gpu_gib: float | None = None) -> MemoryPlan:
+    """The plan of `config` for the model `args` (the checkpoint's config.json) on GPUs of
+    `gpu_gib` GiB (None: unknown, nothing is checked)."""
+    gpu_bytes = None if gpu_gib is None else gpu_gib * GIB
+    return MemoryPlan(config, args, trainer_memory(config, args), generator_memory(config, args, gpu_bytes), gpu_bytes)
+
+
+def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
+    t, b = config.trainer, config.batcher
+    ranks = t.ranks
+    params, root, layer, largest_root = _param_counts(args)
+    mixed = t.mixed_precision  # on CUDA: bf16 compute over fp32 masters
+    compute_bytes = 2 if mixed else 4
+    # An offload group is a decoder layer or one tensor of the root unit (rlactors.trainer.offload).
+    moments = 8 * params / ranks
+    on_gpu = 8 * max(largest_root, layer) / ranks if t.offload_optimizer else moments
+    copies = compute_bytes * (root + 2 * layer) if (mixed or ranks > 1) else 0.0
+    tokens = b.rows_per_microbatch * b.row_tokens
+    per_layer = saved_bytes_per_token_layer(args, compute_bytes)
+    if t.compile_layers and not config.model.true_on_policy:
+        per_layer *= COMPILED_ACTIVATION_SHARE
+    layers = args.num_hidden_layers
+    if t.activation_checkpointing:  # each layer's input kept, one layer's activations recomputed at a time
+        activations = tokens * (layers * compute_bytes * args.hidden_size + per_layer)
+    else:
+        activations = tokens * layers * per_layer
+    chunk = min(t.logprob_chunk_tokens, tokens)
+    # The final hidden states (kept for backward), per token fp32 logprob, logsumexp and entropy,
+    # and one chunk's logits at a time.
+    head = tokens * (compute_bytes * args.hidden_size + 12) + chunk * args.vocab_size * LOGPROB_CHUNK_BYTES
+    return TrainerMemory(master_weights=4 * params / ranks, gradients=4 * params / ranks, optimizer=on_gpu,
+                         compute_copies=copies, activations=activations, logprob_head=head,
+                         optimizer_resident=0.0 if t.offload_optimizer else moments)
+
+
+def kv_bytes_per_token(args: ModelArgs, dtype_bytes: int = 2) -> int:
+    """K and V of every layer for one token."""
+    return 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * dtype_bytes
+
+
+def generator_memory(config: Config, args: ModelArgs, gpu_bytes: float | None) -> GeneratorMemory:
+    """vLLM takes gpu_memory_utilization of a GPU of `gpu_bytes` (unknown: its weights and
+    runtime, with no KV cache, the least it needs); the native engine its weights and its
+    `generator.kv_cache_tokens`."""
+    g, m = config.generator, config.model
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
+    params = _param_counts(args)[0]
+    weights = dtype_bytes * params / g.tp
+    per_token = kv_bytes_per_token(args, dtype_bytes) / g.tp
+    if g.engine == "native":
+        kv = g.kv_cache_tokens * per_token
+        return GeneratorMemory("native", weights + kv + CUDA_CONTEXT_GIB * GIB, weights, kv, g.kv_cache_tokens,
+                               asleep=weights + kv + CUDA_CONTEXT_GIB * GIB)
+    share = g.gpu_memory_utilization * gpu_bytes if gpu_bytes is not None else weights + VLLM_RUNTIME_GIB * GIB
+    kv = max(0.0, share - weights - VLLM_RUNTIME_GIB * GIB)
+    return GeneratorMemory("vllm", share + VLLM_OUTSIDE_SHARE_GIB * GIB, weights, kv, int(kv // per_token),
+                           asleep=VLLM_OUTSIDE_SHARE_GIB * GIB)

@@ -1,0 +1,100 @@
+"""Optimizer state offload: AdamW's moments in host memory between steps, on the GPU only for the step.
+
+`OffloadedStep` keeps each parameter's optimizer state (exp_avg, exp_avg_sq, step) in pinned host
+memory and runs the optimizer step one group of parameters at a time (a decoder layer, or one of
+the others: embedding, LM head, final norm): the group's state is copied to the device, the
+optimizer steps those parameters alone (the others' gradients are held aside), and the updated
+state is copied back. The GPU holds one
+group's state at a time, not the model's; the update is the optimizer's own, on the device, so
+the weights and state are bitwise those of the plain step (AdamW's update of one parameter does
+not depend on the others'). The cost is a copy of the state each way per step, over PCIe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def layer_groups(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The parameters of each decoder layer, then each of the others (embedding, LM head, final
+    norm) on its own, in model order."""
+    layers = [list(layer.parameters()) for layer in model.model.layers]
+    in_layers = {id(p) for group in layers for p in group}
+    rest = [[p] for p in model.parameters() if id(p) not in in_layers]
+    return [group for group in (*layers, *rest) if group]
+
+
+def copy_to(value: Any, device: torch.device, pin: bool) -> Any:
+    """A copy of a state value on `device` (a DTensor: its local shard copied, the DTensor made
+    again around it); other values as they are. Pinned host memory where `pin` and the copy
+    goes to the CPU, so that copies to and from a GPU run at full speed."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    local = value.to_local() if isinstance(value, DTensor) else value
+    pin = pin and device.type == "cpu" and torch.cuda.is_available()
+    copy = torch.empty(local.shape, dtype=local.dtype, device=device, pin_memory=pin)
+    copy.copy_(local)
+    if isinstance(value, DTensor):
+        return DTensor.from_local(copy, value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    return copy
+
+
+class OffloadedStep:
+    """Steps `optimizer` over `groups` of its parameters, their state held on `host` between steps.
+
+    `device` is where the parameters live and the step runs; `host` where the state waits (the
+    CPU; tests may pass another device to see that it moves)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: Sequence[Sequence[nn.Parameter]],
+                 device: torch.device, host: torch.device | None = None):
+        self.optimizer, self.device, self.host = optimizer, device, host or torch.device("cpu")
+        self.groups = [list(group) for group in groups]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grouped = [p for group in self.groups for p in group]
+        if sorted(map(id, grouped)) != sorted(map(id, params)):
+            raise ValueError("the offload groups must hold each of the optimizer's parameters exactly once")
+
+    def step(self) -> None:
+        """One optimizer step, a group at a time; each group's state is back on the host after."""
+        grads = {p: p.grad for group in self.groups for p in group}
+        try:
+            for group in self.groups:
+                members = {id(p) for p in group}
+                for p in grads:
+                    p.grad = grads[p] if id(p) in members else None
+                self._move(group, self.device)
+                self.optimizer.step()
+                self._move(group, self.host)
+        finally:
+            for p, grad in grads.items():
+                p.grad = grad
+
+    def to_host(self) -> None:
+        """Every parameter's state to the host (after a step or a load that left it on the device)."""
+        for group in self.groups:
+            self._move(group, self.host)
+
+    def to_device(self) -> None:
+        """Every parameter's state to the device (for a checkpoint's save or load)."""
+        for group in self.groups:
+            self._move(group, self.device)
+
+    def _move(self, params: Sequence[nn.Parameter], device: torch.device) -> None:
+        state = self.optimizer.state
+        for p in params:
+            if p in state:
+                state[p] = {k: v if _on(v, device) else copy_to(v, device, pin=True) for k, v in state[p].items()}
+
+
+def _on(value: Any, device: torch.device) -> bool:
+    """Whether `value` needs no move to `device` (not a tensor, or there already)."""
+    if not isinstance(value, torch.Tensor):
+        return True
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return local.device == device

@@ -1,0 +1,204 @@
+"""The memory plan (rlactors.run.memory_plan): its arithmetic against figures computed by hand, the
+decoder's saved bytes against what autograd really keeps, and a run that cannot fit refused in
+one line, by `--plan` and before the controller spawns anything."""
+
+import asyncio
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlactors import train
+from rlactors.config import ConfigError, load_config
+from rlactors.models.checkpoint import checkpoint_shapes, load_args
+from rlactors.models.decoder import DecoderLayer
+from rlactors.models.tiny import make_tiny_checkpoint, size_args
+from rlactors.run.controller import Controller
+from rlactors.run.memory_plan import GIB, gpu_gib, plan, saved_bytes_per_token_layer
+
+V = 151936  # Qwen3's vocabulary
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    """config.json and tokenizer (no weights) of the 4B and 8B shapes."""
+    root = tmp_path_factory.mktemp("shapes")
+    return {size: make_tiny_checkpoint(root / size, size=size, weights=False) for size in ("4b", "8b")}
+
+
+def cuda_config(path, *overrides, gpus=1):
+    return load_config(None, [f'model.path="{path}"', 'model.dtype="bfloat16"', 'controller.device="cuda"',
+                              'generator.engine="vllm"',
+                              *overrides], available_gpus=gpus)
+
+
+class _FlashLike(torch.autograd.Function):
+    """What a FlashAttention kernel keeps for backward: q, k, v, the output and an fp32 logsumexp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.zeros_like(q)
+        ctx.save_for_backward(q, k, v, out, torch.zeros(q.shape[1], q.shape[0]))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_saved_bytes_per_token_layer_are_what_autograd_keeps(family):
+    args = size_args("small", 1000, family=family)
+    layer = DecoderLayer(args, 0).to(torch.bfloat16)
+    tokens = 16
+    x = torch.randn(tokens, args.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = torch.randn(2, tokens, args.head_dim, dtype=torch.bfloat16)
+    # Parameters and RoPE's tables (one per forward, not per layer) are not activations.
+    shared = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), cos, sin)}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in shared:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, cos[:, None].squeeze(1), sin, lambda i, q, k, v: _FlashLike.apply(q, k, v))
+    assert sum(kept.values()) == tokens * saved_bytes_per_token_layer(args)
+
+
+def test_plan_of_4b_on_one_gpu_colocated_with_sleep_and_offload(shapes):
+    c = cuda_config(shapes["4b"], "trainer.ranks=1", "trainer.offload_optimizer=true", "generator.replicas=1",
+                    "generator.gpu_memory_utilization=0.3", "generator.max_model_len=8192", "generator.sleep=true",
+                    "controller.colocate=true", 'controller.mode="sync"', "batcher.row_tokens=8192",
+                    "batcher.rows_per_microbatch=1")
+    p = plan(c, load_args(c.model.path), gpu_gib=80)
+    # By hand. Qwen3-4B: hidden 2560, intermediate 9728, 36 layers, 32 q / 8 kv heads of 128, tied.
+    layer = 2560 * 4096 + 2 * 2560 * 1024 + 4096 * 2560 + 2 * 128 + 3 * 2560 * 9728 + 2 * 2560
+    root = V * 2560 + 2560  # embedding (the head is tied) and final norm
+    params = 36 * layer + root
+    assert (layer, params) == (100_930_816, 4_022_468_096)
+    t = p.trainer
+    assert t.master_weights == t.gradients == 4 * params
+    assert t.optimizer == 8 * V * 2560  # offloaded: the largest group's moments (the embedding)
+    assert t.optimizer_resident == 0
+    assert t.compute_copies == 2 * (root + 2 * layer)  # bf16 root and two layers
+    # Eager bytes per token and layer: 2 norms (fp32 copy, bf16 normalized and output, rsqrt),
+    # q/k norms (fp32 copy, bf16 normalized, rsqrt per head), attention (q, k, v, out, lse), MLP.
+    eager = 2 * (8 * 2560 + 4) + (6 * (4096 + 1024) + 4 * 40) + (2 * (2 * 4096 + 2 * 1024) + 4 * 32) + 8 * 9728
+    assert eager == 170_280
+    assert t.activations == pytest.approx(8192 * 36 * eager * 0.70)  # compiled layers keep 70% of it
+    assert t.logprob_head == 8192 * (2 * 2560 + 12) + 1024 * V * 14
+    peak = 4 * params * 2 + 8 * V * 2560 + 2 * (root + 2 * layer) + 8192 * 36 * eager * 0.70 + t.logprob_head + GIB / 2
+    assert t.peak == pytest.approx(peak)
+    g = p.generator
+    share = 0.3 * 80 * GIB
+    assert g.weights == 2 * params and g.share == share + 2 * GIB and g.asleep == 2 * GIB
+    assert g.kv_tokens == int((share - 2 * params - 2 * GIB) // (2 * 36 * 8 * 128 * 2))
+    phases = p.phases()
+    assert phases["training"] == (pytest.approx(peak), 2 * GIB)
+    assert phases["generation"] == (4 * params + GIB / 2, share + 2 * GIB)
+    assert sum(phases["training"]) / GIB == pytest.approx(71.3, abs=0.05)
+    assert p.host_bytes == 8 * params + 2 * params  # the offloaded moments, vLLM's weights asleep
+    assert p.problems() == []
+
+
+def test_plan_of_8b_on_two_trainer_gpus_apart_from_the_generators(shapes):
+    c = cuda_config(shapes["8b"], "trainer.ranks=2", "trainer.activation_checkpointing=true",
+                    "trainer.compile_layers=false", "generator.replicas=2", "generator.gpu_memory_utilization=0.9",
+                    "batcher.row_tokens=16384", "batcher.rows_per_microbatch=1", gpus=4)
+    p = plan(c, load_args(c.model.path), gpu_gib=80)
+    # By hand. Qwen3-8B: hidden 4096, intermediate 12288, 36 layers, 32 q / 8 kv heads, untied.
+    layer = 4096 * 4096 + 2 * 4096 * 1024 + 4096 * 4096 + 2 * 128 + 3 * 4096 * 12288 + 2 * 4096
+    root = 2 * V * 4096 + 4096  # embedding, LM head, final norm
+    params = 36 * layer + root
+    assert params == 8_190_735_360
+    t = p.trainer
+    assert t.master_weights == t.gradients == 4 * params / 2
+    assert t.optimizer == t.optimizer_resident == 8 * params / 2
+    eager = 2 * (8 * 4096 + 4) + (6 * (4096 + 1024) + 4 * 40) + (2 * (2 * 4096 + 2 * 1024) + 4 * 32) + 8 * 12288
+    # Checkpointing: each layer's bf16 input kept, one layer's activations (eager: not compiled).
+    assert t.activations == 16384 * (36 * 2 * 4096 + eager)
+    peak = 16 * params / 2 + 2 * (root + 2 * layer) + t.activations + 16384 * (2 * 4096 + 12) + 1024 * V * 14 + GIB / 2
+    assert t.peak == pytest.approx(peak)
+    assert p.generator.share == 0.9 * 80 * GIB + 2 * GIB
+    assert p.phases() == {"trainer GPUs": (pytest.approx(peak), 0.0), "generator GPUs": (0.0, 0.9 * 80 * GIB + 2 * GIB)}
+    assert peak / GIB == pytest.approx(74.5, abs=0.05)
+    assert p.problems() == []
+
+
+def test_the_32b_config_fits_eight_80gb_gpus(tmp_path):
+    checkpoint = make_tiny_checkpoint(tmp_path / "32b", size="32b", weights=False)
+    c = load_config(ROOT / "configs" / "qwen3_32b_8gpu.toml", [f'model.path="{checkpoint}"'], available_gpus=8)
+    p = plan(c, load_args(checkpoint), gpu_gib(c))
+    assert p.gpu_bytes == 79.6 * GIB and p.problems() == []
+    name, trainer, generator = p.needed
+    assert name == "generation" and (trainer + generator) / GIB == pytest.approx(69.5, abs=0.05)
+
+
+def test_a_run_that_cannot_fit_fails_in_one_line_naming_the_keys(shapes):
+    # The GPU demo's config at the 4B shape: trainer and vLLM resident together on an H200.
+    c = cuda_config(shapes["4b"], "trainer.ranks=1", "generator.replicas=1", "generator.gpu_memory_utilization=0.3",
+                    "controller.colocate=true", "batcher.row_tokens=16384", "batcher.rows_per_microbatch=1")
+    with pytest.raises(ConfigError) as error:
+        plan(c, load_args(c.model.path), gpu_gib=139.8).check()
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("memory plan: 173.1 GiB needed per GPU of 139.8 (both: trainer 129.1 + vllm 43.9): set "
+                              "trainer.offload_optimizer = true, generator.sleep = true, "
+                              "trainer.activation_checkpointing = true, lower generator.gpu_memory_utilization")
+    # vLLM's share too small for one sequence of max_model_len
+    c = cuda_config(shapes["8b"], "trainer.ranks=1", "generator.replicas=1", "generator.gpu_memory_utilization=0.2",
+                    "generator.max_model_len=16384", "rollout.max_total_tokens=16384", gpus=2)
+    with pytest.raises(ConfigError, match=r"^memory plan: 148\.3 GiB needed per GPU of 80\.0 \(trainer GPUs: trainer "
+                                          r"148\.3 \+ vllm 0\.0\): set .*; vLLM's share \(18\.0 GiB\) leaves KV cache "
+                                          r"for 0 tokens after its weights \(15\.3 GiB\), fewer than "
+                                          r"generator\.max_model_len = 16384: raise "
+                                          r"generator\.gpu_memory_utilization or generator\.tp$"):
+        plan(c, load_args(c.model.path), gpu_gib=80).check()
+
+
+def test_plan_command_prints_the_table_and_refuses_what_cannot_fit(shapes, capsys):
+    base = ["--plan", f'model.path="{shapes["4b"]}"', 'model.dtype="bfloat16"', 'controller.device="cuda"',
+            'generator.engine="vllm"', "trainer.ranks=1", "generator.replicas=1",
+            "generator.gpu_memory_utilization=0.3", "controller.colocate=true", "controller.gpu_memory_gib=139.8",
+            "batcher.row_tokens=16384", "batcher.rows_per_microbatch=1"]
+    assert train.main([*base, "generator.sleep=true", "trainer.offload_optimizer=true"]) == 0
+    out = capsys.readouterr().out
+    assert "trainer: step peak" in out and "GPU in phase 'generation'" in out
+    assert out.rstrip().endswith("GPU of 139.8 GiB: fits")
+    assert train.main(base) == 2
+    captured = capsys.readouterr()
+    assert "does NOT fit" in captured.out
+    assert captured.err.count("\n") == 1 and captured.err.startswith("error: memory plan: 173.1 GiB needed per GPU")
+
+
+def write_sparse_weights(checkpoint):
+    """A model.safetensors whose header names every tensor of the shape and whose data is a hole
+    in a sparse file: the checks of a checkpoint read headers only, and the disk holds none of it."""
+    header, offset = {}, 0
+    for name, shape in checkpoint_shapes(load_args(checkpoint)).items():
+        size = 2 * math.prod(shape)
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    with (checkpoint / "model.safetensors").open("wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + offset)
+
+
+def test_the_controller_refuses_a_run_that_cannot_fit_before_spawning(shapes, tmp_path):
+    checkpoint = make_tiny_checkpoint(tmp_path / "4b", size="4b", weights=False)
+    write_sparse_weights(checkpoint)
+    c = cuda_config(checkpoint, "trainer.ranks=1", "generator.replicas=1", "controller.colocate=true",
+                    "controller.gpu_memory_gib=80", "batcher.row_tokens=16384", "batcher.rows_per_microbatch=1",
+                    f'controller.run_dir="{tmp_path / "run"}"')
+    controller = Controller(c)
+    with pytest.raises(ConfigError, match=r"^memory plan: .* needed per GPU of 80\.0"):
+        asyncio.run(controller.start())
+    assert controller.trainer is None and controller.router is None

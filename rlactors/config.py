@@ -226,6 +226,21 @@ class LossConfig(_Section):
 
 
 @dataclass
+class TeacherConfig(_Section):
+    """On-policy distillation: a teacher with the student's tokenizer, held frozen by the trainer
+    ranks (in model.dtype), scores the sampled tokens; each token's advantage becomes
+    task_coef * A - coef * (log p_student - log p_teacher) (docs/algorithms.md)."""
+
+    path: str = ""  # an HF checkpoint dir of any supported family; "" = off
+    coef: float = 1.0
+    task_coef: float = 1.0  # the task reward's share; 0 = distillation alone
+
+    def validate(self, key: str) -> None:
+        _check(0 < self.coef < math.inf, f"{key}.coef", f"must be > 0 and finite, got {self.coef}")
+        _check(0 <= self.task_coef < math.inf, f"{key}.task_coef", f"must be >= 0 and finite, got {self.task_coef}")
+
+
+@dataclass
 class ControllerConfig(_Section):
     device: Literal["cpu", "cuda"] = "cpu"
     colocate: bool = False  # CUDA: generators share the trainer's GPUs (single-GPU machines)
@@ -372,6 +387,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -389,6 +405,7 @@ class Config:
         """Checks the combinations of the sections' values (each section checked its own when it
         was made); `available_gpus` defaults to this host's."""
         c = self
+        _check(not c.teacher.path or c.loss.name != "sft", "teacher.path", "distills into a policy loss, not 'sft'")
         _check(c.rollout.max_total_tokens <= c.generator.max_model_len, "rollout.max_total_tokens",
                f"exceeds generator.max_model_len ({c.generator.max_model_len})")
         _check(c.rollout.max_tokens_per_turn <= c.rollout.max_total_tokens, "rollout.max_tokens_per_turn",

@@ -134,6 +134,7 @@ class LossStats:
         if "nonfinite_logprob_tokens" in sums:
             out["nonfinite_logprob_tokens"] = sums["nonfinite_logprob_tokens"]
         means = {"entropy": "entropy/mean", "ratio": "ratio/mean", "clipped": "clip_fraction", "kl": "kl/mean",
+                 "teacher_kl": "teacher_kl/mean",
                  "is_masked": "is_masked/share", "is_truncated": "is_truncated/share"}
         for key, name in means.items():
             if key in sums:
@@ -235,6 +236,18 @@ def compute_loss(
     if entropy is not None:
         stats.sums["entropy"] = torch.where(used, entropy.detach(), 0.0).sum().double()
     return loss, stats
+
+
+def distillation_advantages(
+    task_coef: float, coef: float, advantages: torch.Tensor, logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor, used: torch.Tensor,
+) -> tuple[torch.Tensor, LossStats]:
+    """On-policy distillation: per loss token (`used`), task_coef * A - coef * (log p - log p_teacher),
+    the negated reverse-KL estimate on the student's own sample as a per-token reward (`logprobs`:
+    the student's, no gradient); the stats sum that estimate (`teacher_kl/mean`)."""
+    reverse_kl = torch.where(used, logprobs - teacher_logprobs, 0.0)
+    shaped = torch.where(used, task_coef * advantages - coef * reverse_kl, advantages)
+    return shaped, LossStats(sums={"teacher_kl": reverse_kl.sum().double()})
 
 
 def _sequence_sum(values: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:

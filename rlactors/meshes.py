@@ -62,7 +62,8 @@ class Meshes:
             raise TrainingError(f"job.scheduler: {e}") from None
         kernels = sides(c.model.true_on_policy, c.generator.engine, c.controller.device).trainer
         trainer_procs, trainer, ranks = await spawn_trainer(self.hosts.trainers, c.model, c.trainer, kernels,
-                                                            c.controller.device, reference=c.loss.kl_coef > 0)
+                                                            c.controller.device, reference=c.loss.kl_coef > 0,
+                                                            teacher=c.teacher)
         router_procs, router = spawn_router(c, self.hosts.generators)
         self._procs = [trainer_procs, router_procs]
         # Calls to a proc that exits (or stays unresponsive past the timeout) fail at once with ProcLost.

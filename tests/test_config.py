@@ -55,6 +55,8 @@ def test_loss_algorithm_keys_load_and_are_checked_with_their_names():
         ("gspo", 2.0, "sequence", 0.5, 5.0)
     assert (loss.kl_coef, loss.kl_estimator, loss.kl_as) == (0.01, "k1", "reward") and loss.corrects_mismatch
     assert load_config(overrides=["loss.name=cispo", "loss.clip_low=1"]).loss.clip_low == 1.0
+    teacher = load_config(overrides=["teacher.path=big", "teacher.coef=0.5", "teacher.task_coef=0"]).teacher
+    assert (teacher.path, teacher.coef, teacher.task_coef) == ("big", 0.5, 0.0)
     for overrides, error in (
         (["loss.name=ppo"], r"^loss\.name: expected one of 'grpo', 'dapo', 'dr_grpo', 'gspo', 'cispo', 'sft'"),
         (["loss.tis_level=sequence"], r"^loss\.tis_level: is 'sequence', but loss\.tis_cap is 0 \(off\)$"),
@@ -70,6 +72,9 @@ def test_loss_algorithm_keys_load_and_are_checked_with_their_names():
         (["loss.name=sft", "loss.is_mask_high=2"], r"^loss\.is_mask_high: is for policy losses, not 'sft'$"),
         (["loss.clip_high=inf"], r"^loss\.clip_high: must be >= 0 and finite, got inf$"),
         (["loss.kl_cof=0.1"], r"^loss\.kl_cof: unknown key"),
+        (["teacher.coef=0"], r"^teacher\.coef: must be > 0 and finite, got 0.0$"),
+        (["teacher.task_coef=-1"], r"^teacher\.task_coef: must be >= 0 and finite, got -1.0$"),
+        (["teacher.path=t", "loss.name=sft"], r"^teacher\.path: distills into a policy loss, not 'sft'$"),
     ):
         with pytest.raises(ConfigError, match=error):
             load_config(overrides=overrides)

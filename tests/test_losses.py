@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlactors.config import LossConfig
-from rlactors.losses import LossNorm, LossStats, compute_loss
+from rlactors.losses import LossNorm, LossStats, compute_loss, distillation_advantages
 
 NAN, INF = float("nan"), float("inf")
 
@@ -393,3 +393,15 @@ def test_sequence_losses_and_kl_refuse_missing_inputs():
         run2(LossConfig(name="gspo"), LossNorm(num_tokens=5))
     with pytest.raises(ValueError, match="reference_logprobs has shape"):
         run2(LossConfig(name="grpo", kl_coef=0.1), reference=[0.0])
+
+
+def test_distillation_advantage_is_the_negated_reverse_kl_on_the_sampled_tokens_mixed_with_the_task():
+    advantages, logp = torch.tensor([1.0, -1.0, 2.0, 5.0]), torch.tensor([-1.0, -0.5, -2.0, -0.3])
+    teacher, used = torch.tensor([-0.5, -1.5, -2.0, -9.0]), torch.tensor([True, True, True, False])
+    shaped, stats = distillation_advantages(0.5, 2.0, advantages, logp, teacher, used)
+    # 0.5 A - 2 (log p - log p_teacher) on loss tokens; the last token is left as it is.
+    assert shaped.tolist() == pytest.approx([0.5 - 2 * -0.5, -0.5 - 2 * 1.0, 1.0 - 0.0, 5.0])
+    assert stats.metrics()["teacher_kl/mean"] == 0.0  # no "tokens" sum of its own: compute_loss gives it
+    assert float(stats.sums["teacher_kl"]) == pytest.approx(-0.5 + 1.0 + 0.0)
+    alone, _ = distillation_advantages(0.0, 1.0, advantages, logp, teacher, used)
+    assert alone.tolist() == pytest.approx([0.5, -1.0, 0.0, 5.0])

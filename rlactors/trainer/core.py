@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlactors.attention.varlen import cu_seqlens_from_positions
-from rlactors.config import LossConfig, ModelConfig, TrainerConfig, check_model_keys
-from rlactors.losses import LossNorm, LossStats, compute_loss, loss_tokens
+from rlactors.config import ConfigError, LossConfig, ModelConfig, TeacherConfig, TrainerConfig, check_model_keys
+from rlactors.losses import LossNorm, LossStats, compute_loss, distillation_advantages, loss_tokens
 from rlactors.models.args import DTYPES
 from rlactors.models.checkpoint import (
     checkpoint_shapes,
@@ -111,11 +111,13 @@ class PolicyTrainerCore:
     what the trainer runs (`rlactors.on_policy.sides`: the generator's kernels in
     `model.true_on_policy` mode). Decoder layers are torch.compile'd with
     `trainer.compile_layers` on CUDA unless those kernels must run eager. With `reference`, the
-    rank also holds the initial weights frozen (`rlactors.trainer.reference`), for `loss.kl_coef`.
+    rank also holds the initial weights frozen (`rlactors.trainer.reference`), for `loss.kl_coef`;
+    with a `teacher` whose path is set, that model frozen too, whose logprobs of the sampled tokens
+    shape the advantages (on-policy distillation).
     """
 
     def __init__(self, model: ModelConfig, trainer: TrainerConfig, device: torch.device, kernels: TrainerSide,
-                 reference: bool = False):
+                 reference: bool = False, teacher: TeacherConfig | None = None):
         self.model_config, self.config, self.device = model, trainer, device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.world_size != trainer.ranks:
@@ -137,6 +139,14 @@ class PolicyTrainerCore:
         self.reference = ReferencePolicy(
             self.args, model.path, device, DTYPES[model.dtype], kernels, trainer.expert_parallel,
             trainer.logprob_chunk_tokens) if reference else None
+        self.teacher_config, self.teacher = (teacher if teacher is not None and teacher.path else None), None
+        if self.teacher_config is not None:
+            teacher_args = load_args(teacher.path)
+            if teacher_args.vocab_size != self.args.vocab_size:
+                raise ConfigError(f"teacher.path: {teacher.path} has {teacher_args.vocab_size} tokens, the student "
+                                  f"{self.args.vocab_size}: a teacher needs the student's tokenizer")
+            self.teacher = ReferencePolicy(teacher_args, teacher.path, device, DTYPES[model.dtype], kernels,
+                                           logprob_chunk_tokens=trainer.logprob_chunk_tokens)
         # Per sparse layer, of the current forward: the expert ids [T, k] its router chose (before
         # any replay), and (for the load-balancing loss) its router logits.
         self._routing: list[torch.Tensor] = []
@@ -175,14 +185,22 @@ class PolicyTrainerCore:
             raise ValueError("loss.kl_coef > 0 needs the reference policy: this trainer was built without one")
         mb = microbatches[self.rank].to(self.device)
         reference = self.reference.logprobs(mb) if loss.kl_coef > 0 else None
+        teacher = self.teacher.logprobs(mb) if self.teacher is not None else None
         self._router_logits.clear()
         self._routing.clear()
         logprobs, entropy = self._token_logprobs(mb, with_entropy=True)
+        advantages, generator_logprobs = mb.advantages.reshape(-1), mb.generator_logprobs.reshape(-1)
+        distilled = LossStats()
+        if teacher is not None:
+            advantages, distilled = distillation_advantages(
+                self.teacher_config.task_coef, self.teacher_config.coef, advantages, logprobs.detach(), teacher,
+                loss_tokens(loss.name, mb.loss_mask.reshape(-1), generator_logprobs))
         value, stats = compute_loss(
-            loss, norm, logprobs, mb.loss_mask.reshape(-1), mb.advantages.reshape(-1),
-            mb.generator_logprobs.reshape(-1), entropy.detach(), current_policy=mb.versions.reshape(-1) == self.version,
-            positions=mb.positions.reshape(-1), reference_logprobs=reference,
+            loss, norm, logprobs, mb.loss_mask.reshape(-1), advantages, generator_logprobs, entropy.detach(),
+            current_policy=mb.versions.reshape(-1) == self.version, positions=mb.positions.reshape(-1),
+            reference_logprobs=reference,
         )
+        stats = stats.merge(distilled)
         if self._router_logits:
             # Weighted by the microbatch's share of the step's loss tokens: over the step, the
             # token-weighted mean of the microbatches' load-balancing losses.

@@ -5,13 +5,14 @@ failure paths."""
 import asyncio
 import json
 import math
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from support.trainer_inputs import cat, one_rank_process_group, rows
 
-from rlactors.config import ConfigError, LossConfig, ModelConfig, TrainerConfig
+from rlactors.config import ConfigError, LossConfig, ModelConfig, TeacherConfig, TrainerConfig
 from rlactors.losses import LossNorm, compute_loss
 from rlactors.models.args import FAMILIES
 from rlactors.models.checkpoint import (
@@ -42,11 +43,11 @@ def device():
         yield torch.device("cpu")
 
 
-def make_core(ckpt, device, routing_replay=False, reference=False, **trainer):
+def make_core(ckpt, device, routing_replay=False, reference=False, teacher=None, **trainer):
     config = dict(ranks=1, lr=1e-2, max_grad_norm=0.005, weight_decay=0.1, warmup_steps=1, logprob_chunk_tokens=50)
     return PolicyTrainerCore(ModelConfig(path=str(ckpt), routing_replay=routing_replay),
                              TrainerConfig(**{**config, **trainer}), device, sides(False, "native", device).trainer,
-                             reference=reference)
+                             reference=reference, teacher=teacher)
 
 
 def step(core, batches, loss=LossConfig(name="dapo", clip_high=0.28)):
@@ -137,6 +138,37 @@ def test_each_algorithm_steps_as_plain_pytorch_however_microbatched(loss, tiny_c
         assert core.reference.local_bytes() == reference_bytes_per_rank(core.args, torch.float32, ranks=1)
     else:
         assert core.reference is None
+
+
+def test_a_teachers_logprobs_of_the_sampled_tokens_shape_the_advantages(tiny_ckpt, tiny_ckpt_untied, device,
+                                                                         tmp_path):
+    """On-policy distillation, with the task's advantage at half weight: one step equals plain
+    PyTorch with advantages 0.5 A - 2 (log p_student - log p_teacher) (the teacher: another model)."""
+    teacher = TeacherConfig(path=str(tiny_ckpt_untied), coef=2.0, task_coef=0.5)
+    loss, mb = LossConfig(name="grpo"), cat(rows(0, count=4))
+    student, frozen = from_pretrained(tiny_ckpt), from_pretrained(tiny_ckpt_untied).requires_grad_(False)
+    flat = {name: getattr(mb, name).reshape(-1) for name in MICROBATCH_FIELDS}
+    logprobs, teacher_logprobs = (m.token_logprobs(m.forward_packed(flat["input_ids"], flat["positions"]),
+                                                   flat["target_ids"]) for m in (student, frozen))
+    used = flat["loss_mask"] & flat["generator_logprobs"].isfinite()
+    shaped = torch.where(used, 0.5 * flat["advantages"] - 2.0 * (logprobs.detach() - teacher_logprobs), 0.0)
+    norm = LossNorm.for_step([mb], "grpo")
+    value, _ = compute_loss(loss, norm, logprobs, flat["loss_mask"], shaped, flat["generator_logprobs"])
+    value.backward()
+    expected_norm = float(torch.nn.utils.clip_grad_norm_(student.parameters(), 0.005))
+    core = make_core(tiny_ckpt, device, teacher=teacher)
+    metrics = step(core, [mb], loss)
+    assert metrics["grad_norm"] == pytest.approx(expected_norm, rel=1e-5)
+    assert metrics["loss"] == pytest.approx(value.item(), rel=1e-5)
+    reverse_kl = float(torch.where(used, logprobs.detach() - teacher_logprobs, 0.0).sum() / used.sum())
+    assert metrics["teacher_kl/mean"] == pytest.approx(reverse_kl, rel=1e-5) and abs(reverse_kl) > 1e-3
+    other_vocab = tmp_path / "other_vocab"
+    shutil.copytree(tiny_ckpt, other_vocab)
+    config = json.loads((other_vocab / "config.json").read_text())
+    (other_vocab / "config.json").write_text(json.dumps({**config, "vocab_size": 2048}))
+    with pytest.raises(ConfigError, match=r"^teacher.path: .*other_vocab has 2048 tokens, the student 1024: a "
+                                          r"teacher needs the student's tokenizer$"):
+        make_core(tiny_ckpt, device, teacher=TeacherConfig(path=str(other_vocab)))
 
 
 def test_reference_bytes_count_each_ranks_rows_in_the_reference_dtype(tiny_ckpt):

@@ -8,8 +8,11 @@ benchmarks/results/distillation_cpu.md (results_table.py).
 Defaults: the student is examples/alphabet_sort/warm_checkpoint_gpu (its demonstrations forgot
 the answer tags in 70% of turns: its greedy replies score low), the teacher
 examples/alphabet_sort/warm_checkpoint (same shape and tokenizer, 40% untagged: clearly higher),
-on configs/alphabet_sort_cpu.toml. "Steps to close 80%": the first eval step at which the student
-has closed 80% of its step-0 gap to the teacher. Overrides after the options apply to every run.
+on configs/alphabet_sort_cpu.toml. A stronger teacher is a run's own checkpoint: a GRPO run of
+this benchmark trained further (`--teacher RUN/checkpoints/step_N/hf`), whose curve `--grpo-run RUN`
+then reuses instead of training GRPO again (same config and seed). "Steps to close 80%": the
+first eval step at which the student has closed 80% of its step-0 gap to the teacher. Overrides
+after the options apply to every run.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ def train(run_dir: Path, config: Path, overrides: list[str]) -> dict[int, float]
     """The run's held-out eval reward by step."""
     subprocess.run([sys.executable, "-m", "rlactors.train", "--config", str(config),
                     f"controller.run_dir={json.dumps(str(run_dir))}", *overrides], check=True, cwd=ROOT)
+    return eval_curve(run_dir)
+
+
+def eval_curve(run_dir: Path) -> dict[int, float]:
     return {int(r["step"]): r[EVAL_REWARD_MEAN] for r in read_metrics(run_dir) if EVAL_REWARD_MEAN in r}
 
 
@@ -78,6 +85,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-samples", type=int, default=200)
     parser.add_argument("--coef", type=float, default=1.0, help="teacher.coef")
+    parser.add_argument("--grpo-run", type=Path, help="a finished GRPO run dir of the same settings, to reuse")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     common = [f"model.path={json.dumps(str(args.student))}", f"controller.steps={args.steps}",
@@ -87,7 +95,7 @@ def main() -> None:
         tmp = Path(tmp)
         teacher = evaluate(args.teacher, args.config, [f"eval.samples={args.eval_samples}", *args.overrides],
                            tmp / "teacher.json")
-        curves = {"GRPO": train(tmp / "grpo", args.config, common),
+        curves = {"GRPO": eval_curve(args.grpo_run) if args.grpo_run else train(tmp / "grpo", args.config, common),
                   "GRPO + distillation": train(tmp / "distilled", args.config,
                                                [*common, f"teacher.path={json.dumps(str(args.teacher))}",
                                                 f"teacher.coef={args.coef}"])}

@@ -56,6 +56,12 @@ def steps_to_close(curve: dict[int, float], teacher: float, share: float) -> str
     return next((str(step) for step, value in sorted(curve.items()) if value >= target), "not reached")
 
 
+def label(path: Path) -> str:
+    """A checkpoint's name: its dir, or for a run's `hf/` export the run and step it comes from."""
+    path = path.resolve()
+    return "/".join(path.parts[-4:]) if path.name == "hf" else path.name
+
+
 def plot(curves: dict[str, dict[int, float]], teacher: float, path: Path) -> None:
     import matplotlib
 
@@ -105,7 +111,7 @@ def main() -> None:
     def by_step(curve: dict[int, float]) -> str:
         return ", ".join(f"{step}: {value:.3f}" for step, value in sorted(curve.items()))
 
-    figures = [args.student.name, args.teacher.name, f"{teacher:.3f}", args.steps, by_step(curves["GRPO"]),
+    figures = [label(args.student), label(args.teacher), f"{teacher:.3f}", args.steps, by_step(curves["GRPO"]),
                by_step(curves["GRPO + distillation"]),
                *(steps_to_close(curve, teacher, 0.8) for curve in curves.values()), png.name]
     print(append_row(RESULTS / "distillation_cpu.md", "On-policy distillation against GRPO alone (alphabet_sort)",

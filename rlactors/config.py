@@ -29,7 +29,8 @@ MONARCH_STATE_QUERY_WAIT_S = 600
 # The choices of the Literal fields that code outside this module also names.
 UpdateMode = Literal["drain", "hot_swap"]
 AdvantageMethod = Literal["grpo", "dr_grpo"]
-LossName = Literal["grpo", "dapo", "dr_grpo", "sft"]
+LossName = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo", "sft"]
+CorrectionLevel = Literal["token", "sequence"]
 
 
 class ConfigError(ValueError):
@@ -189,15 +190,59 @@ class BatcherConfig(_Section):
 
 @dataclass
 class LossConfig(_Section):
+    """The loss and its corrections; docs/algorithms.md gives each one's formula."""
+
     name: LossName = "grpo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # DAPO uses a higher upper clip, e.g. 0.28
-    tis_cap: float = 0.0  # truncated importance sampling cap on trainer/generator ratio; 0 = off
+    clip_low: float = 0.2  # 1 = no lower bound (CISPO's usual setting)
+    clip_high: float = 0.2  # DAPO uses a higher upper clip, e.g. 0.28; GSPO ~4e-4, CISPO ~0.28
+    # Trainer/generator mismatch (and async lag): the ratio p_trainer / p_generator, per token or per
+    # sequence (geometric mean over its loss tokens). tis_cap truncates it into an IS weight;
+    # [is_mask_low, is_mask_high] keeps the tokens (sequences) whose ratio lies inside it.
+    tis_cap: float = 0.0  # 0 = off
+    tis_level: CorrectionLevel = "token"
+    is_mask_low: float = 0.0
+    is_mask_high: float = 0.0  # 0 = off
+    is_mask_level: CorrectionLevel = "token"
+    # KL to the initial policy, held frozen by the trainer (in model.dtype): 0 = off (no copy).
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    kl_as: Literal["loss", "reward"] = "loss"  # a loss term, or a per-token penalty on the advantage
+
+    @property
+    def corrects_mismatch(self) -> bool:
+        return self.tis_cap > 0 or self.is_mask_high > 0
 
     def validate(self, key: str) -> None:
-        _check(0 <= self.clip_low < 1, f"{key}.clip_low", "must be in [0, 1)")
-        _check(self.clip_high >= 0, f"{key}.clip_high", "must be >= 0")
+        _check(0 <= self.clip_low <= 1, f"{key}.clip_low", f"must be in [0, 1], got {self.clip_low}")
+        _check(0 <= self.clip_high < math.inf, f"{key}.clip_high", f"must be >= 0 and finite, got {self.clip_high}")
         _check(self.tis_cap == 0 or self.tis_cap >= 1, f"{key}.tis_cap", "must be 0 (off) or >= 1")
+        _check(self.tis_level == "token" or self.tis_cap > 0, f"{key}.tis_level",
+               f"is {self.tis_level!r}, but {key}.tis_cap is 0 (off)")
+        _check(self.is_mask_high == 0 or 1 <= self.is_mask_high, f"{key}.is_mask_high",
+               f"must be 0 (off) or >= 1, got {self.is_mask_high}")
+        _check(0 <= self.is_mask_low <= 1 and (self.is_mask_low == 0 or self.is_mask_high > 0), f"{key}.is_mask_low",
+               f"must be in [0, 1], and 0 while {key}.is_mask_high is 0 (off), got {self.is_mask_low}")
+        _check(self.is_mask_level == "token" or self.is_mask_high > 0, f"{key}.is_mask_level",
+               f"is {self.is_mask_level!r}, but {key}.is_mask_high is 0 (off)")
+        _check(0 <= self.kl_coef < math.inf, f"{key}.kl_coef", f"must be >= 0 and finite, got {self.kl_coef}")
+        if self.name == "sft":
+            for name in ("tis_cap", "is_mask_high", "kl_coef"):
+                _check(getattr(self, name) == 0, f"{key}.{name}", "is for policy losses, not 'sft'")
+
+
+@dataclass
+class TeacherConfig(_Section):
+    """On-policy distillation: a teacher with the student's tokenizer, held frozen by the trainer
+    ranks (in model.dtype), scores the sampled tokens; each token's advantage becomes
+    task_coef * A - coef * (log p_student - log p_teacher) (docs/algorithms.md)."""
+
+    path: str = ""  # an HF checkpoint dir of any supported family; "" = off
+    coef: float = 1.0
+    task_coef: float = 1.0  # the task reward's share; 0 = distillation alone
+
+    def validate(self, key: str) -> None:
+        _check(0 < self.coef < math.inf, f"{key}.coef", f"must be > 0 and finite, got {self.coef}")
+        _check(0 <= self.task_coef < math.inf, f"{key}.task_coef", f"must be >= 0 and finite, got {self.task_coef}")
 
 
 @dataclass
@@ -359,6 +404,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -376,6 +422,7 @@ class Config:
         """Checks the combinations of the sections' values (each section checked its own when it
         was made); `available_gpus` defaults to this host's."""
         c = self
+        _check(not c.teacher.path or c.loss.name != "sft", "teacher.path", "distills into a policy loss, not 'sft'")
         _check(c.rollout.max_total_tokens <= c.generator.max_model_len, "rollout.max_total_tokens",
                f"exceeds generator.max_model_len ({c.generator.max_model_len})")
         _check(c.rollout.max_tokens_per_turn <= c.rollout.max_total_tokens, "rollout.max_tokens_per_turn",

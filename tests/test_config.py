@@ -42,9 +42,43 @@ def test_a_section_checks_its_values_when_it_is_made():
     """Whoever holds a section holds a valid one: the Batcher, trainer and engines check nothing again."""
     with pytest.raises(ConfigError, match=r"^generator\.kv_cache_tokens: must hold at least one full sequence"):
         GeneratorConfig(kv_cache_tokens=100, max_model_len=512)
-    with pytest.raises(ConfigError, match=r"^loss\.clip_low: must be in \[0, 1\)"):
+    with pytest.raises(ConfigError, match=r"^loss\.clip_low: must be in \[0, 1\], got 1.5"):
         LossConfig(clip_low=1.5)
     assert ModelConfig(path="ckpt").path == "ckpt"
+
+
+def test_loss_algorithm_keys_load_and_are_checked_with_their_names():
+    config = load_config(overrides=["loss.name=gspo", "loss.tis_cap=2.0", "loss.tis_level=sequence",
+                                    "loss.is_mask_low=0.5", "loss.is_mask_high=5", "loss.is_mask_level=token",
+                                    "loss.kl_coef=0.01", "loss.kl_estimator=k1", "loss.kl_as=reward"])
+    loss = config.loss
+    assert (loss.name, loss.tis_cap, loss.tis_level, loss.is_mask_low, loss.is_mask_high) == \
+        ("gspo", 2.0, "sequence", 0.5, 5.0)
+    assert (loss.kl_coef, loss.kl_estimator, loss.kl_as) == (0.01, "k1", "reward") and loss.corrects_mismatch
+    assert load_config(overrides=["loss.name=cispo", "loss.clip_low=1"]).loss.clip_low == 1.0
+    teacher = load_config(overrides=["teacher.path=big", "teacher.coef=0.5", "teacher.task_coef=0"]).teacher
+    assert (teacher.path, teacher.coef, teacher.task_coef) == ("big", 0.5, 0.0)
+    for overrides, error in (
+        (["loss.name=ppo"], r"^loss\.name: expected one of 'grpo', 'dapo', 'dr_grpo', 'gspo', 'cispo', 'sft'"),
+        (["loss.tis_level=sequence"], r"^loss\.tis_level: is 'sequence', but loss\.tis_cap is 0 \(off\)$"),
+        (["loss.tis_level=batch"], r"^loss\.tis_level: expected one of 'token', 'sequence', got 'batch'$"),
+        (["loss.is_mask_high=0.5"], r"^loss\.is_mask_high: must be 0 \(off\) or >= 1, got 0.5$"),
+        (["loss.is_mask_low=0.5"], r"^loss\.is_mask_low: must be in \[0, 1\], and 0 while loss\.is_mask_high is 0"),
+        (["loss.is_mask_high=2", "loss.is_mask_low=1.5"], r"^loss\.is_mask_low: must be in \[0, 1\]"),
+        (["loss.is_mask_level=sequence"], r"^loss\.is_mask_level: is 'sequence', but loss\.is_mask_high is 0"),
+        (["loss.kl_coef=-0.1"], r"^loss\.kl_coef: must be >= 0 and finite, got -0.1$"),
+        (["loss.kl_estimator=k2"], r"^loss\.kl_estimator: expected one of 'k1', 'k3', got 'k2'$"),
+        (["loss.kl_as=advantage"], r"^loss\.kl_as: expected one of 'loss', 'reward', got 'advantage'$"),
+        (["loss.name=sft", "loss.kl_coef=0.1"], r"^loss\.kl_coef: is for policy losses, not 'sft'$"),
+        (["loss.name=sft", "loss.is_mask_high=2"], r"^loss\.is_mask_high: is for policy losses, not 'sft'$"),
+        (["loss.clip_high=inf"], r"^loss\.clip_high: must be >= 0 and finite, got inf$"),
+        (["loss.kl_cof=0.1"], r"^loss\.kl_cof: unknown key"),
+        (["teacher.coef=0"], r"^teacher\.coef: must be > 0 and finite, got 0.0$"),
+        (["teacher.task_coef=-1"], r"^teacher\.task_coef: must be >= 0 and finite, got -1.0$"),
+        (["teacher.path=t", "loss.name=sft"], r"^teacher\.path: distills into a policy loss, not 'sft'$"),
+    ):
+        with pytest.raises(ConfigError, match=error):
+            load_config(overrides=overrides)
 
 
 def test_defaults_validate():

@@ -19,7 +19,7 @@ import torch
 from monarch.actor import Actor, HostMesh, ProcMesh, concurrent_endpoint, default_bootstrap_cmd, endpoint
 from monarch.spmd import setup_torch_elastic_env_async
 
-from rlactors.config import LossConfig, ModelConfig, TrainerConfig
+from rlactors.config import LossConfig, ModelConfig, TeacherConfig, TrainerConfig
 from rlactors.on_policy.sides import TrainerSide
 from rlactors.procs.placement import cuda_visible_devices, free_port, host_name, local_address, num_hosts
 from rlactors.trainer.batch import MicroBatch
@@ -30,8 +30,10 @@ from rlactors.weight_sync.packed import PackedLayout
 
 
 class PolicyTrainer(Actor):
-    def __init__(self, model: ModelConfig, trainer: TrainerConfig, kernels: TrainerSide, device: str = "cpu"):
+    def __init__(self, model: ModelConfig, trainer: TrainerConfig, kernels: TrainerSide, device: str = "cpu",
+                 reference: bool = False, teacher: TeacherConfig | None = None):
         self.model_config, self.trainer_config, self.kernels, self.device_type = model, trainer, kernels, device
+        self.reference, self.teacher = reference, teacher
         self.core: PolicyTrainerCore | None = None
 
     @endpoint
@@ -40,7 +42,8 @@ class PolicyTrainer(Actor):
         if self.kernels.before_process_group is not None:
             self.kernels.before_process_group()  # before init_distributed makes this process's first communicator
         device = init_distributed(self.device_type)
-        self.core = PolicyTrainerCore(self.model_config, self.trainer_config, device, self.kernels)
+        self.core = PolicyTrainerCore(self.model_config, self.trainer_config, device, self.kernels, self.reference,
+                                      self.teacher)
         return {"rank": self.core.rank, "world_size": self.core.world_size, "host": host_name(),
                 "policy_version": self.core.version}
 
@@ -103,13 +106,16 @@ class PolicyTrainer(Actor):
 
 
 async def spawn_trainer(hosts: HostMesh, model: ModelConfig, trainer: TrainerConfig, kernels: TrainerSide,
-                        device: str = "cpu", first_gpu: int = 0,
+                        device: str = "cpu", first_gpu: int = 0, reference: bool = False,
+                        teacher: TeacherConfig | None = None,
                         ) -> tuple[ProcMesh, PolicyTrainer, list[dict[str, Any]]]:
     """Spawns `trainer.ranks` procs split evenly over the hosts of `hosts` (on CUDA one GPU each:
     first_gpu, first_gpu + 1, ... of its host), sets the torch elastic env (ranks host-major), and
     initialises a PolicyTrainer on each. Returns (procs, actor mesh, each rank's `init` answer:
     rank, world size, host, policy version). `kernels`: what the trainer runs
-    (`rlactors.on_policy.sides`)."""
+    (`rlactors.on_policy.sides`); `reference`: each rank also holds the initial weights frozen, for
+    `loss.kl_coef` (`rlactors.trainer.reference`); `teacher`: the distillation teacher each rank
+    holds, when its path is set."""
     if device == "cuda":
         def bootstrap_command(point):
             gpu = cuda_visible_devices([first_gpu + point["gpus"]])
@@ -120,7 +126,8 @@ async def spawn_trainer(hosts: HostMesh, model: ModelConfig, trainer: TrainerCon
     procs = hosts.spawn_procs(per_host={"gpus": trainer.ranks // num_hosts(hosts)},
                               bootstrap_command=bootstrap_command)
     await setup_torch_elastic_env_async(procs)
-    actors = procs.spawn("policy_trainer", PolicyTrainer, model, trainer, kernels, device)
+    actors = procs.spawn("policy_trainer", PolicyTrainer, model, trainer, kernels, device, reference,
+                         teacher)
     ranks = sorted((value for _, value in (await actors.init.call()).items()), key=lambda r: r["rank"])
     return procs, actors, ranks
 

@@ -50,7 +50,6 @@ class Meshes:
         """The trainer and the router, each guarded by the watcher, and the trainer's ranks."""
         import monarch.actor
 
-        from rlactors.actors.trainer import spawn_trainer
         from rlactors.on_policy.sides import sides
         from rlactors.procs.liveness_actor import watch_procs
 
@@ -63,8 +62,7 @@ class Meshes:
         except NoHosts as e:
             raise TrainingError(f"job.scheduler: {e}") from None
         self._kernels = sides(c.model.true_on_policy, c.generator.engine, c.controller.device).trainer
-        trainer_procs, trainer, ranks = await spawn_trainer(self.hosts.trainers, c.model, c.trainer, self._kernels,
-                                                            c.controller.device)
+        trainer_procs, trainer, ranks = await self._spawn_trainer(c)
         router_procs, router = spawn_router(c, self.hosts.generators)
         self._procs = [trainer_procs, router_procs]
         # Calls to a proc that exits (or stays unresponsive past the timeout) fail at once with ProcLost.
@@ -87,7 +85,6 @@ class Meshes:
         (rlactors.run.recovery): the ranks left on this machine are killed (they may wait in a
         collective for the lost one), the old procs stopped, killed if they do not stop within
         SHUTDOWN_WAIT_S; returns the new trainer, guarded, and its ranks."""
-        from rlactors.actors.trainer import spawn_trainer
 
         c = self.config
         local = [p.pid for p in self._trainer_watch  # the lost rank's pid may be another process's by now
@@ -101,10 +98,15 @@ class Meshes:
             await asyncio.wait_for(self._procs[0].stop(), SHUTDOWN_WAIT_S)
         except Exception as e:  # noqa: BLE001 - its procs are dead or killed: the new mesh does not need them
             logger.warning("stopping the lost trainer's procs: %s", " ".join(str(e).split()) or type(e).__name__)
-        procs, trainer, ranks = await spawn_trainer(self.hosts.trainers, c.model, c.trainer, self._kernels,
-                                                    c.controller.device)
+        procs, trainer, ranks = await self._spawn_trainer(c)
         self._procs[0] = procs
         return await self._watch_trainer(procs, trainer, ranks), ranks
+
+    async def _spawn_trainer(self, c: Config) -> tuple[Any, Any, int]:
+        from rlactors.actors.trainer import spawn_trainer
+
+        return await spawn_trainer(self.hosts.trainers, c.model, c.trainer, self._kernels, c.controller.device,
+                                   reference=c.loss.kl_coef > 0, teacher=c.teacher)
 
     async def router_stats(self, router: Any) -> dict[str, Any]:
         """The stats of `router`; notes the OS processes of the replicas that run on this

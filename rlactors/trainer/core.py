@@ -32,13 +32,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlactors.attention.varlen import cu_seqlens_from_positions
-from rlactors.config import LossConfig, ModelConfig, TrainerConfig, check_model_keys
+from rlactors.config import ConfigError, LossConfig, ModelConfig, TeacherConfig, TrainerConfig, check_model_keys
 from rlactors.models.args import DTYPES
 from rlactors.models.checkpoint import (
     checkpoint_shapes,
     copy_tokenizer_files,
     load_args,
-    open_tensors,
     save_pretrained,
 )
 from rlactors.models.moe import SparseMoeBlock, load_balancing_loss
@@ -48,9 +47,10 @@ from rlactors.trainer import checkpoint as ckpt
 from rlactors.trainer import expert_parallel
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.gather import RowGather, gather_rows, plan_packing
-from rlactors.trainer.losses import LossNorm, LossStats, compute_loss, loss_tokens
+from rlactors.trainer.losses import LossNorm, LossStats, compute_loss, distillation_advantages, loss_tokens
 from rlactors.trainer.offload import OffloadedStep, layer_groups
-from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, local_rows, make_mesh
+from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, make_mesh
+from rlactors.trainer.reference import ReferencePolicy, load_sharded_weights
 from rlactors.weight_sync.broadcast import WeightSender
 from rlactors.weight_sync.checksum import state_checksum
 from rlactors.weight_sync.packed import Chunk, PackedLayout
@@ -114,10 +114,14 @@ class PolicyTrainerCore:
     The fp32 master weights are loaded from `model.path` (an HF checkpoint dir). `kernels` is
     what the trainer runs (`rlactors.on_policy.sides`: the generator's kernels in
     `model.true_on_policy` mode). Decoder layers are torch.compile'd with
-    `trainer.compile_layers` on CUDA unless those kernels must run eager.
+    `trainer.compile_layers` on CUDA unless those kernels must run eager. With `reference`, the
+    rank also holds the initial weights frozen (`rlactors.trainer.reference`), for `loss.kl_coef`;
+    with a `teacher` whose path is set, that model frozen too, whose logprobs of the sampled tokens
+    shape the advantages (on-policy distillation).
     """
 
-    def __init__(self, model: ModelConfig, trainer: TrainerConfig, device: torch.device, kernels: TrainerSide):
+    def __init__(self, model: ModelConfig, trainer: TrainerConfig, device: torch.device, kernels: TrainerSide,
+                 reference: bool = False, teacher: TeacherConfig | None = None):
         self.model_config, self.config, self.device = model, trainer, device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.world_size != trainer.ranks:
@@ -136,6 +140,17 @@ class PolicyTrainerCore:
         )
         self._attention = kernels.attention
         self._load_hf_weights(model.path)
+        self.reference = ReferencePolicy(
+            self.args, model.path, device, DTYPES[model.dtype], kernels, trainer.expert_parallel,
+            trainer.logprob_chunk_tokens) if reference else None
+        self.teacher_config, self.teacher = (teacher if teacher is not None and teacher.path else None), None
+        if self.teacher_config is not None:
+            teacher_args = load_args(teacher.path)
+            if teacher_args.vocab_size != self.args.vocab_size:
+                raise ConfigError(f"teacher.path: {teacher.path} has {teacher_args.vocab_size} tokens, the student "
+                                  f"{self.args.vocab_size}: a teacher needs the student's tokenizer")
+            self.teacher = ReferencePolicy(teacher_args, teacher.path, device, DTYPES[model.dtype], kernels,
+                                           logprob_chunk_tokens=trainer.logprob_chunk_tokens)
         # Per sparse layer, of the current forward: the expert ids [T, k] its router chose (before
         # any replay), and (for the load-balancing loss) its router logits.
         self._routing: list[torch.Tensor] = []
@@ -170,14 +185,26 @@ class PolicyTrainerCore:
         self._check_microbatches(microbatches)
         tokens = [int(loss_tokens(loss.name, mb.loss_mask, mb.generator_logprobs).sum()) for mb in microbatches]
         self._check_norm(norm, loss, sum(tokens))
+        if loss.kl_coef > 0 and self.reference is None:
+            raise ValueError("loss.kl_coef > 0 needs the reference policy: this trainer was built without one")
         mb = microbatches[self.rank].to(self.device)
+        reference = self.reference.logprobs(mb) if loss.kl_coef > 0 else None
+        teacher = self.teacher.logprobs(mb) if self.teacher is not None else None
         self._router_logits.clear()
         self._routing.clear()
         logprobs, entropy = self._token_logprobs(mb, with_entropy=True)
+        advantages, generator_logprobs = mb.advantages.reshape(-1), mb.generator_logprobs.reshape(-1)
+        distilled = LossStats()
+        if teacher is not None:
+            advantages, distilled = distillation_advantages(
+                self.teacher_config.task_coef, self.teacher_config.coef, advantages, logprobs.detach(), teacher,
+                loss_tokens(loss.name, mb.loss_mask.reshape(-1), generator_logprobs))
         value, stats = compute_loss(
-            loss, norm, logprobs, mb.loss_mask.reshape(-1), mb.advantages.reshape(-1),
-            mb.generator_logprobs.reshape(-1), entropy.detach(), current_policy=mb.versions.reshape(-1) == self.version,
+            loss, norm, logprobs, mb.loss_mask.reshape(-1), advantages, generator_logprobs, entropy.detach(),
+            current_policy=mb.versions.reshape(-1) == self.version, positions=mb.positions.reshape(-1),
+            reference_logprobs=reference,
         )
+        stats = stats.merge(distilled)
         if self._router_logits:
             # Weighted by the microbatch's share of the step's loss tokens: over the step, the
             # token-weighted mean of the microbatches' load-balancing losses.
@@ -291,17 +318,20 @@ class PolicyTrainerCore:
                              "loss tokens: the norm must count the whole step")
 
     def _reduced_stats(self) -> dict[str, float]:
-        """The step's stats summed (maxima: max-ed) over ranks; every rank has the same keys."""
+        """The step's stats summed (maxima: max-ed; histograms: summed) over ranks; every rank has
+        the same keys."""
         stats = self._stats
         sum_keys, max_keys = sorted(stats.sums), sorted(stats.maxes)
         if sum_keys:
             sums = torch.stack([stats.sums[k] for k in sum_keys]).to(self.device)
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-            stats = LossStats(dict(zip(sum_keys, sums)), stats.maxes)
+            stats = LossStats(dict(zip(sum_keys, sums)), stats.maxes, stats.hists)
         if max_keys:
             maxes = torch.stack([stats.maxes[k] for k in max_keys]).to(self.device)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-            stats = LossStats(stats.sums, dict(zip(max_keys, maxes)))
+            stats = LossStats(stats.sums, dict(zip(max_keys, maxes)), stats.hists)
+        for hist in stats.hists.values():
+            dist.all_reduce(hist, op=dist.ReduceOp.SUM)
         return stats.metrics()
 
     def _set_optimizer(self) -> None:
@@ -327,14 +357,10 @@ class PolicyTrainerCore:
     # ------------------------------------------------------------------------------------------
     # Weights: HF load, checkpoints, sync
 
-    @torch.no_grad()
     def _load_hf_weights(self, path: str | Path) -> None:
         """Each rank reads only its own rows of every parameter from the HF safetensors files,
         into its fp32 shard: no rank ever holds the whole model (a 32B one is 128 GB in fp32)."""
-        with open_tensors(path) as tensors:
-            for name, param in self.model.named_parameters():  # a tied lm_head comes once, as the embedding
-                local, first_row = local_rows(param)
-                local.copy_(tensors[name][first_row:first_row + local.shape[0]])
+        load_sharded_weights(self.model, path)
 
     @torch.no_grad()
     def full_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:

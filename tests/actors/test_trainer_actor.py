@@ -12,28 +12,30 @@ from support.trainer_inputs import cat, rows
 
 from rlactors.actors.trainer import spawn_trainer
 from rlactors.config import LossConfig, ModelConfig, TrainerConfig
-from rlactors.models.checkpoint import TOKENIZER_FILES, copy_tokenizer_files
+from rlactors.models.checkpoint import TOKENIZER_FILES, copy_tokenizer_files, from_pretrained
 from rlactors.on_policy.sides import sides
 from rlactors.procs.placement import free_port
+from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.checkpoint import latest_checkpoint
-from rlactors.trainer.losses import LossNorm
+from rlactors.trainer.core import MICROBATCH_FIELDS
+from rlactors.trainer.losses import LossNorm, compute_loss
 from rlactors.weight_sync.broadcast import BufferReceiver
 from rlactors.weight_sync.packed import PackedLayout
 
 LOSS = LossConfig(name="dapo", clip_high=0.28)
 
 
-async def spawn(ckpt, ranks):
+async def spawn(ckpt, ranks, reference=False):
     config = TrainerConfig(ranks=ranks, lr=1e-2, max_grad_norm=0.005, warmup_steps=0)
     procs, trainer, _ = await spawn_trainer(this_host(), ModelConfig(path=str(ckpt)), config,
-                                            sides(False, "native", "cpu").trainer, device="cpu")
+                                            sides(False, "native", "cpu").trainer, device="cpu", reference=reference)
     return procs, trainer
 
 
-async def train_step(trainer, per_rank, norm):
+async def train_step(trainer, per_rank, norm, loss=LOSS):
     """per_rank[r] is rank r's list of microbatches (equal lengths): one forward_backward each, then a step."""
     for microbatches in zip(*per_rank):
-        await trainer.forward_backward.call(list(microbatches), norm, LOSS)
+        await trainer.forward_backward.call(list(microbatches), norm, loss)
     metrics = list((await trainer.optim_step.call()).values())
     assert all(m == metrics[0] for m in metrics)  # the step's stats are reduced over ranks
     return metrics[0]
@@ -61,7 +63,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def two_ranks(loop, tiny_ckpt):
-    procs, trainer = loop.run_until_complete(spawn(tiny_ckpt, 2))
+    procs, trainer = loop.run_until_complete(spawn(tiny_ckpt, 2, reference=True))
     yield trainer
     loop.run_until_complete(procs.stop())
 
@@ -95,6 +97,40 @@ def test_two_ranks_match_one_rank_however_the_batch_is_split(loop, two_ranks, ti
         assert metrics["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
         assert metrics["tokens"] == one["tokens"] == norm.num_tokens
         assert metrics["logprob_diff/max"] == pytest.approx(one["logprob_diff/max"], rel=1e-5)
+
+
+def test_a_sequence_loss_with_the_reference_kl_over_two_ranks_matches_plain_pytorch(loop, two_ranks, tiny_ckpt):
+    """GSPO with a sequence-level mask and the KL to the reference that the ranks hold sharded, after
+    a first step moved the policy: the step's loss and stats (ratio quantiles summed over the ranks'
+    histograms) are those of the whole batch on one unsharded model against the initial one."""
+    loss = LossConfig(name="gspo", is_mask_high=2.0, is_mask_level="sequence", kl_coef=0.5)
+    first, batch = rows(2), rows(3)
+    # Near the tiny model's own logprobs (about -log 1024), so that some sequences' ratios leave [0, 2]
+    g = torch.Generator().manual_seed(0)
+    batch = [MicroBatch(**{**vars(mb), "generator_logprobs": torch.where(
+        mb.loss_mask, -9 + 3 * torch.rand(mb.loss_mask.shape, generator=g), 0.0)}) for mb in batch]
+
+    async def steps():
+        await two_ranks.load_checkpoint.call(str(tiny_ckpt))
+        await train_step(two_ranks, [[cat(first[:4])], [cat(first[4:])]], LossNorm.for_step(first, LOSS.name))
+        moved = await policy(two_ranks)
+        norm = LossNorm.for_step(batch, loss.name)
+        return moved, await train_step(two_ranks, [[cat(batch[:5])], [cat(batch[5:])]], norm, loss)
+
+    moved, metrics = loop.run_until_complete(steps())
+    model, initial = from_pretrained(tiny_ckpt, dtype=torch.float32), from_pretrained(tiny_ckpt, dtype=torch.float32)
+    model.load_state_dict(moved.weights, strict=False)
+    flat = {name: getattr(cat(batch), name).reshape(-1) for name in MICROBATCH_FIELDS}
+    with torch.no_grad():
+        logprobs, reference = (m.token_logprobs(m.forward_packed(flat["input_ids"], flat["positions"]),
+                                                flat["target_ids"]) for m in (model, initial))
+    _, stats = compute_loss(loss, LossNorm.for_step(batch, loss.name), logprobs, flat["loss_mask"], flat["advantages"],
+                            flat["generator_logprobs"], positions=flat["positions"], reference_logprobs=reference)
+    expected = stats.metrics()
+    assert 0 < expected["is_masked/share"] < 1 and expected["kl/mean"] > 0
+    for key in ("loss", "kl/mean", "is_masked/share", "is_ratio/p5", "is_ratio/p50", "is_ratio/p95",
+                "is_seq_ratio/p50", "is_seq_ratio/max", "clip_fraction", "tokens"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-7), key
 
 
 @pytest.mark.parametrize("family, tie", [("qwen2", False), ("llama", True), ("qwen3_moe", False)])

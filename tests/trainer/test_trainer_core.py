@@ -5,21 +5,30 @@ failure paths."""
 import asyncio
 import json
 import math
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from support.trainer_inputs import cat, one_rank_process_group, rows
 
-from rlactors.config import ConfigError, LossConfig, ModelConfig, TrainerConfig
+from rlactors.config import ConfigError, LossConfig, ModelConfig, TeacherConfig, TrainerConfig
 from rlactors.models.args import FAMILIES
-from rlactors.models.checkpoint import TIED_KEY, from_pretrained, fuse_experts, load_args, load_state_dict
+from rlactors.models.checkpoint import (
+    TIED_KEY,
+    from_pretrained,
+    fuse_experts,
+    load_args,
+    load_state_dict,
+    model_shapes,
+)
 from rlactors.on_policy.sides import sides
 from rlactors.procs.placement import free_port
 from rlactors.trainer.batch import MicroBatch
 from rlactors.trainer.checkpoint import COMPLETE_FILE, latest_checkpoint, partial_dir
 from rlactors.trainer.core import MICROBATCH_FIELDS, PolicyTrainerCore
 from rlactors.trainer.losses import LossNorm, compute_loss
+from rlactors.trainer.reference import reference_bytes_per_rank
 from rlactors.weight_sync.broadcast import BufferReceiver, UnexpectedVersion
 from rlactors.weight_sync.packed import PackedLayout
 
@@ -34,10 +43,11 @@ def device():
         yield torch.device("cpu")
 
 
-def make_core(ckpt, device, routing_replay=False, **trainer):
+def make_core(ckpt, device, routing_replay=False, reference=False, teacher=None, **trainer):
     config = dict(ranks=1, lr=1e-2, max_grad_norm=0.005, weight_decay=0.1, warmup_steps=1, logprob_chunk_tokens=50)
     return PolicyTrainerCore(ModelConfig(path=str(ckpt), routing_replay=routing_replay),
-                             TrainerConfig(**{**config, **trainer}), device, sides(False, "native", device).trainer)
+                             TrainerConfig(**{**config, **trainer}), device, sides(False, "native", device).trainer,
+                             reference=reference, teacher=teacher)
 
 
 def step(core, batches, loss=LossConfig(name="dapo", clip_high=0.28)):
@@ -48,8 +58,10 @@ def step(core, batches, loss=LossConfig(name="dapo", clip_high=0.28)):
 
 
 def reference_steps(ckpt, steps, loss=LossConfig(name="dapo", clip_high=0.28)):
-    """The same training in plain PyTorch: one unsharded fp32 model, whole batches, AdamW."""
+    """The same training in plain PyTorch: one unsharded fp32 model, whole batches, AdamW (and
+    for the KL, an unsharded frozen copy of the initial model)."""
     model = from_pretrained(ckpt, dtype=torch.float32)
+    frozen = from_pretrained(ckpt, dtype=torch.float32).requires_grad_(False) if loss.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     norms = []
     for lr, mb in zip([5e-3, 1e-2], steps):  # warmup_steps=1: half the LR on the first step
@@ -57,8 +69,10 @@ def reference_steps(ckpt, steps, loss=LossConfig(name="dapo", clip_high=0.28)):
         positions = mb.positions.reshape(-1)
         hidden = model.forward_packed(mb.input_ids.reshape(-1), positions)
         logprobs = model.token_logprobs(hidden, mb.target_ids.reshape(-1))
+        reference = None if frozen is None else \
+            frozen.token_logprobs(frozen.forward_packed(mb.input_ids.reshape(-1), positions), mb.target_ids.reshape(-1))
         value, _ = compute_loss(loss, norm, logprobs, mb.loss_mask.reshape(-1), mb.advantages.reshape(-1),
-                                mb.generator_logprobs.reshape(-1))
+                                mb.generator_logprobs.reshape(-1), positions=positions, reference_logprobs=reference)
         value.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.005)))
         for group in optimizer.param_groups:
@@ -99,6 +113,72 @@ def test_two_steps_match_plain_pytorch_however_microbatched(family, family_ckpt,
     assert_weights_close(actual, expected, atol=2e-5)
     moved = max((actual[n] - initial[n]).abs().max().item() for n in initial)
     assert moved > 1e-3  # the comparison above is far tighter than the update
+
+
+@pytest.mark.parametrize("loss", [
+    LossConfig(name="gspo", kl_coef=0.5, kl_estimator="k3"),
+    LossConfig(name="cispo", clip_low=1.0, clip_high=0.28, tis_cap=2.0, tis_level="sequence", is_mask_high=5.0,
+               is_mask_level="sequence"),
+], ids=["gspo_kl", "cispo_sequence_tis_and_mask"])
+def test_each_algorithm_steps_as_plain_pytorch_however_microbatched(loss, tiny_ckpt, device):
+    """The sequence-level losses see whole sequences in any microbatching; the reference KL is to
+    the initial weights, held frozen."""
+    batch1, batch2 = rows(0, count=4), rows(1, count=4)
+    expected, norms = reference_steps(tiny_ckpt, [cat(batch1), cat(batch2)], loss)
+    core = make_core(tiny_ckpt, device, reference=loss.kl_coef > 0)
+    m1 = step(core, [cat(batch1[:1]), cat(batch1[1:])], loss)
+    m2 = step(core, [cat(batch2[:2]), cat(batch2[2:3]), cat(batch2[3:])], loss)
+    assert [m1["grad_norm"], m2["grad_norm"]] == pytest.approx(norms, rel=1e-5)
+    assert min(norms) > 0.005
+    # AdamW moves each weight by up to the LR (1e-2) whatever its gradient's size: 1e-4 is far tighter.
+    assert_weights_close(core.full_weights(torch.float32), expected, atol=1e-4)
+    assert 0 < m1["is_ratio/p5"] <= m1["is_ratio/p50"] <= m1["is_ratio/p95"] <= m1["is_ratio/max"]
+    if loss.kl_coef > 0:
+        assert m1["kl/mean"] < 1e-6 < m2["kl/mean"]  # the first step starts at the reference
+        assert core.reference.local_bytes() == reference_bytes_per_rank(core.args, torch.float32, ranks=1)
+    else:
+        assert core.reference is None
+
+
+def test_a_teachers_logprobs_of_the_sampled_tokens_shape_the_advantages(tiny_ckpt, tiny_ckpt_untied, device,
+                                                                         tmp_path):
+    """On-policy distillation, with the task's advantage at half weight: one step equals plain
+    PyTorch with advantages 0.5 A - 2 (log p_student - log p_teacher) (the teacher: another model)."""
+    teacher = TeacherConfig(path=str(tiny_ckpt_untied), coef=2.0, task_coef=0.5)
+    loss, mb = LossConfig(name="grpo"), cat(rows(0, count=4))
+    student, frozen = from_pretrained(tiny_ckpt), from_pretrained(tiny_ckpt_untied).requires_grad_(False)
+    flat = {name: getattr(mb, name).reshape(-1) for name in MICROBATCH_FIELDS}
+    logprobs, teacher_logprobs = (m.token_logprobs(m.forward_packed(flat["input_ids"], flat["positions"]),
+                                                   flat["target_ids"]) for m in (student, frozen))
+    used = flat["loss_mask"] & flat["generator_logprobs"].isfinite()
+    shaped = torch.where(used, 0.5 * flat["advantages"] - 2.0 * (logprobs.detach() - teacher_logprobs), 0.0)
+    norm = LossNorm.for_step([mb], "grpo")
+    value, _ = compute_loss(loss, norm, logprobs, flat["loss_mask"], shaped, flat["generator_logprobs"])
+    value.backward()
+    expected_norm = float(torch.nn.utils.clip_grad_norm_(student.parameters(), 0.005))
+    core = make_core(tiny_ckpt, device, teacher=teacher)
+    metrics = step(core, [mb], loss)
+    assert metrics["grad_norm"] == pytest.approx(expected_norm, rel=1e-5)
+    assert metrics["loss"] == pytest.approx(value.item(), rel=1e-5)
+    reverse_kl = float(torch.where(used, logprobs.detach() - teacher_logprobs, 0.0).sum() / used.sum())
+    assert metrics["teacher_kl/mean"] == pytest.approx(reverse_kl, rel=1e-5) and abs(reverse_kl) > 1e-3
+    other_vocab = tmp_path / "other_vocab"
+    shutil.copytree(tiny_ckpt, other_vocab)
+    config = json.loads((other_vocab / "config.json").read_text())
+    (other_vocab / "config.json").write_text(json.dumps({**config, "vocab_size": 2048}))
+    with pytest.raises(ConfigError, match=r"^teacher.path: .*other_vocab has 2048 tokens, the student 1024: a "
+                                          r"teacher needs the student's tokenizer$"):
+        make_core(tiny_ckpt, device, teacher=TeacherConfig(path=str(other_vocab)))
+
+
+def test_reference_bytes_count_each_ranks_rows_in_the_reference_dtype(tiny_ckpt):
+    args = load_args(tiny_ckpt)
+    shapes = model_shapes(args)
+    rows_on_fullest_of_3 = sum(-(-s[0] // 3) * s[1:].numel() for s in shapes.values())
+    assert reference_bytes_per_rank(args, torch.bfloat16, ranks=3) == 2 * rows_on_fullest_of_3
+    assert reference_bytes_per_rank(args, torch.float32, ranks=1) == 4 * sum(s.numel() for s in shapes.values())
+    with pytest.raises(ValueError, match="multiple of expert_parallel"):
+        reference_bytes_per_rank(args, torch.float32, ranks=3, expert_parallel=2)
 
 
 def test_router_aux_loss_is_off_by_default_and_adds_the_load_balancing_loss(family_ckpt, tiny_ckpt, device):
@@ -280,6 +360,8 @@ def test_bad_input_raises_and_changes_nothing(tiny_ckpt, device):
             core.forward_backward(microbatches, bad_norm, LossConfig())
     with pytest.raises(ValueError, match="loss.clip_low"):
         core.forward_backward([rows(4, count=1)[0]], norm, LossConfig(clip_low=1.5))
+    with pytest.raises(ValueError, match="loss.kl_coef > 0 needs the reference policy: this trainer was built"):
+        core.forward_backward([rows(4, count=1)[0]], norm, LossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="dtype must be one of"):
         core.state_dict_for_sync("int8")
     assert core.version == 1

@@ -6,7 +6,9 @@ the generators hold a recent enough policy (rlactors.rollout.producer). Each ste
 versions (counted), trains, checkpoints when due, and pushes the new weights to every replica,
 verified by checksum (rlactors.weight_sync.sync; where `WeightSync.pushes_with_step`, the push goes
 out with the optimizer step on a step that does not checkpoint). A step with nothing to train on (every group's
-rewards equal) is a whole step all the same; its policy is the previous step's. The run dir's
+rewards equal) is a whole step all the same; its policy is the previous step's. After
+`controller.max_errored_steps` steps in a row in which every rollout ended in an error, the run
+stops, saved, naming the error. The run dir's
 layout and rules are rlactors.run_dir's, evaluation's schedule rlactors.evaluation's. Ctrl-C lets
 a step whose update has begun complete, then saves the last completed step unless it is saved. A
 step after which every generator replica is dead for good (none restarting) stops the run, saved.
@@ -38,6 +40,8 @@ from rlactors.metrics import (
     MetricsLogger,
     WandbSink,
     check_wandb,
+    every_rollout_failed,
+    failed_steps_line,
     optimizer_metrics,
     sample_records,
     step_metrics,
@@ -78,6 +82,7 @@ class Controller:
         # which cannot fire then.
         self.watchdog = LoopWatchdog(after_s=config.rollout.step_timeout_s)
         self.gateway = None  # an AgentEnv's harnesses call the policy through it (rlactors.gateway)
+        self._failed_steps = 0  # steps in a row in which every rollout ended in an error
 
     async def start(self) -> None:
         from rlactors.models import load_checked_tokenizer
@@ -293,6 +298,11 @@ class Controller:
         metrics_log.log_step(step, metrics, groups, untrained)
         if c.controller.log_samples:
             metrics_log.log_samples(step, sample_records(groups, self.tokenizer))
+        failed = every_rollout_failed(groups)
+        self._failed_steps = self._failed_steps + 1 if failed else 0
+        if failed and self._failed_steps == c.controller.max_errored_steps:
+            line = failed_steps_line(step - self._failed_steps + 1, step, failed, c.controller.max_errored_steps)
+            raise TrainingError(f"{line}; {await self._save_step_once()}")
         if step < c.controller.steps and (lost := replicas_lost(generators, c.generator.restart_dead)):
             raise TrainingError(f"step {step}: {lost}; {await self._save_step_once()}; continue with --resume")
         return metrics

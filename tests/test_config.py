@@ -91,6 +91,8 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
         ("gateway.host=''", r"^gateway\.host: must be an address to bind"),
         ("gateway.max_request_bytes=10", r"^gateway\.max_request_bytes: must be >= 1024"),
         ("gateway.max_messages=0", r"^gateway\.max_messages: must be >= 1"),
+        ("gateway.render_threads=0", r"^gateway\.render_threads: must be >= 1"),
+        ("controller.max_errored_steps=-1", r"^controller\.max_errored_steps: must be >= 0 \(0 = never stop\)"),
         ("trainer=3", r"^trainer: expected a table"),
         ("trainer.lr", r"expected key=value"),
     ],

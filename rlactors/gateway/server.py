@@ -7,8 +7,9 @@ routing, through the GeneratorRouter). The gateway runs in the controller's even
 Rollouter that owns the rollouts, bound to 127.0.0.1 unless `gateway.host` says otherwise; every
 request must carry the run's random API key. Bad requests get OpenAI-style 4xx JSON errors and
 change nothing: no session, turn or run state. A request's body is at most
-`gateway.max_request_bytes` (413 beyond); one larger than INLINE_RENDER_BYTES is rendered and
-tokenized on one of `gateway.render_threads` threads, so that other sessions' turns go on meanwhile.
+`gateway.max_request_bytes` (413 beyond); a prompt that renders more than INLINE_RENDER_CHARS of
+text is rendered and tokenized on one of `gateway.render_threads` threads, so that other sessions'
+turns go on meanwhile.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ from rlactors.types import TokenDelta
 logger = logging.getLogger(__name__)
 
 COUNTERS = ("requests", "branches", "tool_calls", "unparsable_tool_calls", "client_errors")
-# Bodies up to this size render in well under a millisecond or so, on the event loop; larger ones
-# (a long history: seconds at a few MB) on the render threads.
-INLINE_RENDER_BYTES = 64 << 10
+# Tokenizing costs ~1-10 us a character (the more the busier the machine): up to this much new
+# text (a tool's result, a user turn) renders on the event loop, in a few ms at most; more (a long
+# history rendered whole: seconds at a few MB) on the render threads.
+INLINE_RENDER_CHARS = 2048
 
 
 _REPLY_IDS = random.Random()  # seeded from the OS once; its own, so a harness seeding `random` repeats none
@@ -223,36 +225,36 @@ class Gateway:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
-        raw = await request.read()
         try:
-            body = orjson.loads(raw)
+            body = orjson.loads(await request.read())
         except orjson.JSONDecodeError as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}", "body") from None
         chat = parse_chat_request(body, self.limits, self.tokenizer, self._renders_tools)
         self.counters["requests"] += 1
         stream = _SseReply(request, chat, self.tokenizer, self._token_logprob) if chat.stream else None
         try:
-            return await self._answer(session, chat, stream, off_loop=len(raw) > INLINE_RENDER_BYTES)
+            return await self._answer(session, chat, stream)
         except Exception as e:
             if stream is None or not stream.started:
                 raise  # answered as JSON by _errors
             logger.exception("gateway stream failed")  # a bug: the headers are out, the stream ends with the error
             return await stream.fail(ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
 
-    async def _answer(self, session: _Session, chat: ChatRequest, stream: _SseReply | None,
-                      off_loop: bool) -> web.StreamResponse:
-        """One turn of the session: its reply as JSON, or streamed (`stream`); its prompt rendered
-        on a render thread when `off_loop`."""
+    async def _answer(self, session: _Session, chat: ChatRequest, stream: _SseReply | None) -> web.StreamResponse:
+        """One turn of the session: its reply as JSON, or streamed (`stream`)."""
         async with session.lock:
+            history = session.history
+            new = history.extension(chat.messages, chat.tools)
+            rendered = history.render_chars(*((chat.messages, chat.tools) if new is None else (new, None)))
             try:
-                if off_loop:
-                    prompt, extends = await asyncio.get_running_loop().run_in_executor(
-                        self._render_pool, session.history.prompt_for, chat.messages, chat.tools)
+                if rendered > INLINE_RENDER_CHARS:
+                    prompt = await asyncio.get_running_loop().run_in_executor(
+                        self._render_pool, history.prompt, chat.messages, chat.tools, new)
                 else:
-                    prompt, extends = session.history.prompt_for(chat.messages, chat.tools)
+                    prompt = history.prompt(chat.messages, chat.tools, new)
             except Exception as e:  # noqa: BLE001 - the template's error is the client's message
                 raise ApiError(400, f"messages: the chat template cannot render them: {e}", "messages") from None
-            if session.history.messages is not None and not extends:
+            if history.messages is not None and new is None:
                 self.counters["branches"] += 1
             try:
                 turn = await session.model(prompt, chat.max_tokens, chat.stop_token_ids,

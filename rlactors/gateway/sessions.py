@@ -71,13 +71,19 @@ class TokenHistory:
             return None
         return messages[n:]
 
-    def prompt_for(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> tuple[list[int], bool]:
-        """The prompt tokens of a request, and whether they extend the history (else: a new branch)."""
-        new = self.extension(messages, tools)
+    def prompt(self, messages: list[Message], tools: list[dict[str, Any]] | None,
+               new: list[Message] | None) -> list[int]:
+        """The prompt tokens of a request whose `extension` is `new` (None: a new branch)."""
         if new is None:
-            return render_messages(self.tokenizer, [template_message(m) for m in messages], True, tools), False
-        return extend_with_messages(self.tokenizer, self.token_ids, [template_message(m) for m in new], True,
-                                    tools), True
+            return render_messages(self.tokenizer, [template_message(m) for m in messages], True, tools)
+        return extend_with_messages(self.tokenizer, self.token_ids, [template_message(m) for m in new], True, tools)
+
+    @staticmethod
+    def render_chars(messages: list[Message], tools: list[dict[str, Any]] | None) -> int:
+        """About how much text rendering `messages` (and `tools`) tokenizes: what its cost grows with."""
+        text = sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", ()))
+                   for m in messages)
+        return text + (len(json.dumps(tools)) if tools else 0)
 
     def record(self, messages: list[Message], tools: list[dict[str, Any]] | None, prompt: list[int],
                completion: list[int], reply: Message) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from rlactors.config import GatewayConfig
 from rlactors.gateway import AgentEnv, Gateway
-from rlactors.gateway.server import INLINE_RENDER_BYTES
+from rlactors.gateway.server import INLINE_RENDER_CHARS
 from rlactors.gateway.tool_calls import parse_tool_calls
 from rlactors.models import extend_with_messages, load_tokenizer, render_messages
 from rlactors.rollout import RolloutStatus, Turn, TurnRefused
@@ -424,12 +424,13 @@ def test_a_turn_cut_by_max_tokens_is_length_even_with_a_whole_tool_call(tiny_ckp
 
 
 def test_a_large_request_renders_off_the_event_loop_while_other_sessions_are_served(tiny_ckpt):
-    """A request over INLINE_RENDER_BYTES renders on a render thread: here one whose render waits
-    on an Event, released only after another session's turn completed (inline, that turn could not
-    run until the wait timed out). With gateway.render_threads=1, a second large request waits."""
+    """A prompt of more than INLINE_RENDER_CHARS renders on a render thread: here one whose render
+    waits on an Event, released only after another session's turn completed (inline, that turn
+    could not run until the wait timed out). With gateway.render_threads=1, a second large request
+    waits for the first."""
     tokenizer = load_tokenizer(tiny_ckpt)
-    big = {**GOOD, "messages": [{"role": "user", "content": "Add 2 and 3. " * 6000}]}
-    assert len(json.dumps(big)) > INLINE_RENDER_BYTES
+    big = {**GOOD, "messages": [{"role": "user", "content": "Add 2 and 3. " * 200}]}
+    assert len(big["messages"][0]["content"]) > INLINE_RENDER_CHARS
 
     async def main():
         gateway = Gateway(GatewayConfig(render_threads=1), tokenizer, max_tokens=16)
@@ -440,17 +441,17 @@ def test_a_large_request_renders_off_the_event_loop_while_other_sessions_are_ser
                     gateway.session(ScriptedModel(tokenizer, ["B"])) as b, \
                     gateway.session(ScriptedModel(tokenizer, ["C"])) as c, aiohttp.ClientSession() as http:
                 history = gateway._sessions[a.session_id].history
-                prompt_for = history.prompt_for
+                prompt = history.prompt
 
-                def blocked(messages, tools):
+                def blocked(*args):
                     renders.append(("a", threading.current_thread().name))
                     assert release.wait(60)
-                    return prompt_for(messages, tools)
+                    return prompt(*args)
 
-                history.prompt_for = blocked
+                history.prompt = blocked
                 c_history = gateway._sessions[c.session_id].history
-                c_prompt_for = c_history.prompt_for
-                c_history.prompt_for = lambda *args: renders.append(("c", None)) or c_prompt_for(*args)
+                c_prompt = c_history.prompt
+                c_history.prompt = lambda *args: renders.append(("c", None)) or c_prompt(*args)
                 large_a = asyncio.ensure_future(post(http, a, big).__aenter__())
                 while not renders:
                     await asyncio.sleep(0.01)

@@ -178,16 +178,15 @@ async def _run(command: list[str], limits: SandboxLimits, stdin: bytes) -> Sandb
     try:
         await asyncio.wait([ended, output.over], timeout=limits.wall_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        by_sandbox = Outcome.OUTPUT_LIMIT if output.over.done() else Outcome.TIMEOUT if not ended.done() else None
-        if by_sandbox is not None or not ended.done():
+        timed_out = not ended.done() and not output.over.done()
+        if not ended.done():
             _kill(proc)
         await ended
         await asyncio.gather(*readers, feeding, return_exceptions=True)
-        output.over.cancel()
     stderr = output.stderr.decode(errors="replace")[-STDERR_TAIL:]
     code = proc.returncode
-    if by_sandbox is not None:
-        outcome, code = by_sandbox, None
+    if output.over.done() or timed_out:
+        outcome, code = Outcome.OUTPUT_LIMIT if output.over.done() else Outcome.TIMEOUT, None
     elif code == 0:
         outcome = Outcome.OK
     elif code > 128:  # bwrap reports a signal that ended the program as 128 + its number

@@ -28,4 +28,4 @@ def demonstrations(tokenizer) -> list[Episode]:
 
 
 if __name__ == "__main__":
-    warm_start_main(__doc__, 200, demonstrations)
+    warm_start_main(__doc__, 80, demonstrations)

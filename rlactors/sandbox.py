@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlactors.config import ConfigError
+
 NOBODY = 65534  # the uid (and gid) bwrap runs as when started by root
 SCRIPT = "main.py"
 STDERR_TAIL = 2000  # characters of stderr kept in a result
@@ -46,8 +48,9 @@ os.execv(sys.executable, [sys.executable, "-E", "-s", "-S", "-B", *sys.argv[6:]]
 """
 
 
-class SandboxUnavailable(RuntimeError):
-    """This machine cannot isolate a program (no bwrap, or no user namespaces for it)."""
+class SandboxUnavailable(ConfigError):
+    """This machine cannot isolate a program (no bwrap, or no user namespaces for it): a run whose
+    env needs the sandbox stops before it starts, with this one line."""
 
 
 class Outcome(str, enum.Enum):

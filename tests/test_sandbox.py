@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlactors import sandbox as sandbox_module
+from rlactors.config import ConfigError
 from rlactors.sandbox import Outcome, Sandbox, SandboxLimits, SandboxUnavailable
 
 LIMITS = SandboxLimits(wall_s=1.5, cpu_s=5, memory_bytes=128 << 20, processes=8, output_bytes=1 << 20,
@@ -133,6 +134,7 @@ def test_without_bubblewrap_the_sandbox_refuses_to_run_anything(monkeypatch):
     monkeypatch.setattr(sandbox_module.shutil, "which", lambda name, path=None: None)
     with pytest.raises(SandboxUnavailable, match=r"needs bubblewrap: install it \(Debian/Ubuntu: apt-get install"):
         sandbox_module.check_sandbox.__wrapped__("/usr/bin/python3")
+    assert issubclass(SandboxUnavailable, ConfigError)  # a run stops with one `error:` line, exit code 2
 
 
 def test_limits_are_checked():

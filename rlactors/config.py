@@ -266,6 +266,9 @@ class ControllerConfig(_Section):
     restart_trainer: int = 0
     # One GPU's memory for the memory plan (rlactors.run.memory_plan); 0: the device's, where CUDA is
     gpu_memory_gib: float = 0.0
+    # Steps in a row in which every rollout ended in an error (a broken env or harness) before the
+    # run stops, saved, naming the error; 0 = never stop.
+    max_errored_steps: int = 3
 
     def validate(self, key: str) -> None:
         _check(0 <= self.gpu_memory_gib < math.inf, f"{key}.gpu_memory_gib",
@@ -283,6 +286,8 @@ class ControllerConfig(_Section):
         _check(self.eval_every >= 0, f"{key}.eval_every", f"must be >= 0 (0 = off), got {self.eval_every}")
         _check(bool(self.run_dir), f"{key}.run_dir", "must not be empty")
         _check(self.seed >= 0, f"{key}.seed", f"must be >= 0, got {self.seed}")
+        _check(self.max_errored_steps >= 0, f"{key}.max_errored_steps",
+               f"must be >= 0 (0 = never stop), got {self.max_errored_steps}")
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether the run checkpoints after `step`: every `checkpoint_every` steps, and the last."""
@@ -375,6 +380,7 @@ class GatewayConfig(_Section):
     port: int = 0  # 0 = a free port, chosen at start
     max_request_bytes: int = 4 << 20
     max_messages: int = 512
+    render_threads: int = 2  # large requests are rendered and tokenized on this many threads, off the event loop
 
     def validate(self, key: str) -> None:
         _check(bool(self.host) and not any(ch.isspace() for ch in self.host), f"{key}.host",
@@ -383,6 +389,7 @@ class GatewayConfig(_Section):
         _check(self.max_request_bytes >= 1024, f"{key}.max_request_bytes",
                f"must be >= 1024, got {self.max_request_bytes}")
         _check(self.max_messages >= 1, f"{key}.max_messages", f"must be >= 1, got {self.max_messages}")
+        _check(self.render_threads >= 1, f"{key}.render_threads", f"must be >= 1, got {self.render_threads}")
 
 
 @dataclass

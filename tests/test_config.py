@@ -130,6 +130,8 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
         ("controller.keep_checkpoints=-1", r"^controller\.keep_checkpoints: must be 0 \(keep all\) or >= 2"),
         ("controller.restart_trainer=-1", r"^controller\.restart_trainer: must be >= 0 \(0 = off\), got -1$"),
         ("controller.restart_trainer=true", r"^controller\.restart_trainer: expected an integer"),
+        ("gateway.render_threads=0", r"^gateway\.render_threads: must be >= 1"),
+        ("controller.max_errored_steps=-1", r"^controller\.max_errored_steps: must be >= 0 \(0 = never stop\)"),
         ("trainer=3", r"^trainer: expected a table"),
         ("trainer.lr", r"expected key=value"),
     ],

@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from rlactors_examples.alphabet_sort.env import (
@@ -80,9 +82,14 @@ def demonstration(tokenizer, sample: dict, rng: random.Random, untagged: float =
                                  add_special_tokens=False) + [end_of_turn]
         token_ids = token_ids + reply
         loss_mask += [True] * len(reply)
+    return sft_episode(token_ids, loss_mask, group_id=str(sample["id"]))
+
+
+def sft_episode(token_ids: list[int], loss_mask: list[bool], group_id: str = "sft") -> Episode:
+    """A demonstration as an Episode for `train`; `loss_mask` marks the teacher's tokens."""
     n = len(token_ids)
     return Episode(token_ids=token_ids, loss_mask=loss_mask, generator_logprobs=[0.0] * n, advantages=[0.0] * n,
-                   versions=[-1] * n, group_id=str(sample["id"]), rollout_index=0, branch=0, reward=0.0,
+                   versions=[-1] * n, group_id=group_id, rollout_index=0, branch=0, reward=0.0,
                    status=RolloutStatus.COMPLETED)
 
 
@@ -92,6 +99,7 @@ def train(model, episodes: list[Episode], steps: int, batch_size: int, lr: float
     order = torch.randperm(len(episodes), generator=torch.Generator().manual_seed(seed)).tolist()
     sft = LossConfig(name="sft")
     start = time.monotonic()
+    device = next(model.parameters()).device
     for step in range(1, steps + 1):
         picked = [episodes[order[(step * batch_size + i) % len(order)]] for i in range(batch_size)]
         packed = batcher.pack(picked)
@@ -99,10 +107,10 @@ def train(model, episodes: list[Episode], steps: int, batch_size: int, lr: float
         norm = LossNorm.for_step(microbatches, "sft")
         total = 0.0
         for mb in microbatches:
-            hidden = model.forward_packed(mb.input_ids.flatten(), mb.positions.flatten())
-            logprobs = model.token_logprobs(hidden, mb.target_ids.flatten())
-            loss, _ = compute_loss(sft, norm, logprobs, mb.loss_mask.flatten(), mb.advantages.flatten(),
-                                   mb.generator_logprobs.flatten())
+            hidden = model.forward_packed(mb.input_ids.flatten().to(device), mb.positions.flatten().to(device))
+            logprobs = model.token_logprobs(hidden, mb.target_ids.flatten().to(device))
+            loss, _ = compute_loss(sft, norm, logprobs, mb.loss_mask.flatten().to(device),
+                                   mb.advantages.flatten().to(device), mb.generator_logprobs.flatten().to(device))
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -110,6 +118,33 @@ def train(model, episodes: list[Episode], steps: int, batch_size: int, lr: float
         optimizer.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == steps:
             print(f"sft step {step:>4}/{steps}  loss {total:.4f}  {time.monotonic() - start:.0f}s", flush=True)
+
+
+def warm_start_main(doc: str, default_steps: int, demonstrations: Callable[[Any], list[Episode]]) -> None:
+    """The command line of a warm start of a tiny Qwen3, `OUT_DIR [--size --steps --batch-size
+    --lr --seed --device]`: SFT on `demonstrations(tokenizer)`; on the CPU on one thread (a
+    reproducible checkpoint)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    parser.add_argument("--steps", type=int, default=default_steps)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    start = time.monotonic()
+    make_tiny_checkpoint(args.out_dir, size=args.size, seed=args.seed)
+    tokenizer = load_tokenizer(args.out_dir)
+    model = from_pretrained(args.out_dir, dtype=torch.float32, device=args.device)
+    episodes = demonstrations(tokenizer)
+    print(f"{len(episodes)} demonstrations, {sum(len(e) for e in episodes)} tokens", flush=True)
+    train(model, episodes, args.steps, args.batch_size, args.lr, args.seed)
+    save_pretrained(model.cpu(), model.args, args.out_dir)
+    print(f"wrote {args.out_dir} in {time.monotonic() - start:.0f}s")
 
 
 def main() -> None:

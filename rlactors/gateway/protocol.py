@@ -4,11 +4,13 @@ A request is checked whole before anything is generated; whatever the gateway ca
 exactly (several choices, forced tool choice, sampling knobs the run fixes, stop strings that are
 not one token) is refused with an OpenAI-style 4xx error, never silently ignored. Sampling
 temperature and top-p are accepted (range-checked) but the run's `rollout` config decides how the
-policy samples: the trainer learns from the distribution it configured.
+policy samples: the trainer learns from the distribution it configured. For the same reason a
+tool's `strict: true` is accepted and not enforced: the arguments are never constrained to its schema.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -100,7 +102,7 @@ def canonical_message(message: Any, i: int) -> Message:
     out: Message = {"role": role}
     tool_calls = message.get("tool_calls") if role == "assistant" else None
     content = message.get("content")
-    if content is None and not tool_calls:
+    if content is None and role != "assistant":  # an assistant's empty reply comes back as null from some harnesses
         raise _bad(f"{where}.content is missing", f"{where}.content")
     out["content"] = "" if content is None else _text(content, f"{where}.content")
     if tool_calls:
@@ -124,11 +126,13 @@ def _list(value: Any, where: str) -> list[Any]:
 
 def _canonical_tool_call(call: Any, where: str) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if isinstance(arguments, dict):  # some harnesses send the arguments parsed
+        arguments = json.dumps(arguments, ensure_ascii=False)
     if not (isinstance(function, dict) and isinstance(function.get("name"), str)
-            and isinstance(function.get("arguments"), str) and isinstance(call.get("id"), str)):
+            and isinstance(arguments, str) and isinstance(call.get("id"), str)):
         raise _bad(f"{where} must be {{id, type: 'function', function: {{name, arguments (a JSON string)}}}}", where)
-    return {"id": call["id"], "type": "function",
-            "function": {"name": function["name"], "arguments": function["arguments"]}}
+    return {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 def _tools(body: dict[str, Any], renders_tools: bool) -> list[dict[str, Any]] | None:
@@ -142,10 +146,11 @@ def _tools(body: dict[str, Any], renders_tools: bool) -> list[dict[str, Any]] | 
                 and isinstance(function.get("name"), str) and function["name"]):
             raise _bad(f"tools[{j}] must be {{type: 'function', function: {{name, description, parameters}}}}",
                        f"tools[{j}]")
-        if function.get("strict") not in (None, False):
-            raise _bad(f"tools[{j}].function.strict: only false is supported (arguments are what the policy "
-                       "sampled, never constrained to the schema)", f"tools[{j}].function.strict")
-        # `strict` asks the server for constrained decoding; the model never sees it, so neither does the template
+        if function.get("strict") not in (None, True, False):
+            raise _bad(f"tools[{j}].function.strict must be a boolean", f"tools[{j}].function.strict")
+        # `strict` asks for decoding constrained to the schema. Accepted and not enforced: the arguments are
+        # what the policy sampled, so that the trainer scores its own tokens. The model never sees it, so
+        # neither does the template.
         rendered.append({**tool, "function": {k: v for k, v in function.items() if k != "strict"}})
     if not renders_tools:
         raise _bad("tools: this checkpoint's chat template does not render tools, so the model would never "

@@ -6,7 +6,10 @@ that rollout, sampled through the rollout's `model` (the Rollouter's limits, see
 routing, through the GeneratorRouter). The gateway runs in the controller's event loop, beside the
 Rollouter that owns the rollouts, bound to 127.0.0.1 unless `gateway.host` says otherwise; every
 request must carry the run's random API key. Bad requests get OpenAI-style 4xx JSON errors and
-change nothing: no session, turn or run state.
+change nothing: no session, turn or run state. A request's body is at most
+`gateway.max_request_bytes` (413 beyond); a prompt that renders more than INLINE_RENDER_CHARS of
+text is rendered and tokenized on one of `gateway.render_threads` threads, so that other sessions'
+turns go on meanwhile.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +53,10 @@ from rlactors.types import TokenDelta
 logger = logging.getLogger(__name__)
 
 COUNTERS = ("requests", "branches", "tool_calls", "unparsable_tool_calls", "client_errors")
+# Tokenizing costs ~1-10 us a character (the more the busier the machine): up to this much new
+# text (a tool's result, a user turn) renders on the event loop, in a few ms at most; more (a long
+# history rendered whole: seconds at a few MB) on the render threads.
+INLINE_RENDER_CHARS = 2048
 
 
 _REPLY_IDS = random.Random()  # seeded from the OS once; its own, so a harness seeding `random` repeats none
@@ -97,6 +105,7 @@ class Gateway:
         self._reported: Counter[str] = Counter()
         self._sessions: dict[str, _Session] = {}
         self._renders_tools = renders_tools(tokenizer)
+        self._render_pool: ThreadPoolExecutor | None = None  # while started
         self._runner: web.AppRunner | None = None
         self._tls: Any = None  # the TLS context of every session's client (unused on http://, built all the same)
         self._gc_threshold: tuple[int, ...] = ()  # the collector's, before start
@@ -121,6 +130,7 @@ class Gateway:
         gc.freeze()
         self._gc_threshold = gc.get_threshold()
         gc.set_threshold(20_000, *self._gc_threshold[1:])
+        self._render_pool = ThreadPoolExecutor(self.config.render_threads, thread_name_prefix="gateway-render")
         app = web.Application(client_max_size=self.config.max_request_bytes, middlewares=[self._errors, self._auth])
         app.router.add_post("/sessions/{session}/v1/chat/completions", self._chat)
         app.router.add_get("/sessions/{session}/v1/models", self._models)
@@ -134,6 +144,7 @@ class Gateway:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+            self._render_pool.shutdown(wait=False, cancel_futures=True)
             gc.set_threshold(*self._gc_threshold)
             gc.unfreeze()
 
@@ -233,11 +244,18 @@ class Gateway:
     async def _answer(self, session: _Session, chat: ChatRequest, stream: _SseReply | None) -> web.StreamResponse:
         """One turn of the session: its reply as JSON, or streamed (`stream`)."""
         async with session.lock:
+            history = session.history
+            new = history.extension(chat.messages, chat.tools)
+            rendered = history.render_chars(*((chat.messages, chat.tools) if new is None else (new, None)))
             try:
-                prompt, extends = session.history.prompt_for(chat.messages, chat.tools)
+                if rendered > INLINE_RENDER_CHARS:
+                    prompt = await asyncio.get_running_loop().run_in_executor(
+                        self._render_pool, history.prompt, chat.messages, chat.tools, new)
+                else:
+                    prompt = history.prompt(chat.messages, chat.tools, new)
             except Exception as e:  # noqa: BLE001 - the template's error is the client's message
                 raise ApiError(400, f"messages: the chat template cannot render them: {e}", "messages") from None
-            if session.history.messages is not None and not extends:
+            if history.messages is not None and new is None:
                 self.counters["branches"] += 1
             try:
                 turn = await session.model(prompt, chat.max_tokens, chat.stop_token_ids,
@@ -269,10 +287,13 @@ class Gateway:
         self.counters["tool_calls"] += len(tool_calls)
         logprobs = [self._token_logprob(t, lp) for t, lp in zip(turn.token_ids, turn.logprobs)] \
             if chat.logprobs and not chat.stream else None
+        # A turn cut by max_tokens is "length" even when the calls it holds are whole (as OpenAI
+        # answers): the harness learns that the reply was cut.
+        cut = turn.finish_reason == "length"
         if tool_calls:
-            return {"role": "assistant", "content": parsed.content or None, "tool_calls": tool_calls}, "tool_calls", \
-                logprobs
-        return {"role": "assistant", "content": text}, "length" if turn.finish_reason == "length" else "stop", logprobs
+            return {"role": "assistant", "content": parsed.content or None, "tool_calls": tool_calls}, \
+                "length" if cut else "tool_calls", logprobs
+        return {"role": "assistant", "content": text}, "length" if cut else "stop", logprobs
 
     def _token_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.tokenizer.decode([token_id])

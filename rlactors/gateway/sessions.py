@@ -8,6 +8,12 @@ is encoded as those tokens + the chat template's rendering of the new messages o
 or tokenized again, so the episode holds exactly the tokens that were sampled. Any other request
 (the harness edited, dropped or reordered messages, or changed the tools) is rendered whole and
 starts a new branch: a separate episode of the same rollout.
+
+Earlier messages are compared by meaning (`match_key`), not as sent: harnesses rewrite what they
+send back without changing it. Tool-call arguments compare as parsed JSON (`{"a":1}` is
+`{"a": 1}`), text with its outer whitespace stripped, and ids and names are left out (a harness
+may issue its own tool-call ids, or add a tool's name to its result). A null content is "" and
+content parts are their joined text (`canonical_message`).
 """
 
 from __future__ import annotations
@@ -27,12 +33,23 @@ def template_message(message: Message) -> Message:
         return message
     calls = []
     for call in message["tool_calls"]:
-        try:
-            arguments = json.loads(call["function"]["arguments"])
-        except json.JSONDecodeError:
-            arguments = call["function"]["arguments"]
+        arguments = _parsed(call["function"]["arguments"])
         calls.append({**call, "function": {"name": call["function"]["name"], "arguments": arguments}})
     return {**message, "tool_calls": calls}
+
+
+def match_key(message: Message) -> tuple[Any, ...]:
+    """What a canonical message says, for telling whether a request repeats the history."""
+    calls = [(call["function"]["name"], _parsed(call["function"]["arguments"]))
+             for call in message.get("tool_calls", ())]
+    return message["role"], message["content"].strip(), calls
+
+
+def _parsed(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
 
 
 class TokenHistory:
@@ -41,6 +58,7 @@ class TokenHistory:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.messages: list[Message] | None = None  # the last request's messages + the reply
+        self.keys: list[tuple[Any, ...]] = []  # their match_keys
         self.tools: list[dict[str, Any]] | None = None
         self.token_ids: list[int] = []  # the last prompt + its completion
 
@@ -49,20 +67,27 @@ class TokenHistory:
         if self.messages is None or tools != self.tools:
             return None
         n = len(self.messages)
-        if len(messages) <= n or messages[:n] != self.messages:
+        if len(messages) <= n or [match_key(m) for m in messages[:n]] != self.keys:
             return None
         return messages[n:]
 
-    def prompt_for(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> tuple[list[int], bool]:
-        """The prompt tokens of a request, and whether they extend the history (else: a new branch)."""
-        new = self.extension(messages, tools)
+    def prompt(self, messages: list[Message], tools: list[dict[str, Any]] | None,
+               new: list[Message] | None) -> list[int]:
+        """The prompt tokens of a request whose `extension` is `new` (None: a new branch)."""
         if new is None:
-            return render_messages(self.tokenizer, [template_message(m) for m in messages], True, tools), False
-        return extend_with_messages(self.tokenizer, self.token_ids, [template_message(m) for m in new], True,
-                                    tools), True
+            return render_messages(self.tokenizer, [template_message(m) for m in messages], True, tools)
+        return extend_with_messages(self.tokenizer, self.token_ids, [template_message(m) for m in new], True, tools)
+
+    @staticmethod
+    def render_chars(messages: list[Message], tools: list[dict[str, Any]] | None) -> int:
+        """About how much text rendering `messages` (and `tools`) tokenizes: what its cost grows with."""
+        text = sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", ()))
+                   for m in messages)
+        return text + (len(json.dumps(tools)) if tools else 0)
 
     def record(self, messages: list[Message], tools: list[dict[str, Any]] | None, prompt: list[int],
                completion: list[int], reply: Message) -> None:
         self.messages = [*messages, reply]
+        self.keys = [match_key(m) for m in self.messages]
         self.tools = tools
         self.token_ids = [*prompt, *completion]

@@ -6,8 +6,10 @@ the generators hold a recent enough policy (rlactors.rollout.producer). Each ste
 versions (counted), trains, checkpoints when due, and pushes the new weights to every replica,
 verified by checksum (rlactors.weight_sync.sync; where `WeightSync.pushes_with_step`, the push goes
 out with the optimizer step on a step that does not checkpoint). A step with nothing to train on (every group's
-rewards equal) is a whole step all the same; its policy is the previous step's. The run dir's
-layout and rules are rlactors.run.run_dir's, evaluation's schedule rlactors.run.evaluation's. Ctrl-C lets
+rewards equal) is a whole step all the same; its policy is the previous step's. After
+`controller.max_errored_steps` steps in a row in which every rollout ended in an error, the run
+stops, saved, naming the error. The run dir's layout and rules are rlactors.run.run_dir's,
+evaluation's schedule rlactors.run.evaluation's. Ctrl-C lets
 a step whose update has begun complete, then saves the last completed step unless it is saved. A
 step after which every generator replica is dead for good (none restarting) stops the run, saved.
 A dead trainer rank stops the run, or, with `controller.restart_trainer`, has the trainer rebuilt
@@ -44,6 +46,8 @@ from rlactors.run.metrics import (
     GeneratorMetrics,
     MetricsLogger,
     WandbSink,
+    every_rollout_failed,
+    failed_steps_line,
     optimizer_metrics,
     sample_records,
     step_metrics,
@@ -83,6 +87,7 @@ class Controller:
         self.watchdog = LoopWatchdog(after_s=config.rollout.step_timeout_s)
         self.gateway = None  # an AgentEnv's harnesses call the policy through it (rlactors.gateway)
         self.trainer_restarts = TrainerRestarts(config.controller.restart_trainer)
+        self._failed_steps = 0  # steps in a row in which every rollout ended in an error
 
     async def start(self) -> None:
         c = self.config
@@ -322,6 +327,11 @@ class Controller:
         if c.controller.log_samples:
             metrics_log.log_samples(step, sample_records(groups, self.tokenizer))
         metrics_log.log_step(step, metrics, groups, untrained)  # the step's records are complete with this one
+        failed = every_rollout_failed(groups)
+        self._failed_steps = self._failed_steps + 1 if failed else 0
+        if failed and self._failed_steps == c.controller.max_errored_steps:
+            line = failed_steps_line(step - self._failed_steps + 1, step, failed, c.controller.max_errored_steps)
+            raise TrainingError(f"{line}; {await self._save_step_once()}")
         if step < c.controller.steps and (lost := replicas_lost(generators, c.generator.restart_dead)):
             raise TrainingError(f"step {step}: {lost}; {await self._save_step_once()}; continue with --resume")
         return metrics

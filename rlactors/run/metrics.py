@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,7 +86,8 @@ class MetricsLogger:
         """A step's record; a step that trained nothing says why (`untrained`) on its line, and the
         first one whose groups all earned equal rewards says what to try."""
         self.log(step, metrics, note=untrained and f"trained nothing: {untrained}")
-        if untrained and all(g.dropped for g in groups) and not self._told_no_signal:
+        if untrained and all(g.dropped for g in groups) and not self._told_no_signal \
+                and every_rollout_failed(groups) is None:
             self._told_no_signal = True
             print(no_signal_line(step), flush=True)
 
@@ -294,11 +296,31 @@ def step_metrics(groups: Sequence[RolloutGroup], train_metrics: dict[str, float]
 def untrained_reason(groups: Sequence[RolloutGroup], episodes: Sequence[Episode], stale: int,
                      max_staleness: int) -> str:
     """Why a step took no optimizer step, for its console line."""
+    if (error := every_rollout_failed(groups)) is not None:
+        return f"every rollout ended in an error, e.g. {error}"
     if all(g.dropped for g in groups):
         return f"equal rewards in each of its {len(groups)} groups"
     if stale and not episodes:
         return f"its {stale} episodes were all older than controller.max_staleness={max_staleness} versions"
     return "its rollouts generated no token to train on"
+
+
+def every_rollout_failed(groups: Sequence[RolloutGroup]) -> str | None:
+    """When every rollout of a step ended in an error (`error_*`), the most frequent one, as
+    `status: error (n of N rollouts)`; None otherwise."""
+    rollouts = [r for g in groups for r in g.rollouts]
+    if not rollouts or not all(r.status.is_error for r in rollouts):
+        return None
+    errors = Counter((r.status.value, " ".join((r.error or "no message").split())) for r in rollouts)
+    (status, error), n = errors.most_common(1)[0]
+    return f"{status}: {_short(error, 400)} ({n} of {len(rollouts)} rollouts)"
+
+
+def failed_steps_line(first: int, last: int, error: str, limit: int) -> str:
+    """Why a run stops after `limit` steps in a row in which every rollout failed."""
+    steps = f"step {last}" if first == last else f"steps {first}-{last}"
+    return (f"{steps}: every rollout ended in an error, so nothing was trained ({last - first + 1} such steps in a "
+            f"row, controller.max_errored_steps={limit}); the last step's: {error}")
 
 
 def no_signal_line(step: int) -> str:

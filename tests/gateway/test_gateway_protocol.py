@@ -8,12 +8,14 @@ import asyncio
 import gc
 import json
 import sys
+import threading
 
 import aiohttp
 import pytest
 
 from rlactors.config import GatewayConfig
 from rlactors.gateway import AgentEnv, Gateway
+from rlactors.gateway.server import INLINE_RENDER_CHARS
 from rlactors.gateway.tool_calls import parse_tool_calls
 from rlactors.models import extend_with_messages, load_tokenizer, render_messages
 from rlactors.rollout import RolloutStatus, Turn, TurnRefused
@@ -25,7 +27,8 @@ CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}
 
 class ScriptedModel:
     """A rollout's `model` that replies with the given texts in turn (then refuses, as at max_turns),
-    streamed one token at a time when asked. A reply None: the generator fails after two tokens."""
+    streamed one token at a time when asked. A reply None: the generator fails after two tokens; a
+    reply (text, "length"): the turn is cut by max_tokens after the text (no EOS)."""
 
     def __init__(self, tokenizer, replies: list[str | None]):
         self.tokenizer, self.replies, self.prompts = tokenizer, list(replies), []
@@ -34,8 +37,11 @@ class ScriptedModel:
         if not self.replies:
             raise TurnRefused(RolloutStatus.TRUNCATED_TURNS, "the rollout has had its rollout.max_turns=2 turns")
         self.prompts.append(list(prompt))
-        reply = self.replies.pop(0)
-        ids = self.tokenizer.encode(reply or "Ada Ben", add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        reply, finish_reason = self.replies.pop(0), "stop"
+        if isinstance(reply, tuple):
+            reply, finish_reason = reply
+        eos = [self.tokenizer.eos_token_id] if finish_reason == "stop" else []
+        ids = self.tokenizer.encode(reply or "Ada Ben", add_special_tokens=False) + eos
         for i, token in enumerate(ids if on_tokens else ()):
             if reply is None and i == 2:
                 break
@@ -43,7 +49,7 @@ class ScriptedModel:
             await asyncio.sleep(0.005)  # a decode step
         if reply is None:
             raise TurnRefused(RolloutStatus.ERROR_GENERATOR, "every replica died")
-        return Turn(list(prompt), ids, [-0.5 - i for i in range(len(ids))], [3] * len(ids), "stop")
+        return Turn(list(prompt), ids, [-0.5 - i for i in range(len(ids))], [3] * len(ids), finish_reason)
 
 
 def serve(tiny_ckpt, replies, test, **config):
@@ -93,7 +99,7 @@ BAD_REQUESTS = [  # (body changes, param named in the error)
     ({"stop": "two words"}, "stop"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),
-    ({"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]},
+    ({"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": "yes"}}]},
      "tools[0].function.strict"),
     ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -338,3 +344,129 @@ def test_without_the_openai_package_the_gateway_does_not_start(tiny_ckpt, monkey
     with pytest.raises(ImportError, match=r"pip install 'rlactors\[agents\]'"):
         asyncio.run(gateway.start())
     assert gateway.port is None
+
+
+def test_a_harness_that_rewrites_the_history_it_sends_back_extends_the_sampled_tokens(tiny_ckpt):
+    """Harnesses send earlier turns back rewritten without changing what they say: arguments
+    re-serialised or parsed, their own tool-call ids, null for "", content as text parts, a name on
+    a tool result, whitespace trimmed. Each turn still extends the sampled tokens: no branch."""
+    async def test(gateway, info, http, model, tokenizer):
+        completions = []
+
+        async def turn(messages):
+            async with post(http, info, {**GOOD, "messages": messages, "tools": TOOLS}) as r:
+                assert r.status == 200, await r.text()
+                message = (await r.json())["choices"][0]["message"]
+            completions.append(model.prompts[-1] + model.tokenizer.encode(
+                model_texts.pop(0), add_special_tokens=False) + [tokenizer.eos_token_id])
+            return message
+
+        model_texts = [CALL, CALL, "It is 5.", "Bye."]
+        first = await turn(USER)
+        assert first["tool_calls"][0]["function"]["arguments"] == '{"expression": "2 + 3"}'
+        # Arguments re-serialised compactly, null content, the harness's own call id (and its tool result's).
+        assistant = {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
+            {"id": "call_0", "type": "function",
+             "function": {"name": "calculator", "arguments": '{"expression":"2 + 3"}'}}]}
+        tool = {"role": "tool", "tool_call_id": "call_0", "name": "calculator", "content": "5"}
+        await turn(USER + [assistant, tool])
+        # Arguments sent parsed; content as text parts; no id on the call.
+        parts = [{"role": "user", "content": [{"type": "text", "text": "Add 2 "}, {"type": "text", "text": "and 3."}]}]
+        again = {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "x", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}]}
+        answer = await turn(parts + [assistant, tool, again, {**tool, "tool_call_id": "x"}])
+        assert answer == {"role": "assistant", "content": "It is 5."}
+        # The text reply trimmed.
+        history = USER + [assistant, tool, again, {**tool, "tool_call_id": "x"}, {**answer, "content": "It is 5.\n"}]
+        await turn(history + [{"role": "user", "content": "Thanks."}])
+        assert gateway.counters["branches"] == 0
+        news = [[tool], [{**tool, "tool_call_id": "x"}], [{"role": "user", "content": "Thanks."}]]
+        for k, new in enumerate(news, start=1):
+            assert model.prompts[k] == extend_with_messages(tokenizer, completions[k - 1], new, tools=TOOLS)
+        # What the arguments say changed: rendered whole, a new branch.
+        changed = {**assistant, "tool_calls": [{**assistant["tool_calls"][0], "function": {
+            "name": "calculator", "arguments": '{"expression":"2 + 4"}'}}]}
+        model.replies.append("It is 6.")
+        async with post(http, info, {**GOOD, "messages": USER + [changed, tool], "tools": TOOLS}) as r:
+            assert r.status == 200
+        assert gateway.counters["branches"] == 1 and model.prompts[-1][:len(completions[0])] != completions[0]
+
+    serve(tiny_ckpt, [CALL, CALL, "It is 5.", "Bye."], test)
+
+
+def test_strict_tools_are_accepted_and_not_shown_to_the_model(tiny_ckpt):
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+
+    async def test(gateway, info, http, model, tokenizer):
+        async with post(http, info, {**GOOD, "tools": strict}) as r:
+            choice = (await r.json())["choices"][0]
+        assert r.status == 200 and choice["finish_reason"] == "tool_calls"
+        assert model.prompts == [render_messages(tokenizer, USER, tools=TOOLS)]
+
+    serve(tiny_ckpt, [CALL], test)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_cut_by_max_tokens_is_length_even_with_a_whole_tool_call(tiny_ckpt, stream):
+    async def test(gateway, info, http, model, tokenizer):
+        async with post(http, info, {**GOOD, "tools": TOOLS, "stream": stream}) as r:
+            if stream:
+                deltas = [c["choices"][0] for c in events_of(await r.text())]
+                calls = [d["delta"]["tool_calls"][0] for d in deltas if "tool_calls" in d["delta"]]
+                finish_reason = deltas[-1]["finish_reason"]
+            else:
+                choice = (await r.json())["choices"][0]
+                calls, finish_reason = choice["message"]["tool_calls"], choice["finish_reason"]
+        assert finish_reason == "length"
+        assert [c["function"] for c in calls] == [{"name": "calculator", "arguments": '{"expression": "2 + 3"}'}]
+
+    serve(tiny_ckpt, [(CALL, "length")], test)
+
+
+def test_a_large_request_renders_off_the_event_loop_while_other_sessions_are_served(tiny_ckpt):
+    """A prompt of more than INLINE_RENDER_CHARS renders on a render thread: here one whose render
+    waits on an Event, released only after another session's turn completed (inline, that turn
+    could not run until the wait timed out). With gateway.render_threads=1, a second large request
+    waits for the first."""
+    tokenizer = load_tokenizer(tiny_ckpt)
+    big = {**GOOD, "messages": [{"role": "user", "content": "Add 2 and 3. " * 200}]}
+    assert len(big["messages"][0]["content"]) > INLINE_RENDER_CHARS
+
+    async def main():
+        gateway = Gateway(GatewayConfig(render_threads=1), tokenizer, max_tokens=16)
+        await gateway.start()
+        release, renders = threading.Event(), []
+        try:
+            async with gateway.session(ScriptedModel(tokenizer, ["A"])) as a, \
+                    gateway.session(ScriptedModel(tokenizer, ["B"])) as b, \
+                    gateway.session(ScriptedModel(tokenizer, ["C"])) as c, aiohttp.ClientSession() as http:
+                history = gateway._sessions[a.session_id].history
+                prompt = history.prompt
+
+                def blocked(*args):
+                    renders.append(("a", threading.current_thread().name))
+                    assert release.wait(60)
+                    return prompt(*args)
+
+                history.prompt = blocked
+                c_history = gateway._sessions[c.session_id].history
+                c_prompt = c_history.prompt
+                c_history.prompt = lambda *args: renders.append(("c", None)) or c_prompt(*args)
+                large_a = asyncio.ensure_future(post(http, a, big).__aenter__())
+                while not renders:
+                    await asyncio.sleep(0.01)
+                large_c = asyncio.ensure_future(post(http, c, big).__aenter__())
+                async with post(http, b, GOOD) as r:  # a small request of another session, while `a` renders
+                    assert r.status == 200 and (await r.json())["choices"][0]["message"]["content"] == "B"
+                assert renders == [("a", renders[0][1])] and renders[0][1].startswith("gateway-render")
+                release.set()
+                for future, reply in ((large_a, "A"), (large_c, "C")):
+                    r = await future
+                    assert r.status == 200 and (await r.json())["choices"][0]["message"]["content"] == reply
+                    r.release()
+                assert [who for who, _ in renders] == ["a", "c"]
+        finally:
+            release.set()
+            await gateway.stop()
+
+    asyncio.run(main())

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from rlactors.rollout.types import Rollout, RolloutStatus
+from rlactors.rollout.types import Rollout, RolloutGroup, RolloutStatus
 from rlactors.run.metrics import (
     EVAL_REWARD_MEAN,
     REWARD_MAX,
@@ -12,9 +12,12 @@ from rlactors.run.metrics import (
     REWARD_P75,
     EnvErrorLog,
     MetricsLogger,
+    every_rollout_failed,
+    failed_steps_line,
     read_metrics,
     reward_curve_figure,
     reward_trend,
+    untrained_reason,
 )
 
 
@@ -148,3 +151,28 @@ def test_reward_trend_means_the_first_and_last_steps_of_the_run():
     assert reward_trend(steps[:8]) == "reward 0.015 over steps 1-2 -> 0.075 over steps 7-8"
     assert reward_trend(steps[:3]) == "reward 0.010 over step 1 -> 0.030 over step 3"
     assert reward_trend(steps[4:5]) == "reward 0.050 over step 5"
+
+
+def test_a_step_whose_every_rollout_failed_says_so_naming_the_most_frequent_error(tmp_path, capsys):
+    def group(*rollouts):
+        return RolloutGroup("g0", {}, list(rollouts), zero_variance=True, dropped=True, episodes=[])
+
+    harness = "env run raised BadRequestError: Error code: 400 -\n  tools[0]: bad"
+    failed = [group(_failed(0, harness), _failed(1, harness)),
+              group(_failed(2, "replica died", status=RolloutStatus.ERROR_GENERATOR), _failed(3, harness))]
+    error = "error_env: env run raised BadRequestError: Error code: 400 - tools[0]: bad (3 of 4 rollouts)"
+    assert every_rollout_failed(failed) == error
+    assert untrained_reason(failed, [], 0, 1) == f"every rollout ended in an error, e.g. {error}"
+    assert every_rollout_failed(failed + [group(Rollout(group_id="g1", index=0, session_id="g1/0", seed=0,
+                                                        sample={}))]) is None
+    assert every_rollout_failed([]) is None
+    assert failed_steps_line(4, 6, error, 3) == (
+        "steps 4-6: every rollout ended in an error, so nothing was trained (3 such steps in a row, "
+        f"controller.max_errored_steps=3); the last step's: {error}")
+    assert failed_steps_line(1, 1, error, 1).startswith("step 1: every rollout ended in an error")
+    # Its step line says why it trained nothing, without the hint for steps of equal rewards.
+    MetricsLogger(tmp_path, 3, tensorboard=False).log_step(1, _rewards(0.0, 0.0), failed,
+                                                            untrained_reason(failed, [], 0, 1))
+    out = capsys.readouterr().out
+    assert f"  trained nothing: every rollout ended in an error, e.g. {error}  eta " in out
+    assert "GRPO has nothing to learn" not in out

@@ -1,0 +1,1 @@
+"""code_tests: the policy writes Python functions, run against tests in a sandbox (env.py)."""

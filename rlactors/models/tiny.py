@@ -72,7 +72,8 @@ SIZES: dict[str, tuple] = {  # any family
 }
 REAL_SIZES: dict[str, dict[str, tuple]] = {  # family: the shapes of its real models
     "qwen3": {"0.6b": (1024, 3072, 28, 16, 8, 128, 151936, 40960, "bfloat16"),  # Qwen3-0.6B
-              "1.7b": (2048, 6144, 28, 16, 8, 128, 151936, 40960, "bfloat16")},  # Qwen3-1.7B
+              "1.7b": (2048, 6144, 28, 16, 8, 128, 151936, 40960, "bfloat16"),  # Qwen3-1.7B
+              "8b": (4096, 12288, 36, 32, 8, 128, 151936, 40960, "bfloat16")},  # Qwen3-8B
     "qwen3_moe": {"30b-a3b": (2048, 6144, 48, 32, 4, 128, 151936, 40960, "bfloat16"),  # Qwen3-30B-A3B
                   # Qwen3-30B-A3B's layers, 4 of its 48: trains on one 80 GB GPU
                   "30b-a3b-4l": (2048, 6144, 4, 32, 4, 128, 151936, 40960, "bfloat16"),

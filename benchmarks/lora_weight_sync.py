@@ -113,8 +113,8 @@ def main() -> None:
             shapes = synced_shapes(size, rank)
             timings = measure({"device": args.device, "size": size, "chunk_mib": [chunk_mib], "iters": args.iters,
                                "profile": None, "gpus": gpus, "shapes": shapes})[chunk_mib]
-            layout = PackedLayout.of((n, torch.empty(s, dtype=torch.bfloat16, device="meta")) for n, s in shapes.items())
-            num_bytes = layout.total_bytes
+            num_bytes = PackedLayout.of((n, torch.empty(s, dtype=torch.bfloat16, device="meta"))
+                                        for n, s in shapes.items()).total_bytes
             sends = timings["send_s"]
             send = statistics.median(sends)
             copy = device_copy_s(num_bytes, device, args.iters)

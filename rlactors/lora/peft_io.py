@@ -65,7 +65,8 @@ def load_peft_adapter(adapter_dir: str | Path, model: nn.Module, config: LoraCon
     if targets != sorted(config.target_modules):
         mismatch["target_modules"] = (targets, sorted(config.target_modules))
     if mismatch:
-        raise ValueError(f"{where}: the adapter's {', '.join(f'{k} {a!r} != model.lora.{k} {b!r}' for k, (a, b) in mismatch.items())}")
+        differ = ", ".join(f"{k} {a!r} != model.lora.{k} {b!r}" for k, (a, b) in mismatch.items())
+        raise ValueError(f"{where}: the adapter's {differ}")
     tensors = {name.removeprefix(PREFIX).replace(".default.", "."): t for name, t in
                load_file(str(adapter_dir / WEIGHTS_FILE)).items()}
     expected = {}

@@ -10,9 +10,9 @@ from support.trainer_inputs import one_rank_process_group, rows
 from support.true_on_policy import episode, generate, make_core, prompts, requests_with, trainer_and_generator_logprobs
 
 from rlactors.config import LoraConfig, LossConfig
-from rlactors.losses import LossNorm
 from rlactors.lora.adapters import adapter_parameters, merged_weight, targeted, to_lora
 from rlactors.lora.peft_io import load_peft_adapter
+from rlactors.losses import LossNorm
 from rlactors.models import DecoderForCausalLM, from_pretrained
 from rlactors.models.checkpoint import load_args
 from rlactors.on_policy.modules import to_batch_invariant
@@ -133,8 +133,8 @@ def train_step(core, seed):
 
 
 def test_trainer_trains_syncs_checkpoints_and_exports_the_adapters_only(tiny_ckpt, device, tmp_path):
-    from rlactors.engines.native import NativeEngine
     from rlactors.config import GeneratorConfig, ModelConfig
+    from rlactors.engines.native import NativeEngine
     from rlactors.weight_sync.checksum import state_checksum
 
     config = LoraConfig(rank=8, alpha=16.0, target_modules=ALL_LINEARS)

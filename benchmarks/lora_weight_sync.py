@@ -118,7 +118,7 @@ def main() -> None:
             sends = timings["send_s"]
             send = statistics.median(sends)
             copy = device_copy_s(num_bytes, device, args.iters)
-            row = [size, str(rank) if rank else "full weights", f"{num_bytes / 1e6:.1f}", str(args.gpus if cuda else 0),
+            row = [size, str(rank) if rank else "full weights", f"{num_bytes / 1e6:.2f}", str(args.gpus if cuda else 0),
                    f"{send * 1e3:.2f} ({min(sends) * 1e3:.2f}-{max(sends) * 1e3:.2f})",
                    f"{statistics.median(timings['receive_verify_s']) * 1e3:.2f}", f"{copy * 1e3:.3f}",
                    f"{send / copy:.1f}x", f"{merge_s(size, rank, device, args.iters) * 1e3:.2f}" if rank else "n/a"]

@@ -9,6 +9,7 @@ own table in benchmarks/results/ (index: benchmarks/results/README.md).
     python benchmarks/gpu_benchmarks.py on-policy-cost           # 1 GPU: true on-policy cost, matmul vs cuBLAS
     python benchmarks/gpu_benchmarks.py learning-curve [--gpus 2|4] [--true-on-policy]  # the GPU demo, 100 steps
     python benchmarks/gpu_benchmarks.py moe                      # 1 GPU: Qwen3-MoE generation, training, a run
+    python benchmarks/gpu_benchmarks.py lora [--gpus 2]          # LoRA weight sync: adapters vs full weights
 
 Which GPUs a mode may use and what each runs: `MODES` below. Needs vLLM and Monarch importable
 (README, "GPU setup"); the GPU test suite is benchmarks/gpu_suite.py. The tools' output streams to the
@@ -69,6 +70,17 @@ def weight_sync(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
               for size in ("1.7b", "0.6b")]
     if gpus == 4:
         steps.append(("1.7b, 2 -> 2", [*SYNC, "--size", "1.7b", "--trainer-gpus", "2", "--replicas", "2"]))
+    return steps
+
+
+def lora(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
+    """Issue #60's weight sync: adapters (rank 16, 64) against full weights at the 1.7B and 8B
+    shapes, each beside a device copy of the same bytes; sender and receiver on one GPU (a one-GPU
+    run), and on two GPUs one each."""
+    command = [PY, "benchmarks/lora_weight_sync.py", "--sizes", "1.7b", "8b", "--ranks", "16", "64"]
+    steps = [("1.7b and 8b, one GPU", [*command, "--gpus", "1"])]
+    if gpus == 2:
+        steps.append(("1.7b and 8b, one GPU each", [*command, "--gpus", "2"]))
     return steps
 
 
@@ -159,6 +171,7 @@ MODES = {
     "on-policy-cost": Mode((1,), on_policy_cost),
     "learning-curve": Mode((1, 2, 4), learning_curve),
     "moe": Mode((1,), moe),
+    "lora": Mode((1, 2), lora),
 }
 
 

@@ -239,6 +239,9 @@ def test_lora_keys_load_round_trip_and_refuse_dropout_in_true_on_policy(tmp_path
     assert load_config(path) == config
     with pytest.raises(ConfigError, match=r"^model\.lora\.dropout: must be 0 with model\.true_on_policy"):
         load_config(overrides=["model.lora.rank=8", "model.lora.dropout=0.1", "model.true_on_policy=true"])
+    with pytest.raises(ConfigError, match=r"^model\.lora\.rank: LoRA runs with generator\.engine = 'native' only"):
+        load_config(overrides=["model.lora.rank=8", "generator.engine=vllm", 'controller.device="cuda"'],
+                    available_gpus=8)
 
 
 def test_dump_round_trips(tmp_path):

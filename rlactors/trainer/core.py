@@ -54,9 +54,7 @@ from rlactors.weight_sync.broadcast import WeightSender
 from rlactors.weight_sync.checksum import state_checksum
 from rlactors.weight_sync.packed import Chunk, PackedLayout
 
-# With model.lora the frozen base is model.path's and stays out of checkpoints; the adapters (and
-# their optimizer state) go in, and LORA_DIR holds them as a PEFT adapter.
-_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+# With model.lora, LORA_DIR in a checkpoint holds the adapters as a PEFT adapter.
 LORA_DIR = "lora_adapter"
 
 MICROBATCH_FIELDS = ("input_ids", "positions", "target_ids", "loss_mask", "advantages",
@@ -140,6 +138,9 @@ class PolicyTrainerCore:
                          if trainer.expert_parallel > 1 else None),
         )
         self._attention = kernels.attention
+        # What checkpoints hold: with model.lora the frozen base is model.path's and stays out;
+        # the adapters (and their optimizer state) go in.
+        self._checkpointed = StateDictOptions(ignore_frozen_params=True, strict=not model.lora.rank)
         self._load_hf_weights(model.path)
         # Per sparse layer, of the current forward: the expert ids [T, k] its router chose (before
         # any replay), and (for the load-balancing loss) its router logits.
@@ -448,10 +449,10 @@ class PolicyTrainerCore:
         # some (a zero-gradient step): save the model alone then.
         has_optimizer_state = bool(self.optimizer.state)
         if has_optimizer_state:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_TRAINED)
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._checkpointed)
             state = {"model": model_sd, "optimizer": optim_sd}
         else:
-            state = {"model": get_model_state_dict(self.model, options=_TRAINED)}
+            state = {"model": get_model_state_dict(self.model, options=self._checkpointed)}
         dcp.save(state, checkpoint_id=partial / ckpt.DCP_DIR)
         weights = self.full_weights(DTYPES[self.model_config.dtype])
 
@@ -498,14 +499,14 @@ class PolicyTrainerCore:
             state = ckpt.read_state(path)
             self._discard_accumulation()
             if state["optimizer_state"]:
-                model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_TRAINED)
+                model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._checkpointed)
                 dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path / ckpt.DCP_DIR)
                 set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                               options=_TRAINED)
+                               options=self._checkpointed)
             else:
-                model_sd = get_model_state_dict(self.model, options=_TRAINED)
+                model_sd = get_model_state_dict(self.model, options=self._checkpointed)
                 dcp.load({"model": model_sd}, checkpoint_id=path / ckpt.DCP_DIR)
-                set_model_state_dict(self.model, model_sd, options=_TRAINED)
+                set_model_state_dict(self.model, model_sd, options=self._checkpointed)
                 self.optimizer = self._new_optimizer()
             self.version = self._tried_version = int(state["policy_version"])
             return {"step": int(state["step"]), "policy_version": self.version}

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.lora import ALL_LINEARS, ATTENTION, assert_lora_true_on_policy_diff_is_zero, hf_model, peft_adapter
 from support.trainer_inputs import one_rank_process_group, rows
-from support.true_on_policy import episode, generate, make_core, prompts, requests_with, trainer_and_generator_logprobs
+from support.true_on_policy import make_core
 
 from rlactors.config import LoraConfig, LossConfig
 from rlactors.lora.adapters import adapter_parameters, merged_weight, targeted, to_lora
@@ -17,33 +18,8 @@ from rlactors.models import DecoderForCausalLM, from_pretrained
 from rlactors.models.checkpoint import load_args
 from rlactors.on_policy.modules import to_batch_invariant
 from rlactors.trainer.core import LORA_DIR
-from rlactors.types import SamplingParams
 
 peft = pytest.importorskip("peft")
-
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-ALL_LINEARS = ATTENTION + ("gate_proj", "up_proj", "down_proj")
-
-
-def hf_model(ckpt):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-
-
-def peft_adapter(ckpt, out_dir, targets, rank=4, alpha=8.0, seed=0):
-    """A PEFT LoRA model over HF's model of `ckpt`, lora_B random (PEFT starts it at 0, which
-    would test nothing), saved to `out_dir`; returns it."""
-    model = peft.get_peft_model(hf_model(ckpt), peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
-                                                                target_modules=list(targets)))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    model.save_pretrained(str(out_dir))
-    return model.eval()
-
 
 def docs(vocab, lengths=(19, 7, 12), seed=3):
     g = torch.Generator().manual_seed(seed)
@@ -196,21 +172,4 @@ def test_trainer_trains_syncs_checkpoints_and_exports_the_adapters_only(tiny_ckp
 
 
 def test_native_true_on_policy_with_lora_logprob_diff_is_zero(tiny_ckpt, device, tmp_path):
-    peft_adapter(tiny_ckpt, tmp_path, ALL_LINEARS, rank=4, alpha=8.0)
-    config = LoraConfig(rank=4, alpha=8.0, target_modules=ALL_LINEARS, init_from=str(tmp_path))
-    mine = (prompts(1, seed=7)[0], SamplingParams(max_tokens=24, temperature=1.0, seed=3))
-    batched = generate(tiny_ckpt, True, requests_with(mine, 8, seed=8), max_num_tokens=96, lora=config)
-    core = make_core(tiny_ckpt, device, true_on_policy=True, lora=config)
-    episodes = [episode(c) for c in batched.values()]
-    trainer, generator = trainer_and_generator_logprobs(core, episodes, row_tokens=256)
-    assert trainer.numel() == sum(len(c.token_ids) for c in batched.values()) > 50
-    assert torch.equal(trainer, generator), (trainer - generator).abs().max()
-    plain = generate(tiny_ckpt, True, {"mine": mine})["mine"]
-    assert plain.logprobs != batched["mine"].logprobs  # the adapters are in the generator's forward
-    # Backward goes through the merge: the adapters get gradients, the base none.
-    batches = rows(1, count=1)
-    loss = LossConfig(name="dapo", clip_high=0.28)
-    core.forward_backward(batches, LossNorm.for_step(batches, loss.name, max_tokens=40), loss)
-    adapters = adapter_parameters(core.model)
-    for name, p in core.model.named_parameters():
-        assert (p.grad is not None and bool(p.grad.abs().sum() > 0)) == (name in adapters), name
+    assert_lora_true_on_policy_diff_is_zero(tiny_ckpt, device, tmp_path)

@@ -4,6 +4,9 @@ checkpoints (resume; PEFT export that peft loads; merged HF weights) and true on
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from support.lora import ALL_LINEARS, ATTENTION, assert_lora_true_on_policy_diff_is_zero, hf_model, peft_adapter
@@ -17,7 +20,9 @@ from rlactors.losses import LossNorm
 from rlactors.models import DecoderForCausalLM, from_pretrained
 from rlactors.models.checkpoint import load_args
 from rlactors.on_policy.modules import to_batch_invariant
+from rlactors.placement import free_port
 from rlactors.trainer.core import LORA_DIR
+from rlactors.weight_sync.broadcast import BufferReceiver
 
 peft = pytest.importorskip("peft")
 
@@ -139,6 +144,17 @@ def test_trainer_trains_syncs_checkpoints_and_exports_the_adapters_only(tiny_ckp
     assert layout.total_bytes == 4 * per_linear  # fp32 (model.dtype)
     synced = core.state_dict_for_sync()
     assert synced.checksum == state_checksum(synced.weights)
+    # By broadcast (gloo here) into a replica's receive buffer, verified by its checksum.
+    receiver, port = BufferReceiver(layout, device), free_port()
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(receiver.join, "127.0.0.1", port, 1, 2)
+        core.init_weight_sender("127.0.0.1", port, 2, layout)
+        joined.result()
+        received = pool.submit(receiver.receive, core.version)
+        sent = asyncio.run(core.send_weights(core.version))
+        received.result()
+    assert sent["checksum"] == layout.checksum(receiver.buffer)
+    assert all(torch.equal(t, synced.weights[n]) for n, t in receiver.weights().items())
     engine = NativeEngine.from_config(GeneratorConfig(max_num_seqs=4, kv_cache_tokens=512, max_model_len=256),
                                       ModelConfig(path=str(tiny_ckpt), lora=config), device="cpu")
     with pytest.raises(ValueError, match="missing"):

@@ -11,6 +11,7 @@ own table in benchmarks/results/ (index: benchmarks/results/README.md).
     python benchmarks/gpu_benchmarks.py moe                      # 1 GPU: Qwen3-MoE generation, training, a run
     python benchmarks/gpu_benchmarks.py scale                    # 1 GPU: 1.7B/4B/8B x 2k/8k/16k rollouts, colocated
     python benchmarks/gpu_benchmarks.py scale-on-policy          # 1 GPU: 5 true on-policy steps of 4B and 8B
+    python benchmarks/gpu_benchmarks.py lora [--gpus 2]          # LoRA weight sync: adapters vs full weights
 
 Which GPUs a mode may use and what each runs: `MODES` below. Needs vLLM and Monarch importable
 (docs/gpu.md); the GPU test suite is scripts/gpu_suite.py. The tools' output streams to the
@@ -71,6 +72,17 @@ def weight_sync(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
               for size in ("1.7b", "0.6b")]
     if gpus == 4:
         steps.append(("1.7b, 2 -> 2", [*SYNC, "--size", "1.7b", "--trainer-gpus", "2", "--replicas", "2"]))
+    return steps
+
+
+def lora(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
+    """Issue #60's weight sync: adapters (rank 16, 64) against full weights at the 1.7B and 8B
+    shapes, each beside a device copy of the same bytes; sender and receiver on one GPU (a one-GPU
+    run), and on two GPUs one each."""
+    command = [PY, "benchmarks/lora_weight_sync.py", "--sizes", "1.7b", "8b", "--ranks", "16", "64"]
+    steps = [("1.7b and 8b, one GPU", [*command, "--gpus", "1"])]
+    if gpus == 2:
+        steps.append(("1.7b and 8b, one GPU each", [*command, "--gpus", "2"]))
     return steps
 
 
@@ -189,6 +201,7 @@ MODES = {
     "moe": Mode((1,), moe),
     "scale": Mode((1,), scale),
     "scale-on-policy": Mode((1,), scale_on_policy),
+    "lora": Mode((1, 2), lora),
 }
 
 

@@ -58,7 +58,7 @@ def _side(rank: int, options: dict[str, Any], ports: list[int], gather_port: int
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    shapes = model_shapes(size_args(options["size"], TOKENIZER_VOCAB_SIZE))
+    shapes = options.get("shapes") or model_shapes(size_args(options["size"], TOKENIZER_VOCAB_SIZE))
     timings = {}
     if rank == 0:
         import torch.distributed as dist

@@ -52,6 +52,33 @@ class _Section:
         """Raises ConfigError naming `key.field` for a value that is impossible on its own."""
 
 
+# --- LoRA (model.lora; docs/lora.md) ---------------------------------------------------------
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """`model.lora`: train low-rank adapters on the targeted linears over a frozen base (rank 0: off)."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input, in training (the default mode only)
+    target_modules: tuple[str, ...] = LORA_TARGETS  # the decoder layers' linears that get adapters
+    init_from: str = ""  # a PEFT LoRA adapter dir to start from ("": A random, B zero)
+
+    def __post_init__(self) -> None:
+        key = "model.lora"
+        _check(self.rank >= 0, f"{key}.rank", f"must be >= 0 (0: off), got {self.rank}")
+        _check(0 < self.alpha < math.inf, f"{key}.alpha", f"must be > 0 and finite, got {self.alpha}")
+        _check(0 <= self.dropout < 1, f"{key}.dropout", f"must be in [0, 1), got {self.dropout}")
+        _check(bool(self.target_modules), f"{key}.target_modules", "must name at least one linear")
+        for name in self.target_modules:
+            _check(name in LORA_TARGETS, f"{key}.target_modules",
+                   f"{name!r} is not a linear adapters can target (one of {', '.join(LORA_TARGETS)}; "
+                   "experts and the LM head are not)")
+        _check(not self.init_from or self.rank > 0, f"{key}.init_from", f"needs {key}.rank > 0")
+
+
 @dataclass
 class ModelConfig(_Section):
     path: str  # an HF checkpoint dir
@@ -60,12 +87,15 @@ class ModelConfig(_Section):
     # Mixture-of-experts models: the trainer routes each sampled token to the generator's experts
     # (R3); true on-policy routes them alike without it
     routing_replay: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self, key: str) -> None:
         _check(bool(self.path), f"{key}.path", "must name a checkpoint directory")
         _check(not (self.routing_replay and self.true_on_policy), f"{key}.routing_replay",
                f"is for the default mode: with {key}.true_on_policy the trainer routes every token as the "
                "generator did already")
+        _check(not (self.lora.dropout and self.true_on_policy), f"{key}.lora.dropout",
+               f"must be 0 with {key}.true_on_policy (the generator samples without dropout)")
 
 
 @dataclass
@@ -434,6 +464,8 @@ class Config:
                f"exceeds generator.max_model_len ({c.generator.max_model_len})")
         _check(c.rollout.max_tokens_per_turn <= c.rollout.max_total_tokens, "rollout.max_tokens_per_turn",
                f"exceeds rollout.max_total_tokens ({c.rollout.max_total_tokens})")
+        _check(not (c.model.lora.rank and c.generator.engine == "vllm"), "model.lora.rank",
+               "LoRA runs with generator.engine = 'native' only for now (docs/lora.md)")
         # Sampling seeds are ((controller.seed << 32) + rollout number) * max_turns + turn (Rollouter).
         _check(((c.controller.seed + 1) << 32) * c.rollout.max_turns <= 2**63, "controller.seed",
                f"too large: with rollout.max_turns={c.rollout.max_turns} the sampling seeds overflow 63 bits")

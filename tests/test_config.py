@@ -132,6 +132,14 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
         ("controller.restart_trainer=true", r"^controller\.restart_trainer: expected an integer"),
         ("gateway.render_threads=0", r"^gateway\.render_threads: must be >= 1"),
         ("controller.max_errored_steps=-1", r"^controller\.max_errored_steps: must be >= 0 \(0 = never stop\)"),
+        ("model.lora.rank=-1", r"^model\.lora\.rank: must be >= 0 \(0: off\), got -1$"),
+        ("model.lora.alpha=0", r"^model\.lora\.alpha: must be > 0"),
+        ("model.lora.dropout=1.0", r"^model\.lora\.dropout: must be in \[0, 1\)"),
+        ("model.lora.target_modules=['q_proj', 'qproj']", r"^model\.lora\.target_modules: 'qproj' is not a linear"),
+        ("model.lora.target_modules=['experts']", r"^model\.lora\.target_modules: 'experts' is not a linear"),
+        ("model.lora.target_modules=[]", r"^model\.lora\.target_modules: must name at least one"),
+        ("model.lora.init_from='/x'", r"^model\.lora\.init_from: needs model\.lora\.rank > 0"),
+        ("model.lora.ranks=8", r"^model\.lora\.ranks: unknown key"),
         ("trainer=3", r"^trainer: expected a table"),
         ("trainer.lr", r"expected key=value"),
     ],
@@ -261,6 +269,20 @@ def test_a_config_files_env_args_go_only_with_the_env_it_names(tmp_path):
     path.write_text("[env]\nargs = { max_turns = 2 }\n")
     assert load_config(path, ['env.name="my_envs.reverse:ReverseEnv"']).env.args == {}
     assert load_config(path).env.args == {"max_turns": 2}
+
+
+def test_lora_keys_load_round_trip_and_refuse_dropout_in_true_on_policy(tmp_path):
+    config = load_config(overrides=["model.lora.rank=8", "model.lora.target_modules=['q_proj', 'v_proj']"])
+    assert (config.model.lora.rank, config.model.lora.alpha, config.model.lora.target_modules) == (8, 16.0,
+                                                                                                 ("q_proj", "v_proj"))
+    path = tmp_path / "run.toml"
+    path.write_text(dump_toml(config))
+    assert load_config(path) == config
+    with pytest.raises(ConfigError, match=r"^model\.lora\.dropout: must be 0 with model\.true_on_policy"):
+        load_config(overrides=["model.lora.rank=8", "model.lora.dropout=0.1", "model.true_on_policy=true"])
+    with pytest.raises(ConfigError, match=r"^model\.lora\.rank: LoRA runs with generator\.engine = 'native' only"):
+        load_config(overrides=["model.lora.rank=8", "generator.engine=vllm", 'controller.device="cuda"'],
+                    available_gpus=8)
 
 
 def test_dump_round_trips(tmp_path):

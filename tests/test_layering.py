@@ -11,11 +11,11 @@ import rlactors
 ROOT = Path(rlactors.__file__).parent
 PACKAGES = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
 MODULES = {p.stem for p in ROOT.glob("*.py") if p.stem != "__init__"}
-# Bottom to top: what a run keeps on disk, the model's pieces, the procs' lives, weight sync, then
-# its sending (trainer) and receiving (engines) sides, rollouts, the actors, envs and the agent
-# gateway, the run's driver.
-LAYERS = ["storage", "attention", "models", "on_policy", "procs", "weight_sync", "trainer", "engines", "rollout",
-          "actors", "envs", "gateway", "run"]
+# Bottom to top: what a run keeps on disk, the model's pieces (LoRA's adapters on top of them), the
+# procs' lives, weight sync, then its sending (trainer) and receiving (engines) sides, rollouts, the
+# actors, envs and the agent gateway, the run's driver.
+LAYERS = ["storage", "attention", "models", "on_policy", "lora", "procs", "weight_sync", "trainer", "engines",
+          "rollout", "actors", "envs", "gateway", "run"]
 BOTTOM, ENTRY_POINTS = {"config", "types"}, {"train", "evaluate"}
 
 

@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
-from rlactors.config import GeneratorConfig, ModelConfig
+from rlactors.config import GeneratorConfig, LoraConfig, ModelConfig
 from rlactors.engines.base import Engine, check_request
 from rlactors.engines.kv_cache import BlockPool, PagedKVCache, blocks_for
 from rlactors.engines.paged_attention import PagedAttention
 from rlactors.engines.sampling import request_generator, sample
 from rlactors.engines.scheduler import ScheduledChunk, Scheduler, SeqState
+from rlactors.lora.adapters import adapter_parameters, attach_adapters, merge_adapters_
 from rlactors.models.decoder import DecoderForCausalLM
 from rlactors.models.moe import SparseMoeBlock
 from rlactors.on_policy.sides import sides
@@ -33,15 +34,20 @@ class NativeEngine(Engine):
     """Serves `model`, sized by `config` (its max_num_seqs, max_num_tokens, kv_cache_tokens,
     block_size and max_model_len). With `true_on_policy` the model is converted in place to
     batch-invariant kernels (`rlactors.on_policy.sides`), so a token's logprob is the trainer's
-    exactly."""
+    exactly. With `lora` (rank > 0) the model gets adapters (`rlactors.lora.adapters`): weight
+    updates then carry the adapters alone, merged into the weights as they load."""
 
-    def __init__(self, model: DecoderForCausalLM, config: GeneratorConfig, true_on_policy: bool = False):
+    def __init__(self, model: DecoderForCausalLM, config: GeneratorConfig, true_on_policy: bool = False,
+                 lora: LoraConfig | None = None):
         self.model = model.eval().requires_grad_(False)
         param = next(model.parameters())
         self.device = param.device
         kernels = sides(true_on_policy, "native", self.device).generator
         if kernels.convert is not None:
             kernels.convert(model)
+        self.lora = lora is not None and lora.rank > 0
+        if self.lora:
+            attach_adapters(model, lora)
         self.attention = kernels.attention or PagedAttention
         args = model.args
         self.vocab_size = args.vocab_size
@@ -74,7 +80,7 @@ class NativeEngine(Engine):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         model = from_pretrained(model_config.path, dtype=model_config.dtype, device=device)
-        return cls(model, generator_config, true_on_policy=model_config.true_on_policy)
+        return cls(model, generator_config, true_on_policy=model_config.true_on_policy, lora=model_config.lora)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -193,8 +199,14 @@ class NativeEngine(Engine):
 
     # -- weights and cache ------------------------------------------------------------------
 
+    def _loaded_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters a weight update replaces: all of them, or with LoRA the adapters."""
+        if self.lora:
+            return adapter_parameters(self.model)
+        return dict(self.model.named_parameters(remove_duplicate=False))
+
     def check_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params = self._loaded_parameters()
         unknown = sorted(set(named_tensors) - set(params))
         tied = "lm_head.weight" if self.model.args.tie_word_embeddings else None
         missing = sorted(set(params) - set(named_tensors) - {tied})
@@ -207,9 +219,11 @@ class NativeEngine(Engine):
     @torch.no_grad()
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
         self.check_weights(named_tensors)
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params = self._loaded_parameters()
         for name, tensor in named_tensors.items():
             params[name].copy_(tensor)
+        if self.lora:
+            merge_adapters_(self.model)
         self.version = version
         self.reset_prefix_cache()
 

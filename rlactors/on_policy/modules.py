@@ -29,8 +29,12 @@ class InvariantLinear(nn.Linear):
     tests of trainer against engine cover the engine's fusions."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        out = ops.linear(x, self.weight, self.bias)
+        out = ops.linear(x, self.matmul_weight(), self.bias)
         return out if residual is None else residual + out
+
+    def matmul_weight(self) -> torch.Tensor:
+        """The weight this linear multiplies by: its own (a LoRA subclass merges its adapters in)."""
+        return self.weight
 
 
 class FrozenInvariantLinear(InvariantLinear):
@@ -71,7 +75,7 @@ def project(x: torch.Tensor, linears: Sequence[InvariantLinear]) -> list[torch.T
         if not stacked or torch.is_grad_enabled():
             return [m(x) for m in linears]
         return _project_stacked(x, linears)
-    weights = [m.weight for m in linears]
+    weights = [m.matmul_weight() for m in linears]
     if any(w.shape[1] != x.shape[-1] or w.dtype != x.dtype for w in weights):
         raise ValueError(f"project: x {tuple(x.shape)} {x.dtype} does not match the weights "
                          f"{[tuple(w.shape) for w in weights]} {weights[0].dtype}")

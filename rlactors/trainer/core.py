@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -33,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlactors.attention.varlen import cu_seqlens_from_positions
 from rlactors.config import ConfigError, LossConfig, ModelConfig, TeacherConfig, TrainerConfig, check_model_keys
+from rlactors.lora import adapters as lora
+from rlactors.lora.peft_io import save_peft_adapter
 from rlactors.models.args import DTYPES
 from rlactors.models.checkpoint import (
     checkpoint_shapes,
@@ -54,6 +57,9 @@ from rlactors.trainer.reference import ReferencePolicy, load_sharded_weights
 from rlactors.weight_sync.broadcast import WeightSender
 from rlactors.weight_sync.checksum import state_checksum
 from rlactors.weight_sync.packed import Chunk, PackedLayout
+
+# With model.lora, LORA_DIR in a checkpoint holds the adapters as a PEFT adapter.
+LORA_DIR = "lora_adapter"
 
 MICROBATCH_FIELDS = ("input_ids", "positions", "target_ids", "loss_mask", "advantages",
                      "generator_logprobs", "versions")
@@ -129,16 +135,20 @@ class PolicyTrainerCore:
         self.args = load_args(model.path)
         check_model_keys(model, trainer, self.args)
         self.mesh = make_mesh(device)
+        mixed_precision = trainer.mixed_precision and device.type == "cuda"
         self.model = build_sharded_model(
             self.args, self.mesh, device,
-            mixed_precision=trainer.mixed_precision and device.type == "cuda",
+            mixed_precision=mixed_precision,
             activation_checkpointing=trainer.activation_checkpointing,
             compile_layers=trainer.compile_layers and device.type == "cuda" and not kernels.eager,
-            convert=kernels.convert,
+            convert=self._with_lora(kernels.convert, torch.bfloat16 if mixed_precision else torch.float32),
             expert_mesh=(expert_parallel.expert_mesh(device.type, trainer.expert_parallel)
                          if trainer.expert_parallel > 1 else None),
         )
         self._attention = kernels.attention
+        # What checkpoints hold: with model.lora the frozen base is model.path's and stays out;
+        # the adapters (and their optimizer state) go in.
+        self._checkpointed = StateDictOptions(ignore_frozen_params=True, strict=not model.lora.rank)
         self._load_hf_weights(model.path)
         self.reference = ReferencePolicy(
             self.args, model.path, device, DTYPES[model.dtype], kernels, trainer.expert_parallel,
@@ -172,6 +182,18 @@ class PolicyTrainerCore:
         self.sender: WeightSender | None = None  # rank 0, once weights go by broadcast
         self._sync_layout: PackedLayout | None = None  # the send buffer's, once a weight group formed
         self._chunk_gathers: dict[int, RowGather] = {}  # by chunk start: how each chunk of it is packed
+
+    def _with_lora(self, convert: Callable | None, base_dtype: torch.dtype) -> Callable | None:
+        """`convert`, then with `model.lora` the LoRA conversion (frozen base in `base_dtype`)."""
+        config = self.model_config.lora
+        if not config.rank:
+            return convert
+
+        def convert_with_lora(model: torch.nn.Module) -> None:
+            if convert is not None:
+                convert(model)
+            lora.to_lora(model, config, base_dtype)
+        return convert_with_lora
 
     # ------------------------------------------------------------------------------------------
     # Training
@@ -338,7 +360,8 @@ class PolicyTrainerCore:
         """A new AdamW (no state); with `trainer.offload_optimizer`, stepped a layer at a time with
         its state in host memory between steps (rlactors.trainer.offload)."""
         c = self.config
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr_at(c, 0), betas=tuple(c.betas),
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # with model.lora: the adapters
+        self.optimizer = torch.optim.AdamW(trainable, lr=lr_at(c, 0), betas=tuple(c.betas),
                                            weight_decay=c.weight_decay, fused=self.device.type == "cuda")
         self._offload = (OffloadedStep(self.optimizer, layer_groups(self.model), self.device)
                          if c.offload_optimizer else None)
@@ -359,17 +382,25 @@ class PolicyTrainerCore:
 
     def _load_hf_weights(self, path: str | Path) -> None:
         """Each rank reads only its own rows of every parameter from the HF safetensors files,
-        into its fp32 shard: no rank ever holds the whole model (a 32B one is 128 GB in fp32)."""
-        load_sharded_weights(self.model, path)
+        into its fp32 shard: no rank ever holds the whole model (a 32B one is 128 GB in fp32).
+        With `model.lora`, the adapters start at `lora.initial_adapters`."""
+        adapters = lora.initial_adapters(self.model, self.model_config.lora) if self.model_config.lora.rank else {}
+        load_sharded_weights(self.model, path, adapters)
+
+    def _synced_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """What the generators receive: every parameter, or with `model.lora` the adapters alone
+        (the generators hold the frozen base)."""
+        return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
 
     @torch.no_grad()
-    def full_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
-        """Every parameter gathered from its shards, in `dtype`, on CPU: on rank 0; None elsewhere.
+    def full_weights(self, dtype: torch.dtype, synced_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """Every parameter (`synced_only`: those the generators receive) gathered from its shards,
+        in `dtype`, on CPU: on rank 0; None elsewhere.
 
         A collective: every rank must call it. Tied embeddings give one tensor (no lm_head.weight),
         the HF checkpoint's names and set.
         """
-        params = dict(self.model.named_parameters())
+        params = self._synced_parameters() if synced_only else dict(self.model.named_parameters())
         weights = ({name: torch.empty(p.shape, dtype=dtype, device=self.device) for name, p in params.items()}
                    if self.rank == 0 else None)
         names = list(params)
@@ -382,7 +413,7 @@ class PolicyTrainerCore:
         dtype_name = dtype or self.model_config.dtype
         if dtype_name not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype_name!r}")
-        weights = self.full_weights(DTYPES[dtype_name])
+        weights = self.full_weights(DTYPES[dtype_name], synced_only=True)
         return None if weights is None else VersionedWeights(self.version, weights, state_checksum(weights))
 
     # ------------------------------------------------------------------------------------------
@@ -392,7 +423,7 @@ class PolicyTrainerCore:
         """The packed layout of the policy in the generator dtype (from global shapes, no gather)."""
         torch_dtype = DTYPES[dtype or self.model_config.dtype]
         return PackedLayout.of((name, torch.empty(p.shape, dtype=torch_dtype, device="meta"))
-                               for name, p in self.model.named_parameters())
+                               for name, p in self._synced_parameters().items())
 
     def init_weight_sender(self, host: str, port: int, world_size: int, layout: PackedLayout) -> None:
         """Rank 0 forms the weight group as its rank 0 (blocks until every replica joins), in
@@ -400,7 +431,7 @@ class PolicyTrainerCore:
         other chunks), which it gathers the weights in and rank 0 sends in."""
         dtypes = {spec.dtype for spec in layout.specs}
         shapes = {spec.name: spec.shape for spec in layout.specs}
-        if len(dtypes) != 1 or shapes != {name: tuple(p.shape) for name, p in self.model.named_parameters()}:
+        if len(dtypes) != 1 or shapes != {name: tuple(p.shape) for name, p in self._synced_parameters().items()}:
             raise ValueError(f"the weight layout is not this policy's in one dtype: {sorted(dtypes)}, "
                              f"{sorted(shapes)[:3]}...")
         if layout != self._sync_layout:
@@ -408,7 +439,7 @@ class PolicyTrainerCore:
             if self.rank == 0:
                 # On several ranks each chunk's packing is a gather over them: not in the sender's graph.
                 self.sender = WeightSender(layout, self.device, self._pack_chunk, capture=self.world_size == 1)
-            self._chunk_gathers = plan_packing(dict(self.model.named_parameters()), layout, DTYPES[dtypes.pop()],
+            self._chunk_gathers = plan_packing(self._synced_parameters(), layout, DTYPES[dtypes.pop()],
                                                self.sender.buffer if self.rank == 0 else None, self.device)
         if self.rank == 0:
             self.sender.join(host, port, world_size)
@@ -467,10 +498,11 @@ class PolicyTrainerCore:
         try:
             if has_optimizer_state:
                 with self._optimizer_state_on_device():
-                    model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+                    model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._checkpointed)
                     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=partial / ckpt.DCP_DIR)
             else:
-                dcp.save({"model": get_model_state_dict(self.model)}, checkpoint_id=partial / ckpt.DCP_DIR)
+                dcp.save({"model": get_model_state_dict(self.model, options=self._checkpointed)},
+                         checkpoint_id=partial / ckpt.DCP_DIR)
         except CheckpointException as e:  # a BaseException: raised on every rank
             if self.rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -479,7 +511,10 @@ class PolicyTrainerCore:
 
         def export_and_commit() -> None:
             with writing(partial):  # a failed write() names no file: name the checkpoint at least
-                save_pretrained(weights, self.args, partial / ckpt.HF_DIR)
+                if self.model_config.lora.rank:
+                    adapters = {name: weights[name] for name in lora.adapter_parameters(self.model)}
+                    save_peft_adapter(adapters, self.model_config.lora, self.model_config.path, partial / LORA_DIR)
+                save_pretrained(self._merged(weights), self.args, partial / ckpt.HF_DIR)
                 copy_tokenizer_files(self.model_config.path, partial / ckpt.HF_DIR)
                 for name, text in (extra_files or {}).items():
                     (partial / name).write_text(text)
@@ -524,13 +559,14 @@ class PolicyTrainerCore:
             self._discard_accumulation()
             if state["optimizer_state"]:
                 with self._optimizer_state_on_device():
-                    model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+                    model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._checkpointed)
                     dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path / ckpt.DCP_DIR)
-                    set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+                    set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                                   options=self._checkpointed)
             else:
-                model_sd = get_model_state_dict(self.model)
+                model_sd = get_model_state_dict(self.model, options=self._checkpointed)
                 dcp.load({"model": model_sd}, checkpoint_id=path / ckpt.DCP_DIR)
-                set_model_state_dict(self.model, model_sd)
+                set_model_state_dict(self.model, model_sd, options=self._checkpointed)
                 self._set_optimizer()
             self.version = self._tried_version = int(state["policy_version"])
             return {"step": int(state["step"]), "policy_version": self.version}
@@ -557,6 +593,10 @@ class PolicyTrainerCore:
             yield
         finally:
             self._offload.to_host()
+
+    def _merged(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`full_weights` as plain HF weights: with `model.lora`, the adapters merged into the base."""
+        return lora.merged_state(weights, self.model_config.lora) if self.model_config.lora.rank else weights
 
     def _discard_accumulation(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -32,12 +32,15 @@ def reference_bytes_per_rank(args: ModelArgs, dtype: torch.dtype, ranks: int, ex
     return total * dtype.itemsize
 
 
-def load_sharded_weights(model: nn.Module, path: str | Path) -> None:
-    """Each rank reads only its own rows of every parameter from the HF safetensors files."""
+def load_sharded_weights(model: nn.Module, path: str | Path, given: dict[str, torch.Tensor] | None = None) -> None:
+    """Each rank reads only its own rows of every parameter from the HF safetensors files; the
+    parameters named in `given` (LoRA's adapters) from there instead."""
+    given = given or {}
     with torch.no_grad(), open_tensors(path) as tensors:
         for name, param in model.named_parameters():  # a tied lm_head comes once, as the embedding
             local, first_row = local_rows(param)
-            local.copy_(tensors[name][first_row:first_row + local.shape[0]])
+            source = given[name] if name in given else tensors[name]
+            local.copy_(source[first_row:first_row + local.shape[0]])
 
 
 class ReferencePolicy:

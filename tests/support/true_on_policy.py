@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rlactors.config import BatcherConfig, GeneratorConfig, ModelConfig, TrainerConfig
+from rlactors.config import BatcherConfig, GeneratorConfig, LoraConfig, ModelConfig, TrainerConfig
 from rlactors.engines.native import NativeEngine
 from rlactors.models.moe import SparseMoeBlock
 from rlactors.on_policy.sides import sides
@@ -25,12 +25,13 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def generate(ckpt, true_on_policy: bool, requests: dict[str, tuple[list[int], SamplingParams]],
-             max_num_tokens: int = 128, device: torch.device | str = "cpu", dtype: str = "float32") -> dict:
+             max_num_tokens: int = 128, device: torch.device | str = "cpu", dtype: str = "float32",
+             lora: LoraConfig | None = None) -> dict:
     """Runs the requests to completion in one fresh engine on `device` in `dtype` (chunked
-    prefill under a small budget)."""
+    prefill under a small budget), with `lora`'s adapters if given."""
     generator = GeneratorConfig(max_num_seqs=32, max_num_tokens=max_num_tokens, kv_cache_tokens=4096,
                                 block_size=16, max_model_len=512)
-    model = ModelConfig(path=str(ckpt), true_on_policy=true_on_policy, dtype=dtype)
+    model = ModelConfig(path=str(ckpt), true_on_policy=true_on_policy, dtype=dtype, lora=lora or LoraConfig())
     engine = NativeEngine.from_config(generator, model, device=device)
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
@@ -63,8 +64,9 @@ def trainer_and_generator_logprobs(core: PolicyTrainerCore, episodes: list[Episo
     return torch.cat(trainer), torch.cat(generator)
 
 
-def make_core(ckpt, device, true_on_policy: bool, dtype: str = "float32") -> PolicyTrainerCore:
-    model = ModelConfig(path=str(ckpt), true_on_policy=true_on_policy, dtype=dtype)
+def make_core(ckpt, device, true_on_policy: bool, dtype: str = "float32",
+              lora: LoraConfig | None = None) -> PolicyTrainerCore:
+    model = ModelConfig(path=str(ckpt), true_on_policy=true_on_policy, dtype=dtype, lora=lora or LoraConfig())
     return PolicyTrainerCore(model, TrainerConfig(ranks=1, logprob_chunk_tokens=100), device,
                              sides(true_on_policy, "native", device).trainer)
 

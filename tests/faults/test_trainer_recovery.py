@@ -2,7 +2,7 @@
 Controller with real Monarch procs on CPU: a trainer rank SIGKILLed twice, before and after the
 first checkpoint, is rebuilt each time; the steps since the checkpoint are trained again exactly
 as they were the first time, every step is recorded once, and the run completes. (The counting of
-restarts and the choice of checkpoint: tests/test_recovery.py.)"""
+restarts and the choice of checkpoint: tests/run/test_recovery.py.)"""
 
 from __future__ import annotations
 

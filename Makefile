@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
+	@# The code sandbox (rlactors.envs.sandbox) runs programs under bubblewrap; as root, install it
+	@# from Debian where it is missing (elsewhere its tests skip, saying so).
+	command -v bwrap >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null || \
+		{ apt-get update -qq && apt-get install -y -qq bubblewrap; } || true
 	touch $(STAMP)
 
 setup: $(STAMP)

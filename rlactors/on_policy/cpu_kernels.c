@@ -85,6 +85,20 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* ---- silu ------------------------------------------------------------------------------------ */
+
+/* silu(g) = g / (1 + e^-g), each element on its own: e^-g as exp_nonpositive's polynomial on
+ * x = -|g|, inverted for g < 0 (so 1 / e^-|g|, x clamped at -87 as there). The result depends on
+ * the element alone, not on where it sits in the tensor or how many there are (torch's vectorized
+ * exp rounds its scalar tail differently on some CPUs). */
+void rl_silu(const float *g, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float e = exp_nonpositive(-fabsf(g[i]));
+        const float exp_minus_g = g[i] >= 0.0f ? e : 1.0f / e;
+        out[i] = g[i] / (1.0f + exp_minus_g);
+    }
+}
+
 #define TILE 16 /* consecutive queries of a segment attended together: they share key and value reads */
 
 /* Causal attention, one query at a time in effect: query i (segment s = segments[i], position

@@ -59,6 +59,7 @@ def load_library(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.rl_matmul.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+    library.rl_silu.argtypes = [ptr, ptr, i64]
     library.rl_matmul.restype = None
     library.rl_attend.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
     library.rl_attend_scratch.argtypes = [i64, ptr, i64, i64]
@@ -84,6 +85,16 @@ def matmul(a: torch.Tensor, weight_t: torch.Tensor, library: ctypes.CDLL | None 
     if out.numel():
         (library or _library()).rl_matmul(a.data_ptr(), weight_t.data_ptr(), out.data_ptr(),
                                           a.shape[0], weight_t.shape[1], a.shape[1])
+    return out
+
+
+def silu(gate: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """fp32 ``silu(gate)`` as ``g / (1 + exp(-g))``, each element computed alone: its bits depend
+    on its value only, on any x86-64 CPU. ``library``: another build of the kernels."""
+    gate = _fp32_contiguous(gate)
+    out = torch.empty_like(gate)
+    if out.numel():
+        (library or _library()).rl_silu(gate.data_ptr(), out.data_ptr(), gate.numel())
     return out
 
 

@@ -249,8 +249,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``, silu computed in fp32 as ``g / (1 + exp(-g))``; backward
     ``silu_mul_backward``.
 
-    torch's ``F.silu`` rounds an element differently when it falls in the scalar tail of the
-    vectorized loop, so its value depends on where it sits in the tensor; exp and division do not.
+    torch's ``F.silu`` and ``exp`` can round an element differently when it falls in the scalar
+    tail of a vectorized loop (or of a thread's share), so its value would depend on where it sits
+    in the tensor: on CPU ``cpu_kernels.silu`` computes each element alone.
     """
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _SiluMul.apply(gate, up)
@@ -260,8 +261,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _silu_mul_values(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.is_cuda:  # the same roundings in one kernel: decode steps pay for every launch
         return _triton().silu_mul(gate, up)
-    gate32 = gate.float()
-    return (gate32 / (1 + torch.exp(-gate32))).to(gate.dtype) * up
+    return cpu_kernels.silu(gate).to(gate.dtype) * up
 
 
 class _SiluMul(torch.autograd.Function):

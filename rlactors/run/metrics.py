@@ -55,7 +55,8 @@ NO_SIGNAL_HINT = ("start from a policy that sometimes succeeds (a warm start in 
 
 class MetricsLogger:
     """Writes step and eval records under `run_dir` (and to `wandb`, a WandbSink, when given);
-    `resume_step` drops records of steps after it (all of them for 0: a run from step 0)."""
+    `resume_step` drops records of steps after it (a run rebuilt before its first checkpoint keeps
+    the evaluation of step 0)."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, resume_step: int = 0, tensorboard: bool = True,
                  wandb: WandbSink | None = None):

@@ -30,7 +30,7 @@ from typing import Any
 
 from rlactors.config import Config, dump_toml, read_toml
 from rlactors.procs.placement import first_value
-from rlactors.storage.records import is_storage_fault, read_records, writing
+from rlactors.storage.records import is_storage_fault, keep_records_through, read_records, writing
 from rlactors.trainer.checkpoint import (
     HF_DIR,
     checkpoint_dir,
@@ -118,6 +118,8 @@ class RunDir:
         if path is None:
             print(f"--resume: no intact checkpoint under {self.checkpoints} (for a recorded step): the run restarts "
                   f"from step 0 (model.path) and its records are cleared", flush=True)
+            for name in (METRICS_FILE, SAMPLES_FILE):
+                keep_records_through(self.path / name, -1)  # none: step 0's evaluation is made again
             return None
         if not (path / CONTROLLER_STATE).is_file():
             raise TrainingError(f"--resume: {path} has no {CONTROLLER_STATE}")

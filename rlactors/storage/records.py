@@ -61,12 +61,12 @@ def read_records(path: str | Path, say: Any = None) -> list[dict[str, Any]]:
 
 
 def keep_records_through(path: str | Path, step: int) -> None:
-    """Rewrites `path` with only its records of steps <= `step` (none for step 0), torn lines
-    dropped; atomically, so a crash meanwhile leaves the file as it was."""
+    """Rewrites `path` with only its records of steps <= `step` (for step 0: the evaluation before
+    training), torn lines dropped; atomically, so a crash meanwhile leaves the file as it was."""
     path = Path(path)
     if not path.exists():
         return
-    kept = [r for r in read_records(path) if step and r["step"] <= step]
+    kept = [r for r in read_records(path) if r["step"] <= step]
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with writing(tmp), open(tmp, "w", encoding="utf-8") as f:

@@ -62,7 +62,7 @@ def wrong_type_value(annotation) -> str:
         return '"many"'
     if origin is tuple:
         return "0.9"
-    if origin is dict:
+    if origin is dict or dataclasses.is_dataclass(annotation):
         return "5"
     raise AssertionError(f"no wrong-type value for {annotation!r}")
 
@@ -120,9 +120,24 @@ IMPOSSIBLE = [
     (["batcher.rows_per_microbatch=0"], "batcher.rows_per_microbatch"),
     (['batcher.overlong="wrap"'], "batcher.overlong"),
     (['loss.name="ppo"'], "loss.name"),
-    (["loss.clip_low=1.0"], "loss.clip_low"),
+    (["loss.clip_low=1.5"], "loss.clip_low"),
     (["loss.clip_high=-0.1"], "loss.clip_high"),
     (["loss.tis_cap=0.5"], "loss.tis_cap"),
+    (['loss.tis_level="sequence"'], "loss.tis_level"),  # without loss.tis_cap
+    (["loss.is_mask_high=0.5"], "loss.is_mask_high"),
+    (["loss.is_mask_low=2"], "loss.is_mask_low"),
+    (['loss.is_mask_level="sequence"'], "loss.is_mask_level"),  # without loss.is_mask_high
+    (["loss.kl_coef=-1"], "loss.kl_coef"),
+    (['loss.kl_estimator="k9"'], "loss.kl_estimator"),
+    (['loss.kl_as="advantage"'], "loss.kl_as"),
+    (["teacher.coef=0"], "teacher.coef"),
+    (["teacher.task_coef=-1"], "teacher.task_coef"),
+    (['teacher.path="/teacher"', 'loss.name="sft"'], "teacher.path"),  # distillation with SFT
+    (["model.lora.rank=-1"], "model.lora"),
+    (["controller.gpu_memory_gib=-1"], "controller.gpu_memory_gib"),
+    (["controller.max_errored_steps=-1"], "controller.max_errored_steps"),
+    (["controller.restart_trainer=-1"], "controller.restart_trainer"),
+    (["gateway.render_threads=0"], "gateway.render_threads"),
     (['controller.device="tpu"'], "controller.device"),
     (['controller.device="cuda"', "trainer.ranks=4096"], "controller.device"),  # more GPUs than visible
     (["controller.steps=0"], "controller.steps"),

@@ -36,12 +36,12 @@ CUDA_CONTEXT_GIB = 0.5
 # CUDA graphs.
 VLLM_RUNTIME_GIB = 2.0
 # What a vLLM process holds outside its gpu_memory_utilization share, awake or asleep (level 1):
-# CUDA context, NCCL, allocator pools. Measured on an H200 at 0.3: 43.9 GiB held for a 41.9 GiB
-# share, of which sleep freed 41.8.
+# CUDA context, NCCL, allocator pools (fitted to what vLLM held beside its share, asleep and
+# awake: benchmarks/results/notes/colocated_scale.md). CUDA-graph pools beyond it are not counted.
 VLLM_OUTSIDE_SHARE_GIB = 2.0
 # Compiled layers (`trainer.compile_layers`, CUDA) save this share of the eager layer's bytes:
 # the compiler recomputes the norms' fp32 copies and the activations' elementwise products instead
-# of keeping them. Fitted to the 1.7B and 4B shapes' peaks on one H200 (trainer_throughput_gpu.md).
+# of keeping them. Fitted to the 1.7B and 4B shapes' measured peaks (trainer_throughput_gpu.md).
 COMPILED_ACTIVATION_SHARE = 0.70
 # Bytes per vocabulary entry of one LM-head chunk's token, at most live at once (forward with the
 # entropy): bf16 logits, fp32 log-probabilities, their exp and its product with them.

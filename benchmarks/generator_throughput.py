@@ -159,10 +159,9 @@ def raw_vllm_run(ckpt: str, prompt_sets, max_tokens: int, config, shard: int = 0
     With `config.replicas` > 1, this process is replica `shard` of as many running side by side:
     it generates every `replicas`-th prompt, and each timed run starts once every replica is
     ready for it (files in the `barrier` dir); a run's time is then the slowest replica's."""
-    from vllm import LLM
-    from vllm import SamplingParams as VLLMSamplingParams
-
     from rlactors.engines.vllm_engine import custom_all_reduce_works, one_start_per_gpu
+    from rlactors.vllm_api import LLM
+    from rlactors.vllm_api import SamplingParams as VLLMSamplingParams
 
     with one_start_per_gpu(config.tp):  # as the router's replicas start: in turn on a shared GPU
         llm = LLM(model=ckpt, dtype="bfloat16", gpu_memory_utilization=config.gpu_memory_utilization,

@@ -1,7 +1,8 @@
 """The packages of rlactors import one another one way only, down the order LAYERS declares (lazy
 imports inside functions and imports for type checking count too): a package imports only
-packages below it. The modules config and types sit below every package and import none; the
-entry points train and evaluate sit above them all and no package imports them."""
+packages below it. The modules config, types and vllm_api (rlactors' one door to vLLM) sit below
+every package and import none; the entry points train and evaluate sit above them all and no
+package imports them."""
 
 import ast
 from pathlib import Path
@@ -16,7 +17,7 @@ MODULES = {p.stem for p in ROOT.glob("*.py") if p.stem != "__init__"}
 # actors, envs and the agent gateway, the run's driver.
 LAYERS = ["storage", "attention", "models", "on_policy", "lora", "procs", "weight_sync", "trainer", "engines",
           "rollout", "actors", "envs", "gateway", "run"]
-BOTTOM, ENTRY_POINTS = {"config", "types"}, {"train", "evaluate"}
+BOTTOM, ENTRY_POINTS = {"config", "types", "vllm_api"}, {"train", "evaluate"}
 
 
 def arrows() -> dict[tuple[str, str], list[str]]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from rlactors import vllm_api
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.base import Engine, check_request
 from rlactors.procs.placement import expandable_segments
@@ -106,8 +107,8 @@ class VLLMEngine(Engine):
 
     def __init__(self, llm_engine: Any, vocab_size: int, max_model_len: int, tp: int = 1, version: int = 0,
                  hot_swaps: bool = True, sparse_layers: list[int] | None = None):
-        from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from rlactors.vllm_api import RequestOutputKind
+        from rlactors.vllm_api import SamplingParams as VLLMSamplingParams
 
         self._vllm_params = VLLMSamplingParams
         self.hot_swaps = hot_swaps
@@ -152,7 +153,7 @@ class VLLMEngine(Engine):
         if model_args.moe is not None and not model_config.true_on_policy:
             mode_args["enable_return_routed_experts"] = True
             sparse_layers = [i for i in range(model_args.num_hidden_layers) if model_args.is_sparse_layer(i)]
-        from vllm import EngineArgs, LLMEngine
+        from rlactors.vllm_api import EngineArgs, LLMEngine
 
         g = generator_config
         args = EngineArgs(
@@ -267,21 +268,8 @@ class VLLMEngine(Engine):
         for request_id in list(self.requests):
             self.abort(request_id)
         self.aborted = []
-        layers = list(self.engine.vllm_config.compilation_config.static_forward_context.values())
-        # vLLM's shutdown releases what its model runner holds, yet the last closed engine of a
-        # process kept its KV cache (all of it: gigabytes): its model stays reachable from
-        # module-level state, and its attention layers hold the cache. Drop the cache from them.
-        self.engine.engine_core.shutdown()
-        for layer in layers:
-            if isinstance(getattr(layer, "kv_cache", None), torch.Tensor):
-                layer.kv_cache = torch.empty(0)
+        vllm_api.shut_down(self.engine)
         self.engine = None
-        # vLLM keeps one CUDA graph pool id for the whole process (a class attribute). Capturing
-        # into a pool whose graphs were all freed trips PyTorch's allocator ('use_count > 0
-        # INTERNAL ASSERT', vllm-project/vllm#49224): the next engine here gets a pool of its own.
-        from vllm.platforms import current_platform
-
-        type(current_platform)._global_graph_pool = None
         gc.collect()
         torch.cuda.empty_cache()
 

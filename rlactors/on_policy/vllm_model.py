@@ -69,7 +69,7 @@ def pad_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 def register() -> None:
     """Makes ``ARCHITECTURE`` a vLLM model architecture (idempotent)."""
-    from vllm import ModelRegistry
+    from rlactors.vllm_api import ModelRegistry
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, VLLMCausalLM)
@@ -88,7 +88,7 @@ def share_replica_nccl_settings() -> None:
     the weight group's communicator with the replicas, NCCL reads those settings once per process,
     and members with different ones hang at the first broadcast. Call before this process's first
     NCCL communicator."""
-    from vllm.model_executor.layers.batch_invariant import override_envs_for_invariance
+    from rlactors.vllm_api import override_envs_for_invariance
 
     override_envs_for_invariance()
 
@@ -112,7 +112,7 @@ class VLLMCausalLM(DecoderForCausalLM):
     layer (the paged KV cache)."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = ""):
-        from vllm.model_executor.layers.attention.attention import Attention
+        from rlactors.vllm_api import Attention
 
         args = ModelArgs.from_hf_config(vllm_config.model_config.hf_config.to_dict())
         super().__init__(args)
@@ -178,7 +178,7 @@ class VLLMCausalLM(DecoderForCausalLM):
 def vllm_token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """fp32 ``log p(targets[t])`` under ``logits[t]``: vLLM's own per-row kernel, as its sampler
     computes the logprob of a sampled token."""
-    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+    from rlactors.vllm_api import compute_token_logprobs
 
     return compute_token_logprobs(logits, targets[:, None])[:, 0]
 
@@ -236,7 +236,7 @@ class PagedFlashAttention:
     def forward_values_and_lse(self, q: torch.Tensor, k: torch.Tensor,
                                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward_values``, and the fp32 logsumexp of each query's scaled scores ``[Hq, T]``."""
-        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+        from rlactors.vllm_api import flash_attn_varlen_func, get_flash_attn_version
 
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         width = attention_head_dim(head_dim)

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from rlactors.procs.placement import expandable_segments
+from rlactors.vllm_api import worker_model
 from rlactors.weight_sync.checksum import ChecksumMismatch, RunningChecksum, unsigned
 from rlactors.weight_sync.copy_plan import CopyPlan
 from rlactors.weight_sync.packed import Chunk, PackedLayout
@@ -78,8 +79,7 @@ def join_group(host: str, port: int, rank: int, world_size: int, device: torch.d
     """Joins the weight group as `rank`; blocks until all `world_size` members have joined."""
     if device.type == "cpu":
         return GlooGroup(host, port, rank, world_size)
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-    from vllm.distributed.utils import StatelessProcessGroup
+    from rlactors.vllm_api import PyNcclCommunicator, StatelessProcessGroup
 
     group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
     return PyNcclCommunicator(group, device=device)
@@ -448,10 +448,6 @@ class VLLMReceiver:
 # -- vLLM worker side: run through LLM.collective_rpc, `worker` is vLLM's worker object ----------
 
 
-def _model(worker: Any) -> torch.nn.Module:
-    return worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
-
-
 def worker_join(worker: Any, host: str, port: int, rank_offset: int, world_size: int, layout: PackedLayout) -> int:
     """Joins a (new) weight group; the worker's receive buffer is made at the first join only."""
     rank = rank_offset + worker.rank
@@ -482,7 +478,7 @@ def worker_load_staged(worker: Any) -> dict[str, float]:
     if plan is not None:
         plan.apply()
     else:
-        model = _model(worker)
+        model = worker_model(worker)
         model.load_weights(layout.views(buffer))
         if not hasattr(worker, "rlactors_copy_plan"):
             worker.rlactors_copy_plan = CopyPlan.derive(model, layout, buffer)

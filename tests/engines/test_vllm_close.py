@@ -10,6 +10,7 @@ import types
 
 import torch
 
+from rlactors import vllm_api
 from rlactors.engines.vllm_engine import VLLMEngine
 
 
@@ -34,6 +35,7 @@ class EngineCore:
 
 def fake_vllm(monkeypatch) -> None:
     vllm = types.ModuleType("vllm")
+    vllm.__version__ = vllm_api.SUPPORTED[0]
     vllm.SamplingParams = object
     sampling = types.ModuleType("vllm.sampling_params")
     sampling.RequestOutputKind = types.SimpleNamespace(DELTA="delta", FINAL_ONLY="final")

@@ -109,9 +109,9 @@ def test_each_name_comes_from_its_declared_module(monkeypatch):
 
 
 def test_an_unsupported_vllm_fails_at_its_first_use_naming_the_range(monkeypatch):
-    fake_vllm(monkeypatch, "0.29.0", names=False)  # were LLMEngine's module imported first, that would fail
+    fake_vllm(monkeypatch, "0.29.0", names=False)  # no logprob module: imported before the check, it would fail
     with pytest.raises(vllm_api.UnsupportedVLLM) as failed:
-        from rlactors.vllm_api import LLMEngine  # noqa: F401
+        from rlactors.vllm_api import compute_token_logprobs  # noqa: F401
     assert str(failed.value) == "rlactors supports vLLM >=0.26.0,<0.27.0; vLLM 0.29.0 is installed"
 
 

@@ -1,16 +1,21 @@
 """LoRA in a vLLM replica (rlactors.lora.replica), on CPU: the replica's merge into our model as
 vLLM runs it (true on-policy) equals the trainer's merged weights bit for bit, and so do the
 logits; each adapter version merges from the base; vLLM's fused q/k/v and gate/up rows; bad
-adapters change nothing; the broadcast path's worker load merges what it received."""
+adapters change nothing; the broadcast path's worker load and the engine's loads by messages merge
+what they received."""
 
 from __future__ import annotations
+
+import sys
+import types
 
 import pytest
 import torch
 from torch import nn
 
 from rlactors.config import LoraConfig
-from rlactors.lora.adapters import adapter_parameters, initial_adapters_of, merged_weight, to_lora
+from rlactors.engines.vllm_engine import VLLMEngine
+from rlactors.lora.adapters import adapter_parameters, initial_adapters, initial_adapters_of, merged_weight, to_lora
 from rlactors.lora.replica import MERGE_ATTRIBUTE, load_adapters
 from rlactors.models import from_pretrained
 from rlactors.models.checkpoint import load_args
@@ -96,8 +101,6 @@ def test_each_adapter_version_merges_from_the_base(tiny_ckpt):
 def test_initial_adapters_of_a_replica_are_the_trainers(tiny_ckpt):
     trainer = from_pretrained(tiny_ckpt)
     to_lora(trainer, CONFIG, torch.float32)
-    from rlactors.lora.adapters import initial_adapters
-
     ours = initial_adapters_of(load_args(tiny_ckpt), CONFIG)
     theirs = initial_adapters(trainer, CONFIG)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
@@ -188,3 +191,36 @@ def test_a_vllm_workers_staged_load_merges_the_received_adapters():
     expected = merged_weight(base[:8], adapters["attn.q_proj.lora_A.weight"], adapters["attn.q_proj.lora_B.weight"],
                              0.5)
     assert torch.equal(model.attn.qkv_proj.weight[:8], expected)
+
+
+def test_a_vllm_engine_with_lora_merges_its_first_adapters_and_each_load_of_adapters(tiny_ckpt, monkeypatch):
+    """`VLLMEngine` (vLLM's engine a stand-in that runs `apply_model` on our model as vLLM runs
+    it): the first adapters merged at start, then adapters by messages checked against the
+    model's and merged, as the trainer's merged weights; the broadcast receiver merges too."""
+    for name, module in {"vllm": types.SimpleNamespace(SamplingParams=object),
+                         "vllm.sampling_params": types.SimpleNamespace(
+                             RequestOutputKind=types.SimpleNamespace(DELTA="delta", FINAL_ONLY="final"))}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    trainer, replica = trainer_and_replica(tiny_ckpt)
+    base = {name: p.detach().clone() for name, p in replica.named_parameters()}
+    resets = []
+    llm_engine = types.SimpleNamespace(apply_model=lambda func: [func(replica)],
+                                       reset_prefix_cache=lambda **kwargs: resets.append(kwargs))
+    scale = CONFIG.alpha / CONFIG.rank
+    first = initial_adapters_of(trainer.args, CONFIG)
+    engine = VLLMEngine(llm_engine, vocab_size=trainer.args.vocab_size, max_model_len=64, adapters=first,
+                        lora_scale=scale)
+    assert hasattr(replica, MERGE_ATTRIBUTE)  # B = 0: the base as it was
+    assert all(torch.equal(p, base[name]) for name, p in replica.named_parameters())
+    adapters = random_adapters(trainer, seed=1)
+    set_adapters(trainer, adapters)
+    with pytest.raises(ValueError, match=r"weights do not match the model's LoRA adapters: unknown "
+                                         r"\['model\.embed_tokens\.weight'\], missing \[\]"):
+        engine.check_weights({**sent(adapters), "model.embed_tokens.weight": base["model.embed_tokens.weight"]})
+    engine.load_weights(sent(adapters), version=1)
+    assert engine.version == 1 and resets == [{"reset_running_requests": True}]
+    q = trainer.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        assert torch.equal(dict(replica.named_parameters())["model.layers.0.self_attn.q_proj.weight"],
+                           q.matmul_weight())
+    assert engine.broadcast_receiver().lora_scale == scale

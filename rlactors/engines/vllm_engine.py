@@ -185,12 +185,12 @@ class VLLMEngine(Engine):
             enable_sleep_mode=g.sleep,
             **mode_args,
         )
+        lora = model_config.lora
+        adapters = initial_adapters_of(model_args, lora) if lora.rank else None  # bad targets fail before vLLM starts
         with one_start_per_gpu(g.tp):
             engine = LLMEngine.from_engine_args(args)
-        lora = model_config.lora
         return cls(engine, model_args.vocab_size, g.max_model_len, g.tp, hot_swaps=g.update_mode == "hot_swap",
-                   sparse_layers=sparse_layers, adapters=initial_adapters_of(model_args, lora) if lora.rank else None,
-                   lora_scale=scale(lora) if lora.rank else None)
+                   sparse_layers=sparse_layers, adapters=adapters, lora_scale=scale(lora) if lora.rank else None)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling: SamplingParams | Mapping[str, Any], streamed: bool = False) -> None:

@@ -7,7 +7,8 @@ vLLM is imported inside `from_config` only, so CPU installs never need it. The e
 this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): weights are loaded straight into the model with
 its own `load_weights` (HF names; vLLM fuses qkv / gate_up itself), through `apply_model`, which
 reaches every tensor-parallel worker. Logprobs are vLLM's `raw_logprobs` of the sampled token:
-the unmodified distribution, before temperature and top-k/top-p.
+the unmodified distribution, before temperature and top-k/top-p. With `model.lora` loads carry
+the adapters alone, merged into the replica's kept base (`rlactors.lora.replica`).
 """
 
 from __future__ import annotations

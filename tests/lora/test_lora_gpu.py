@@ -62,3 +62,18 @@ def test_vllm_true_on_policy_with_lora_logprob_diff_is_zero_on_every_step(model,
     assert [m["loss/logprob_diff/max"] for m in history] == [0.0] * 4, history
     full_bytes = sum(t.numel() * 2 for t in load_state_dict(ckpt, "cpu").values())
     assert all(0 < m["weight_sync/bytes"] < full_bytes / 10 for m in history), history
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm")
+def test_vllm_default_mode_with_lora_merges_into_vllms_fused_weights(tmp_path):
+    """The default mode: vLLM's own Qwen3 (fused qkv_proj and gate_up_proj) gets the adapters
+    merged into its fused rows; its logprobs agree with the trainer's to bf16 rounding (rows
+    merged in the wrong place would not)."""
+    from rlactors.run.controller import Controller
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", size="small", seed=0, dtype="bfloat16")
+    config = vllm_run_config(ckpt, tmp_path / "run", "controller.colocate=true", "controller.steps=3",
+                             "trainer.lr=1e-2", "model.lora.rank=8")
+    history = asyncio.run(Controller(config).run())
+    assert [m["policy/version"] for m in history] == [1.0, 2.0, 3.0]
+    assert all(m["loss/logprob_diff/mean"] < 0.05 and m["loss/mismatch_kl/mean"] < 0.01 for m in history), history

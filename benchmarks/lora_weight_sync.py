@@ -6,13 +6,15 @@ of the same bytes measured in the same run.
 
 For each size, the full weights (rank 0 in the table) and then the adapters of each rank (every
 decoder layer's q/k/v/o/gate/up/down linears, model.lora's default targets) go by weight sync's
-own data path (`weight_sync_data_path.measure`: the trainer's packing into the bf16 send buffer,
-`WeightSender.send`, the replica's `BufferReceiver.receive`, checksums and the verdict), two
-processes on the one GPU a one-GPU run shares (`--gpus 2`: one GPU each). The device copy is one
-`copy_` of a buffer of the same bytes on that GPU, timed the same way. merge: with LoRA, the
-native engine's load after the receive (`merge_adapters_`: W + (alpha/r) B A into every adapted
-linear, the batch-invariant matmul) at that shape, once on the GPU. Medians over --iters after one
-warm-up. Adds rows to benchmarks/results/lora_weight_sync.md (results_table.py).
+two paths. The broadcast's data path (`weight_sync_data_path.measure`: the trainer's packing into
+the bf16 send buffer, `WeightSender.send`, the replica's `BufferReceiver.receive`, checksums and
+the verdict), two processes on one GPU (`--gpus 2`: one GPU each): a run whose trainer and replica
+are separate. Messages (`messages_s`): a one-GPU run's, trainer and replica colocated. The device
+copy is one `copy_` of a buffer of the same bytes on that GPU, timed the same way. merge: with
+LoRA, a vLLM replica's load after the receive (`rlactors.lora.replica.load_adapters`: W + (alpha/r)
+B A from the kept base into every adapted linear, the batch-invariant matmul), on the GPU.
+Medians over --iters (--message-iters) after one warm-up. Adds rows to
+benchmarks/results/lora_weight_sync.md (results_table.py).
 """
 
 from __future__ import annotations
@@ -27,15 +29,17 @@ from results_table import RESULTS, append_row
 from weight_sync_data_path import measure
 
 from rlactors.config import LoraConfig
-from rlactors.lora.adapters import adapter_parameters, attach_adapters, merge_adapters_, to_lora
+from rlactors.lora.adapters import adapter_parameters, initial_adapters_of, scale, to_lora
+from rlactors.lora.replica import load_adapters
 from rlactors.models.checkpoint import model_shapes
 from rlactors.models.decoder import DecoderForCausalLM
 from rlactors.models.tiny import TOKENIZER_VOCAB_SIZE, size_args
+from rlactors.weight_sync.checksum import state_checksum
 from rlactors.weight_sync.packed import CHUNK_BYTES, PackedLayout
 
 TITLE = "LoRA weight sync: adapters only vs full weights, beside a plain device copy of the same bytes"
 COLUMNS = ("model", "LoRA rank", "MB synced", "GPUs", "send ms (min-max)", "receive+verify ms",
-           "device copy ms", "send / device copy", "merge ms")
+           "device copy ms", "send / device copy", "merge ms", "messages ms", "messages / device copy")
 
 
 def synced_shapes(size: str, rank: int) -> dict[str, torch.Size]:
@@ -64,19 +68,42 @@ def device_copy_s(num_bytes: int, device: torch.device, iters: int) -> float:
     return statistics.median(times[1:])
 
 
-def merge_s(size: str, rank: int, device: torch.device, iters: int) -> float:
-    """Median seconds of the native engine's merge of every adapter at `size` (uninitialised
-    weights: the time does not depend on the values)."""
-    args = size_args(size, TOKENIZER_VOCAB_SIZE)
-    with torch.device("meta"):
-        model = DecoderForCausalLM(args)
-    model.to_empty(device=device).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
-    attach_adapters(model, LoraConfig(rank=rank))
+def messages_s(shapes: dict[str, torch.Size], device: torch.device, iters: int) -> float:
+    """Median seconds of weight sync by messages (a one-GPU run's: trainer and replica colocated)
+    in one process, but for Monarch's transfer between the two: the trainer's copy of the synced
+    bf16 tensors to the host and their checksum (`state_dict_for_sync`), the replica's check of
+    that checksum and its copy back to the GPU (`load_weights`, before any merge)."""
+    weights = {name: torch.empty(shape, dtype=torch.bfloat16, device=device) for name, shape in shapes.items()}
     times = []
     for _ in range(iters + 1):
         _synchronize(device)
         start = time.perf_counter()
-        merge_adapters_(model)
+        host = {name: t.cpu() for name, t in weights.items()}
+        if state_checksum(host) != state_checksum(host):
+            raise AssertionError("the checksum of the same tensors differs")
+        for t in host.values():
+            t.to(device)
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def merge_s(size: str, rank: int, device: torch.device, iters: int) -> float:
+    """Median seconds of a vLLM replica's load of the adapters at `size` (`load_adapters`: every
+    adapted linear's merge from its base; uninitialised weights: the time does not depend on the
+    values), the adapters already on the device, as a broadcast leaves them."""
+    args = size_args(size, TOKENIZER_VOCAB_SIZE)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device("meta"):
+        model = DecoderForCausalLM(args)
+    model.to_empty(device=device).to(dtype)
+    config = LoraConfig(rank=rank)
+    adapters = [(name, t.to(device, dtype)) for name, t in initial_adapters_of(args, config).items()]
+    times = []
+    for _ in range(iters + 1):
+        _synchronize(device)
+        start = time.perf_counter()
+        load_adapters(model, adapters, scale(config))
         _synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
@@ -95,9 +122,11 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, choices=(1, 2), default=1,
                         help="1: sender and receiver share one GPU (a one-GPU run); 2: one each")
     parser.add_argument("--iters", type=int, default=9)
+    parser.add_argument("--message-iters", type=int, default=2,
+                        help="timed syncs by messages (each full 8B one moves 16 GB through the host twice)")
     args = parser.parse_args()
-    if args.iters < 1 or any(r < 1 for r in args.ranks):
-        parser.error("--iters and every --ranks must be at least 1")
+    if min(args.iters, args.message_iters, *args.ranks) < 1:
+        parser.error("--iters, --message-iters and every --ranks must be at least 1")
     cuda = args.device == "cuda"
     gpus = []
     if cuda:
@@ -118,10 +147,12 @@ def main() -> None:
             sends = timings["send_s"]
             send = statistics.median(sends)
             copy = device_copy_s(num_bytes, device, args.iters)
+            messages = messages_s(shapes, device, args.message_iters)
             row = [size, str(rank) if rank else "full weights", f"{num_bytes / 1e6:.2f}", str(args.gpus if cuda else 0),
                    f"{send * 1e3:.2f} ({min(sends) * 1e3:.2f}-{max(sends) * 1e3:.2f})",
                    f"{statistics.median(timings['receive_verify_s']) * 1e3:.2f}", f"{copy * 1e3:.3f}",
-                   f"{send / copy:.1f}x", f"{merge_s(size, rank, device, args.iters) * 1e3:.2f}" if rank else "n/a"]
+                   f"{send / copy:.1f}x", f"{merge_s(size, rank, device, args.iters) * 1e3:.2f}" if rank else "n/a",
+                   f"{messages * 1e3:.1f}", f"{messages / copy:.0f}x"]
             append_row(RESULTS / "lora_weight_sync.md", TITLE, COLUMNS, row, device=args.device)
             print(" | ".join(row), flush=True)
 

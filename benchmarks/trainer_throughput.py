@@ -8,7 +8,8 @@
     torchrun --nproc-per-node 2 benchmarks/trainer_throughput.py --device cuda --family qwen3_moe \
         --sizes 30b-a3b-4l --expert-parallel 2   # the experts split by expert over the 2 GPUs
 
-Each size adds a row to results/trainer_throughput_{cpu,gpu}.md (results_table.py).
+Each size adds a row to results/trainer_throughput_{cpu,gpu}.md (results_table.py). `--lora-rank R`
+trains rank-R adapters over the frozen base instead (model.lora, docs/lora.md).
 
 It drives PolicyTrainerCore directly (the code inside each PolicyTrainer actor), on a random-init
 checkpoint of each size (rlactors.models.tiny). Rows of `--row-tokens` are filled end to end with
@@ -39,7 +40,7 @@ from results_table import RESULTS, append_row
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlactors.config import LossConfig, ModelConfig, TrainerConfig  # noqa: E402
+from rlactors.config import LoraConfig, LossConfig, ModelConfig, TrainerConfig  # noqa: E402
 from rlactors.models.args import FAMILIES, ModelArgs  # noqa: E402
 from rlactors.models.checkpoint import load_args  # noqa: E402
 from rlactors.models.tiny import kept_checkpoint  # noqa: E402
@@ -116,7 +117,8 @@ def measure(size: str, ckpt_dir: Path, opts: argparse.Namespace, device: torch.d
                             activation_checkpointing=opts.activation_checkpointing,
                             logprob_chunk_tokens=opts.logprob_chunk_tokens, compile_layers=opts.compile,
                             expert_parallel=opts.expert_parallel)
-    core = PolicyTrainerCore(ModelConfig(path=str(ckpt_dir)), trainer, device, sides(False, "native", device).trainer)
+    model = ModelConfig(path=str(ckpt_dir), lora=LoraConfig(rank=opts.lora_rank))
+    core = PolicyTrainerCore(model, trainer, device, sides(False, "native", device).trainer)
     args = core.args
     loss = LossConfig(name="grpo")
     generator = torch.Generator().manual_seed(1000)  # the same on every rank: all see the same step
@@ -194,6 +196,8 @@ def append_rows(results: list[dict], opts: argparse.Namespace, path: Path) -> No
              f"{opts.steps} timed steps after {opts.warmup}")
     if opts.expert_parallel > 1:
         setup += f"; experts split over groups of {opts.expert_parallel} ranks (trainer.expert_parallel)"
+    if opts.lora_rank:  # the base's weight gradients are not computed: MFU overstates the work done
+        setup += f"; LoRA rank {opts.lora_rank} on every linear over the frozen base (MFU by a full fine-tune's FLOPs)"
     if opts.device == "cpu":  # CPU numbers depend on what else runs: the load average says how busy it was
         setup += (f"; {torch.get_num_threads()} torch threads, load average "
                   f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end")
@@ -230,6 +234,7 @@ def main() -> None:
     parser.add_argument("--logprob-chunk-tokens", type=int, default=1024)
     parser.add_argument("--expert-parallel", type=int, default=1,
                         help="trainer.expert_parallel: a mixture of experts' ranks per expert-parallel group")
+    parser.add_argument("--lora-rank", type=int, default=0, help="model.lora.rank: train adapters on every linear")
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak per device (default: by GPU name)")
     parser.add_argument("--ckpt-root", type=Path, default=None, help="where random checkpoints are written")
     parser.add_argument("--out", type=Path, default=None)

@@ -464,8 +464,8 @@ class Config:
                f"exceeds generator.max_model_len ({c.generator.max_model_len})")
         _check(c.rollout.max_tokens_per_turn <= c.rollout.max_total_tokens, "rollout.max_tokens_per_turn",
                f"exceeds rollout.max_total_tokens ({c.rollout.max_total_tokens})")
-        _check(not (c.model.lora.rank and c.generator.engine == "vllm"), "model.lora.rank",
-               "LoRA runs with generator.engine = 'native' only for now (docs/lora.md)")
+        _check(not (c.model.lora.rank and c.generator.engine == "vllm" and c.generator.tp > 1), "model.lora.rank",
+               f"with generator.engine = 'vllm' needs generator.tp = 1 (got {c.generator.tp}; docs/lora.md)")
         # Sampling seeds are ((controller.seed << 32) + rollout number) * max_turns + turn (Rollouter).
         _check(((c.controller.seed + 1) << 32) * c.rollout.max_turns <= 2**63, "controller.seed",
                f"too large: with rollout.max_turns={c.rollout.max_turns} the sampling seeds overflow 63 bits")

@@ -280,9 +280,6 @@ def test_lora_keys_load_round_trip_and_refuse_dropout_in_true_on_policy(tmp_path
     assert load_config(path) == config
     with pytest.raises(ConfigError, match=r"^model\.lora\.dropout: must be 0 with model\.true_on_policy"):
         load_config(overrides=["model.lora.rank=8", "model.lora.dropout=0.1", "model.true_on_policy=true"])
-    with pytest.raises(ConfigError, match=r"^model\.lora\.rank: LoRA runs with generator\.engine = 'native' only"):
-        load_config(overrides=["model.lora.rank=8", "generator.engine=vllm", 'controller.device="cuda"'],
-                    available_gpus=8)
 
 
 def test_dump_round_trips(tmp_path):
@@ -392,3 +389,12 @@ def test_memory_knobs_are_checked_at_load():
     with pytest.raises(ConfigError, match=r"^controller\.mode: must be 'sync' with generator\.sleep \(the engines "
                                           r"sleep while the trainer steps\)$"):
         load_config(overrides=[*colocated, 'controller.mode="async"'], available_gpus=1)
+
+
+def test_lora_with_vllm_loads_at_tp_1_and_is_refused_at_tp_2():
+    vllm = ["model.lora.rank=8", "generator.engine=vllm", 'controller.device="cuda"', "model.true_on_policy=true"]
+    config = load_config(overrides=vllm, available_gpus=8)
+    assert (config.model.lora.rank, config.generator.engine, config.generator.tp) == (8, "vllm", 1)
+    with pytest.raises(ConfigError, match=r"^model\.lora\.rank: with generator\.engine = 'vllm' needs "
+                                          r"generator\.tp = 1 \(got 2; docs/lora\.md\)$"):
+        load_config(overrides=[*vllm, "generator.tp=2"], available_gpus=8)

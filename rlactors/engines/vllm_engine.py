@@ -7,7 +7,8 @@ vLLM is imported inside `from_config` only, so CPU installs never need it. The e
 this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): weights are loaded straight into the model with
 its own `load_weights` (HF names; vLLM fuses qkv / gate_up itself), through `apply_model`, which
 reaches every tensor-parallel worker. Logprobs are vLLM's `raw_logprobs` of the sampled token:
-the unmodified distribution, before temperature and top-k/top-p.
+the unmodified distribution, before temperature and top-k/top-p. With `model.lora` loads carry
+the adapters alone, merged into the replica's kept base (`rlactors.lora.replica`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import torch
 from rlactors import vllm_api
 from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.base import Engine, check_request
+from rlactors.lora.adapters import initial_adapters_of, scale
+from rlactors.lora.replica import load_adapters
 from rlactors.procs.placement import expandable_segments
 from rlactors.types import Completion, SamplingParams, TokenDelta
 from rlactors.weight_sync.broadcast import VLLMReceiver
@@ -90,8 +93,12 @@ class _Request:
     versions: list[int] = field(default_factory=list)
 
 
-def _load_into_model(named_tensors: list[tuple[str, torch.Tensor]], model: torch.nn.Module) -> None:
-    model.load_weights(weights=iter(named_tensors))
+def _load_into_model(named_tensors: list[tuple[str, torch.Tensor]], model: torch.nn.Module,
+                     lora_scale: float | None = None) -> None:
+    if lora_scale is None:
+        model.load_weights(weights=iter(named_tensors))
+    else:
+        load_adapters(model, named_tensors, lora_scale)
 
 
 class VLLMEngine(Engine):
@@ -106,7 +113,8 @@ class VLLMEngine(Engine):
     """
 
     def __init__(self, llm_engine: Any, vocab_size: int, max_model_len: int, tp: int = 1, version: int = 0,
-                 hot_swaps: bool = True, sparse_layers: list[int] | None = None):
+                 hot_swaps: bool = True, sparse_layers: list[int] | None = None,
+                 adapters: Mapping[str, torch.Tensor] | None = None, lora_scale: float | None = None):
         from rlactors.vllm_api import RequestOutputKind
         from rlactors.vllm_api import SamplingParams as VLLMSamplingParams
 
@@ -125,6 +133,13 @@ class VLLMEngine(Engine):
         self.requests: dict[str, _Request] = {}
         self.aborted: list[Completion] = []
         self.counters = {"steps": 0, "finished": 0, "aborted": 0, "generated_tokens": 0}
+        # With LoRA (`lora_scale` alpha / r): loads carry the adapters alone, `adapters` their
+        # first values, merged now into the checkpoint's base (rlactors.lora.replica).
+        self.lora_scale = lora_scale
+        self.adapter_shapes = {name: t.shape for name, t in (adapters or {}).items()}
+        if adapters:
+            self.engine.apply_model(functools.partial(_load_into_model, list(adapters.items()),
+                                                      lora_scale=lora_scale))
 
     @classmethod
     def from_config(cls, generator_config: GeneratorConfig, model_config: ModelConfig,
@@ -172,10 +187,12 @@ class VLLMEngine(Engine):
             enable_sleep_mode=g.sleep,
             **mode_args,
         )
+        lora = model_config.lora
+        adapters = initial_adapters_of(model_args, lora) if lora.rank else None  # bad targets fail before vLLM starts
         with one_start_per_gpu(g.tp):
             engine = LLMEngine.from_engine_args(args)
         return cls(engine, model_args.vocab_size, g.max_model_len, g.tp, hot_swaps=g.update_mode == "hot_swap",
-                   sparse_layers=sparse_layers)
+                   sparse_layers=sparse_layers, adapters=adapters, lora_scale=scale(lora) if lora.rank else None)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling: SamplingParams | Mapping[str, Any], streamed: bool = False) -> None:
@@ -232,14 +249,22 @@ class VLLMEngine(Engine):
     def has_unfinished(self) -> bool:
         return bool(self.requests or self.aborted)
 
+    def check_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        super().check_weights(named_tensors)
+        if self.lora_scale is not None and {n: t.shape for n, t in named_tensors.items()} != self.adapter_shapes:
+            raise ValueError(f"weights do not match the model's LoRA adapters: unknown "
+                             f"{sorted(set(named_tensors) - set(self.adapter_shapes))[:5]}, missing "
+                             f"{sorted(set(self.adapter_shapes) - set(named_tensors))[:5]}, or shapes differ")
+
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
         self.check_weights(named_tensors)
-        self.engine.apply_model(functools.partial(_load_into_model, list(named_tensors.items())))
+        self.engine.apply_model(functools.partial(_load_into_model, list(named_tensors.items()),
+                                                  lora_scale=self.lora_scale))
         self._weights_loaded(version)
 
     def broadcast_receiver(self) -> VLLMReceiver:
         """The trainer's NCCL weight broadcast, received by every TP worker."""
-        return VLLMReceiver(self.engine, self._weights_loaded)
+        return VLLMReceiver(self.engine, self._weights_loaded, self.lora_scale)
 
     def _weights_loaded(self, version: int) -> None:
         self.version = version

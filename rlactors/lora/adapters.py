@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from rlactors.config import LoraConfig
+from rlactors.models.args import ModelArgs
+from rlactors.models.decoder import DecoderForCausalLM
 from rlactors.models.moe import SparseMoeBlock
 from rlactors.on_policy import ops
 from rlactors.on_policy.modules import InvariantLinear
@@ -93,6 +95,13 @@ def initial_adapters(model: nn.Module, config: LoraConfig) -> dict[str, torch.Te
         adapters[f"{name}.lora_A.weight"] = a
         adapters[f"{name}.lora_B.weight"] = torch.zeros(linear.out_features, config.rank)
     return adapters
+
+
+def initial_adapters_of(args: ModelArgs, config: LoraConfig) -> dict[str, torch.Tensor]:
+    """``initial_adapters`` of the plain decoder of `args`, without its weights (a vLLM replica's)."""
+    with torch.device("meta"):
+        model = DecoderForCausalLM(args)
+    return initial_adapters(model, config)
 
 
 def _add_adapters(linear: nn.Linear, config: LoraConfig, dtype: torch.dtype) -> None:

@@ -106,6 +106,17 @@ TRUE_ON_POLICY_ENGINE_ARGS: dict[str, Any] = {
 }
 
 
+def to_engine_modules(model: DecoderForCausalLM) -> None:
+    """The plain decoder converted, in place, as a vLLM replica runs it: batch-invariant with
+    frozen weights, q/k/v and gate/up each stacked into one matmul (``modules.project``)."""
+    to_batch_invariant(model, weights_frozen=True)
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        stack_weights((attention.q_proj, attention.k_proj, attention.v_proj))
+        if not isinstance(mlp, SparseMoeBlock):
+            stack_weights((mlp.gate_proj, mlp.up_proj))
+
+
 class VLLMCausalLM(DecoderForCausalLM):
     """Our decoder as a vLLM model: parameter names are the checkpoint's (HF) names, the ops are
     the batch-invariant ones, and attention goes through one vLLM ``Attention`` layer per decoder
@@ -116,12 +127,7 @@ class VLLMCausalLM(DecoderForCausalLM):
 
         args = ModelArgs.from_hf_config(vllm_config.model_config.hf_config.to_dict())
         super().__init__(args)
-        to_batch_invariant(self, weights_frozen=True)
-        for layer in self.model.layers:  # q/k/v and gate/up as one matmul each (modules.project)
-            attention, mlp = layer.self_attn, layer.mlp
-            stack_weights((attention.q_proj, attention.k_proj, attention.v_proj))
-            if not isinstance(mlp, SparseMoeBlock):
-                stack_weights((mlp.gate_proj, mlp.up_proj))
+        to_engine_modules(self)
         # On the GPU from the start: a CUDA graph cannot capture the copy rope() would make.
         self.model.inv_freq = self.model.inv_freq.to(self.model.embed_tokens.weight.device)
         self.attention_head_dim = attention_head_dim(args.head_dim)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from rlactors.lora.replica import load_adapters
 from rlactors.procs.placement import expandable_segments
 from rlactors.vllm_api import worker_model
 from rlactors.weight_sync.checksum import ChecksumMismatch, RunningChecksum, unsigned
@@ -427,11 +428,13 @@ class LocalReceiver:
 class VLLMReceiver:
     """The receiving end in a vLLM engine: a BufferReceiver in each TP worker, reached through
     `collective_rpc` (the worker functions below); `loaded(version)` tells the engine that its
-    model holds new weights."""
+    model holds new weights. With `lora_scale` (alpha / r) the broadcast carries LoRA adapters,
+    which each worker merges into its base (rlactors.lora.replica)."""
 
-    def __init__(self, llm_engine: Any, loaded: Callable[[int], None]):
+    def __init__(self, llm_engine: Any, loaded: Callable[[int], None], lora_scale: float | None = None):
         self.llm_engine = llm_engine
         self.loaded = loaded
+        self.lora_scale = lora_scale
 
     def join(self, host: str, port: int, rank_offset: int, world_size: int, layout: PackedLayout) -> list[int]:
         return self.llm_engine.collective_rpc(worker_join, args=(host, port, rank_offset, world_size, layout))
@@ -440,7 +443,8 @@ class VLLMReceiver:
         return self.llm_engine.collective_rpc(worker_stage, args=(version,))[0]
 
     def load(self, version: int) -> dict[str, float]:
-        timings = self.llm_engine.collective_rpc(worker_load_staged)[0]
+        args = () if self.lora_scale is None else (self.lora_scale,)
+        timings = self.llm_engine.collective_rpc(worker_load_staged, args=args)[0]
         self.loaded(version)
         return timings
 
@@ -467,20 +471,24 @@ def worker_stage(worker: Any, version: int) -> dict[str, float]:
         return worker.rlactors_receiver.receive(version, stream)
 
 
-def worker_load_staged(worker: Any) -> dict[str, float]:
+def worker_load_staged(worker: Any, lora_scale: float | None = None) -> dict[str, float]:
     """Loads the verified buffer into the model. The first load goes through vLLM's
     `load_weights` and derives the copy plan (rlactors.weight_sync.copy_plan) that later loads
-    use where it was proven equal."""
+    use where it was proven equal. With `lora_scale` the buffer holds adapters, merged into the
+    model's base (rlactors.lora.replica)."""
     receiver: BufferReceiver = worker.rlactors_receiver
     layout, buffer = receiver.layout, receiver.buffer
     start = time.perf_counter()
     plan = getattr(worker, "rlactors_copy_plan", None)
-    if plan is not None:
+    if lora_scale is not None:
+        load_adapters(_model(worker), layout.views(buffer), lora_scale)
+    elif plan is not None:
         plan.apply()
     else:
         model = worker_model(worker)
         model.load_weights(layout.views(buffer))
         if not hasattr(worker, "rlactors_copy_plan"):
             worker.rlactors_copy_plan = CopyPlan.derive(model, layout, buffer)
-    torch.cuda.current_stream().synchronize()  # the buffer may be overwritten by the next broadcast
+    if buffer.is_cuda:
+        torch.cuda.current_stream().synchronize()  # the buffer may be overwritten by the next broadcast
     return {"load_s": time.perf_counter() - start, "copy_plan": float(plan is not None)}

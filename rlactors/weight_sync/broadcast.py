@@ -481,7 +481,7 @@ def worker_load_staged(worker: Any, lora_scale: float | None = None) -> dict[str
     start = time.perf_counter()
     plan = getattr(worker, "rlactors_copy_plan", None)
     if lora_scale is not None:
-        load_adapters(_model(worker), layout.views(buffer), lora_scale)
+        load_adapters(worker_model(worker), layout.views(buffer), lora_scale)
     elif plan is not None:
         plan.apply()
     else:

@@ -193,10 +193,11 @@ def learning_curve(gpus: int, true_on_policy: bool) -> list[tuple[str, list[str]
 
 
 # The agent example on one GPU (configs/agent_tools_1gpu.toml), each part's limit in seconds.
-# Expected: the warm start ~1 min (3000 steps of ~10-30 ms: launch-bound at the small shape, TF32,
-# plus tokenizing ~7000 demonstrations); the run ~4 min (vLLM's start, 60 sync steps of 256
-# rollouts of up to 3 turns through the gateway at ~2-3 s, 7 evaluations); the gateway ~3.5 min
-# (208 s on one H100, vLLM's start included).
+# Expected: the warm start ~1.5 min (3000 steps of ~15-30 ms, bound by kernel launches and fp32
+# attention scores in memory, not by matmul FLOPs, at the small shape; and tokenizing ~7000
+# demonstrations); the run ~4 min (vLLM's start, 60 sync steps of 256 rollouts of up to 3 turns
+# through the gateway at ~2-3 s, 7 evaluations); the gateway ~3.5 min (208 s on one H100, vLLM's
+# start included).
 AGENT_WARM_START = (240, ["--size", "small", "--steps", "3000", "--batch-size", "64", "--variants", "16"])
 AGENT_RUN_S = 360
 GATEWAY_S = 300
@@ -206,7 +207,7 @@ def agent(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
     """Issue #62 on one GPU: the calculator agent's GPU warm start, its true on-policy run through
     the gateway (colocated vLLM) with the learning curve (held-out eval at step 0 and the end,
     `loss/logprob_diff/max` over every step) into agent_tools_1gpu_learning.md, then the gateway
-    against direct router calls on a vLLM replica (gateway_overhead.md). About 8 minutes, at most
+    against direct router calls on a vLLM replica (gateway_overhead.md). About 9 minutes, at most
     16 (the limits above)."""
     run_dir = (Path(tempfile.gettempdir()) / f"rlactors_agent_{time.strftime('%Y%m%d_%H%M%S')}"
                / "agent_tools_1gpu")  # the curve's heading names the dir

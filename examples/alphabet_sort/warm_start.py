@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -157,7 +158,9 @@ def warm_start_main(doc: str, default_steps: int, demonstrations: Callable[[Any,
                     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
     """The command line of a warm start of a tiny Qwen3, `OUT_DIR [--size --steps --batch-size
     --lr --seed --device]` and the example's own options (`add_arguments`): SFT on
-    `demonstrations(tokenizer, args)`; on the CPU on one thread (a reproducible checkpoint)."""
+    `demonstrations(tokenizer, args)`; on the CPU on one thread (a reproducible checkpoint). It is
+    built in `OUT_DIR.partial` and its files moved into OUT_DIR when done: a run cut short leaves no
+    checkpoint of random weights where a config expects a trained one."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     if add_arguments is not None:
         add_arguments(parser)
@@ -175,13 +178,19 @@ def warm_start_main(doc: str, default_steps: int, demonstrations: Callable[[Any,
     if args.device == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32: fp32 matmuls would make the GPU's steps compute-bound
     start = time.monotonic()
-    make_tiny_checkpoint(args.out_dir, size=args.size, seed=args.seed)
-    tokenizer = load_tokenizer(args.out_dir)
-    model = from_pretrained(args.out_dir, dtype=torch.float32, device=args.device)
+    partial = args.out_dir.with_name(args.out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    make_tiny_checkpoint(partial, size=args.size, seed=args.seed)
+    tokenizer = load_tokenizer(partial)
+    model = from_pretrained(partial, dtype=torch.float32, device=args.device)
     episodes = demonstrations(tokenizer, args)
     print(f"{len(episodes)} demonstrations, {sum(len(e) for e in episodes)} tokens", flush=True)
     train(model, episodes, args.steps, args.batch_size, args.lr, args.seed)
-    save_pretrained(model.cpu(), model.args, args.out_dir)
+    save_pretrained(model.cpu(), model.args, partial)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for path in partial.iterdir():
+        path.replace(args.out_dir / path.name)
+    partial.rmdir()
     print(f"wrote {args.out_dir} in {time.monotonic() - start:.0f}s")
 
 

@@ -12,6 +12,7 @@ own table in benchmarks/results/ (index: benchmarks/results/README.md).
     python benchmarks/gpu_benchmarks.py scale                    # 1 GPU: 1.7B/4B/8B x 2k/8k/16k rollouts, colocated
     python benchmarks/gpu_benchmarks.py scale-on-policy          # 1 GPU: 5 true on-policy steps of 4B and 8B
     python benchmarks/gpu_benchmarks.py lora [--gpus 2]          # LoRA: weight sync, adapters vs full; 8B steps
+    python benchmarks/gpu_benchmarks.py agent                    # 1 GPU: the agent example learning; gateway cost
 
 Which GPUs a mode may use and what each runs: `MODES` below. Needs vLLM and Monarch importable
 (docs/gpu.md); the GPU test suite is scripts/gpu_suite.py. The tools' output streams to the
@@ -199,6 +200,40 @@ def learning_curve(gpus: int, true_on_policy: bool) -> list[tuple[str, list[str]
             ("curve image", ["cp", str(run_dir / "reward_curve.png"), str(RESULTS / f"{name}_reward_curve.png")])]
 
 
+# The agent example on one GPU (configs/agent_tools_1gpu.toml), each part's limit in seconds.
+# Expected: the warm start ~1.5 min (3000 steps of ~15-30 ms, bound by kernel launches and fp32
+# attention scores in memory, not by matmul FLOPs, at the small shape; and tokenizing ~7000
+# demonstrations); the run ~4 min (vLLM's start, 60 sync steps of 256 rollouts of up to 3 turns
+# through the gateway at ~2-3 s, 7 evaluations); the gateway ~3.5 min (208 s on one H100, vLLM's
+# start included).
+AGENT_WARM_START = (240, ["--size", "small", "--steps", "3000", "--batch-size", "64", "--variants", "16"])
+AGENT_RUN_S = 360
+GATEWAY_S = 300
+
+
+def agent(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
+    """Issue #62 on one GPU: the calculator agent's GPU warm start, its true on-policy run through
+    the gateway (colocated vLLM) with the learning curve (held-out eval at step 0 and the end,
+    `loss/logprob_diff/max` over every step) into agent_tools_1gpu_learning.md, then the gateway
+    against direct router calls on a vLLM replica (gateway_overhead.md). About 9 minutes, at most
+    16 (the limits above)."""
+    run_dir = (Path(tempfile.gettempdir()) / f"rlactors_agent_{time.strftime('%Y%m%d_%H%M%S')}"
+               / "agent_tools_1gpu")  # the curve's heading names the dir
+    name = "agent_tools_1gpu_learning"
+    seconds, warm_args = AGENT_WARM_START
+    # the recipe as a user runs it; the warm start writes the checkpoint the config names
+    warm_start = [PY, "examples/agent_tools/warm_start.py", "runs/agent_tools_warm_gpu", *warm_args, "--device", "cuda"]
+    train = [PY, "-m", "rlactors.train", "--config", "configs/agent_tools_1gpu.toml"]
+    recipe = f"{shlex.join(warm_start)} && {shlex.join(train)}"
+    return [("warm start", within(seconds, warm_start)),
+            ("true on-policy run", within(AGENT_RUN_S, [*train, f'controller.run_dir="{run_dir}"'])),
+            ("curve", [PY, "benchmarks/learning_curve.py", str(run_dir), "--command", recipe,
+                       "--out", str(RESULTS / f"{name}.md")]),
+            ("metrics", ["cp", str(run_dir / "metrics.jsonl"), str(RESULTS / f"{name}_metrics.jsonl")]),
+            ("curve image", ["cp", str(run_dir / "reward_curve.png"), str(RESULTS / f"{name}_reward_curve.png")]),
+            ("gateway vs direct, vLLM", within(GATEWAY_S, [PY, "benchmarks/gateway_overhead.py", "--device", "cuda"]))]
+
+
 MODES = {
     "generation": Mode((1,), generation),
     "training": Mode((1, 2), training),
@@ -210,6 +245,7 @@ MODES = {
     "scale": Mode((1,), scale),
     "scale-on-policy": Mode((1,), scale_on_policy),
     "lora": Mode((1, 2), lora),
+    "agent": Mode((1,), agent),
 }
 
 

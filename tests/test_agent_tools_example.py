@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from rlactors_examples.agent_tools.env import calculate
 
 from rlactors.config import load_config
@@ -54,3 +55,64 @@ def test_calculator_tool():
     assert calculate("17 * 23") == "391" and calculate("(2 + 4) / 4") == "1.5" and calculate("-3") == "-3"
     assert calculate("1 / 0") == "error: division by zero"
     assert calculate("__import__('os')").startswith("error:") and calculate("2 **").startswith("error:")
+
+
+def test_a_renumbered_problem_is_worked_by_the_same_steps_on_its_new_numbers():
+    import random
+    import re
+
+    from rlactors_examples.agent_tools.warm_start import STEP, renumbered
+
+    question = "Jack has 15 buttons. Finn has 5 times as many buttons as Jack. How many buttons do they have together?"
+    steps = STEP.findall("Finn has 5 * 15 = 75 buttons. Together they have 15 + 75 = 90 buttons.")
+    rng = random.Random(0)
+    for _ in range(20):
+        new_question, new_steps, answer = renumbered(question, steps, "90", rng)
+        jack, finn = map(int, re.findall(r"\d+", new_question))
+        assert 7 <= jack <= 30 and 2 <= finn <= 10, new_question
+        total = jack + finn * jack
+        assert new_steps == [(f"{finn} * {jack}", str(finn * jack)), (f"{jack} + {finn * jack}", str(total))]
+        assert answer == str(total)
+    # No problem from a draw whose change goes below 0, nor from steps whose result is also a
+    # number of the question (which of the two a later step means is unknown).
+    change = STEP.findall("3 of them cost 3 * 14 = $42. The change is 50 - 42 = $8.")
+    draws = [renumbered("A ticket costs $14. Nina buys 3 of them and pays with a $50 bill.", change, "8", rng)
+             for _ in range(200)]
+    assert None in draws and all(int(d[2]) >= 0 for d in draws if d)
+    assert renumbered("Ann has 4 apples and 2 pears. She eats 2 * 2 of them.", [("2 * 2", "4")], "4", rng) is None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_the_gpu_warm_starts_gathered_batch_trains_as_the_packed_rows(tmp_path, device):
+    """The GPU path of the warm start (one flat microbatch gathered on the device) gives the loss and
+    gradients of the CPU path (the trainer's rows, here two with padding), both run on `device`."""
+    import random
+
+    from rlactors_examples.alphabet_sort.warm_start import gathered, packed_rows, sft_episode
+
+    from rlactors.models import from_pretrained
+    from rlactors.models.tiny import make_tiny_checkpoint
+
+    make_tiny_checkpoint(tmp_path, seed=0)
+    model = from_pretrained(tmp_path, dtype=torch.float32, device=device)
+    rng = random.Random(0)
+    episodes = [sft_episode([rng.randrange(256) for _ in range(n)], [rng.random() < 0.5 for _ in range(n)])
+                for n in (600, 40, 500, 90, 300)]
+    picked = [2, 0, 4, 1, 3, 1]
+
+    def loss_and_grads(batches):
+        microbatches = batches(picked)
+        tokens = sum(int(mask.sum()) for *_, mask in microbatches)
+        loss = sum(-(model.token_logprobs(model.forward_packed(ids.to(device), pos.to(device), backend="sdpa"),
+                                          targets.to(device)) * mask.to(device)).sum()
+                   for ids, pos, targets, mask in microbatches) / tokens
+        return loss, tokens, torch.autograd.grad(loss, list(model.parameters())), microbatches
+
+    rows, flat = loss_and_grads(packed_rows(episodes)), loss_and_grads(gathered(episodes, torch.device(device)))
+    assert rows[3][0][0].numel() > flat[3][0][0].numel() == sum(len(episodes[i]) - 1 for i in picked)  # padding
+    assert rows[1] == flat[1] == sum(sum(episodes[i].loss_mask[1:]) for i in picked)
+    tolerance = {} if device == "cpu" else {"rtol": 1e-4, "atol": 1e-5}  # CUDA: other kernels per shape, atomics
+    torch.testing.assert_close(flat[0], rows[0], **tolerance)
+    for a, b in zip(flat[2], rows[2]):
+        torch.testing.assert_close(a, b, **tolerance)

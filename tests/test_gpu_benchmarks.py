@@ -60,3 +60,18 @@ def test_a_step_past_its_time_limit_is_stopped_with_what_it_started(tmp_path):
         time.sleep(0.05)
     else:
         raise AssertionError(f"the step's child {grandchild} outlived the limit")
+
+
+def test_the_agent_mode_trains_from_the_checkpoint_its_warm_start_writes():
+    """The warm start writes the policy the run's config names; the run gets a run dir of its own,
+    whose metrics the curve reads; every long part has a time limit."""
+    import tomllib
+
+    steps = dict(gpu_benchmarks.MODES["agent"].steps(1, False))
+    warm_start, run = steps["warm start"], steps["true on-policy run"]
+    assert warm_start[0] == run[0] == "timeout" and steps["gateway vs direct, vLLM"][0] == "timeout"
+    config = tomllib.loads((ROOT / "configs/agent_tools_1gpu.toml").read_text())
+    assert warm_start[warm_start.index("examples/agent_tools/warm_start.py") + 1] == config["model"]["path"]
+    assert [a for a in run if a.startswith("model.")] == []
+    (run_dir,) = [a.split("=", 1)[1].strip('"') for a in run if a.startswith("controller.run_dir=")]
+    assert steps["curve"][2] == run_dir and not run_dir.startswith(config["controller"]["run_dir"])

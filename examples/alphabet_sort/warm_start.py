@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -93,24 +94,57 @@ def sft_episode(token_ids: list[int], loss_mask: list[bool], group_id: str = "sf
                    status=RolloutStatus.COMPLETED)
 
 
-def train(model, episodes: list[Episode], steps: int, batch_size: int, lr: float, seed: int) -> None:
+Batch = list[tuple[torch.Tensor, ...]]  # microbatches of flat (input ids, positions, target ids, loss mask)
+
+
+def packed_rows(episodes: list[Episode]) -> Callable[[list[int]], Batch]:
+    """A batch of `episodes` (by index) packed into rows as the trainer packs them, 4 rows a microbatch."""
     batcher = Batcher(BatcherConfig(row_tokens=1024, rows_per_microbatch=4))
+
+    def batch(picked: list[int]) -> Batch:
+        return [(mb.input_ids.flatten(), mb.positions.flatten(), mb.target_ids.flatten(), mb.loss_mask.flatten())
+                for mb in batcher.pack([episodes[i] for i in picked]).per_rank[0]]
+    return batch
+
+
+def gathered(episodes: list[Episode], device: torch.device) -> Callable[[list[int]], Batch]:
+    """A batch of `episodes` (by index) as one flat microbatch, gathered on `device` from their tokens
+    put there once: on a GPU, packing rows in Python costs more than a small model's step."""
+    tokens = torch.tensor([t for e in episodes for t in e.token_ids], device=device)
+    loss_mask = torch.tensor([m for e in episodes for m in e.loss_mask], device=device)
+    lengths = torch.tensor([len(e) for e in episodes], device=device)
+    starts = lengths.cumsum(0) - lengths
+
+    def batch(picked: list[int]) -> Batch:
+        index = torch.tensor(picked, device=device)
+        inputs = lengths[index] - 1  # an episode's inputs: every token but its last
+        doc = torch.repeat_interleave(torch.arange(len(picked), device=device), inputs)
+        positions = torch.arange(doc.numel(), device=device) - (inputs.cumsum(0) - inputs)[doc]
+        source = starts[index][doc] + positions
+        return [(tokens[source], positions, tokens[source + 1], loss_mask[source + 1])]
+    return batch
+
+
+def train(model, episodes: list[Episode], steps: int, batch_size: int, lr: float, seed: int) -> None:
+    device = next(model.parameters()).device
+    batches = packed_rows(episodes) if device.type == "cpu" else gathered(episodes, device)
+    # On a GPU a whole batch's logits at once (a tiny vocabulary): fewer kernels a step.
+    chunk_size = 1024 if device.type == "cpu" else 1 << 16
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     order = torch.randperm(len(episodes), generator=torch.Generator().manual_seed(seed)).tolist()
     sft = LossConfig(name="sft")
     start = time.monotonic()
-    device = next(model.parameters()).device
     for step in range(1, steps + 1):
-        picked = [episodes[order[(step * batch_size + i) % len(order)]] for i in range(batch_size)]
-        packed = batcher.pack(picked)
-        microbatches = packed.per_rank[0]
-        norm = LossNorm.for_step(microbatches, "sft")
+        microbatches = batches([order[(step * batch_size + i) % len(order)] for i in range(batch_size)])
+        norm = LossNorm(num_tokens=sum(int(mask.sum()) for *_, mask in microbatches))
         total = 0.0
-        for mb in microbatches:
-            hidden = model.forward_packed(mb.input_ids.flatten().to(device), mb.positions.flatten().to(device))
-            logprobs = model.token_logprobs(hidden, mb.target_ids.flatten().to(device))
-            loss, _ = compute_loss(sft, norm, logprobs, mb.loss_mask.flatten().to(device),
-                                   mb.advantages.flatten().to(device), mb.generator_logprobs.flatten().to(device))
+        for input_ids, positions, target_ids, mask in microbatches:
+            input_ids, positions, target_ids, mask = (t.to(device) for t in (input_ids, positions, target_ids, mask))
+            # sdpa: the flash backends take fp16/bf16 only, and these weights are fp32 on any device
+            hidden = model.forward_packed(input_ids, positions, backend="sdpa")
+            logprobs = model.token_logprobs(hidden, target_ids, chunk_size)
+            zeros = torch.zeros_like(logprobs)  # SFT: no advantages, no generator logprobs
+            loss, _ = compute_loss(sft, norm, logprobs, mask, zeros, zeros)
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -120,11 +154,16 @@ def train(model, episodes: list[Episode], steps: int, batch_size: int, lr: float
             print(f"sft step {step:>4}/{steps}  loss {total:.4f}  {time.monotonic() - start:.0f}s", flush=True)
 
 
-def warm_start_main(doc: str, default_steps: int, demonstrations: Callable[[Any], list[Episode]]) -> None:
+def warm_start_main(doc: str, default_steps: int, demonstrations: Callable[[Any, argparse.Namespace], list[Episode]],
+                    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
     """The command line of a warm start of a tiny Qwen3, `OUT_DIR [--size --steps --batch-size
-    --lr --seed --device]`: SFT on `demonstrations(tokenizer)`; on the CPU on one thread (a
-    reproducible checkpoint)."""
+    --lr --seed --device]` and the example's own options (`add_arguments`): SFT on
+    `demonstrations(tokenizer, args)`; on the CPU on one thread (a reproducible checkpoint). It is
+    built in `OUT_DIR.partial` and its files moved into OUT_DIR when done: a run cut short leaves no
+    checkpoint of random weights where a config expects a trained one."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if add_arguments is not None:
+        add_arguments(parser)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--steps", type=int, default=default_steps)
@@ -136,14 +175,22 @@ def warm_start_main(doc: str, default_steps: int, demonstrations: Callable[[Any]
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
+    if args.device == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32: fp32 matmuls would make the GPU's steps compute-bound
     start = time.monotonic()
-    make_tiny_checkpoint(args.out_dir, size=args.size, seed=args.seed)
-    tokenizer = load_tokenizer(args.out_dir)
-    model = from_pretrained(args.out_dir, dtype=torch.float32, device=args.device)
-    episodes = demonstrations(tokenizer)
+    partial = args.out_dir.with_name(args.out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    make_tiny_checkpoint(partial, size=args.size, seed=args.seed)
+    tokenizer = load_tokenizer(partial)
+    model = from_pretrained(partial, dtype=torch.float32, device=args.device)
+    episodes = demonstrations(tokenizer, args)
     print(f"{len(episodes)} demonstrations, {sum(len(e) for e in episodes)} tokens", flush=True)
     train(model, episodes, args.steps, args.batch_size, args.lr, args.seed)
-    save_pretrained(model.cpu(), model.args, args.out_dir)
+    save_pretrained(model.cpu(), model.args, partial)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for path in partial.iterdir():
+        path.replace(args.out_dir / path.name)
+    partial.rmdir()
     print(f"wrote {args.out_dir} in {time.monotonic() - start:.0f}s")
 
 

@@ -23,7 +23,7 @@ def demonstration(tokenizer, task: dict) -> Episode:
     return sft_episode(prompt + reply, [False] * len(prompt) + [True] * len(reply))
 
 
-def demonstrations(tokenizer) -> list[Episode]:
+def demonstrations(tokenizer, _args) -> list[Episode]:
     return [demonstration(tokenizer, task) for task in CodeTestsEnv(CodeTestsConfig(), tokenizer).dataset("train")]
 
 

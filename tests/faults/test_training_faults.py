@@ -721,3 +721,61 @@ def test_the_only_replica_of_a_broadcast_run_restarted_mid_step_gets_the_weights
     versions = [m["policy/version"] for m in metrics]
     assert versions[-1] >= 3 and versions == sorted(versions) and versions[-1] > versions[-2], versions
     assert metrics[-1]["generator/restarts"] == 1 and metrics[-1]["generator/serving_replicas"] == 1
+
+
+# -- weights through a shared buffer (generator.weight_sync = "shared": a memfd on CPU, CUDA IPC on GPUs) --
+
+SHARED = ("generator.replicas=2", 'generator.weight_sync="shared"', "controller.checkpoint_every=0")
+
+
+class _KillingSharedLoad:
+    """The router's `load_shared_weights`: the first call SIGKILLs replica 1 and loads once the
+    router counted it dead (a death mid-push); every call records what the replicas hold after."""
+
+    def __init__(self, controller, endpoint):
+        self.controller, self.endpoint, self.after = controller, endpoint, None
+
+    async def call_one(self, handle, version, checksum, mode=None):
+        router = self.controller.router
+        if self.controller.killed_at is None:
+            self.controller.killed_at = await kill_replica(router, 1)
+        loaded = await self.endpoint.call_one(handle, version, checksum, mode)
+        self.after = await router.stats.call_one()
+        self.controller.loads.append((version, sorted(r["version"] for r in loaded["replicas"])))
+        return loaded
+
+
+class ReplicaKilledDuringSharedLoad(Controller):
+    killed_at = None
+
+    async def start(self) -> None:
+        await super().start()
+        self.loads = []
+        self.shared_load = _KillingSharedLoad(self, self.router.load_shared_weights)
+        self.router = self.weight_sync.router = ActorWith(self.router, load_shared_weights=self.shared_load)
+
+    async def push_weights(self, version):
+        if version == 2:  # the restarted replica is up, awaiting the weights of this push
+            while (await self.router.awaiting_weights.call_one())["awaiting"] != [1]:
+                assert time.monotonic() - self.killed_at < 120, "replica 1 was not restarted"
+                await asyncio.sleep(0.1)
+        return await super().push_weights(version)
+
+
+def test_shared_weight_sync_survives_a_replica_killed_mid_push_whose_restart_maps_the_buffer_again(
+        tiny_ckpt, tmp_path, fault_record):
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, *SHARED))
+    controller = ReplicaKilledDuringSharedLoad(config)
+    metrics = asyncio.run(asyncio.wait_for(controller.run(), 240))  # a regression hangs: fail instead
+    assert [m["policy/version"] for m in metrics] == [1.0, 2.0, 3.0]
+    assert all(m["weight_sync/bytes"] > 0 and m["weight_sync/replica_load_s"] >= 0 for m in metrics)
+    stats = controller.shared_load.after
+    assert stats["deaths"] == 1 and stats["restarts"] == 1
+    # Each push returned once every replica up had loaded it, the restarted one too (it mapped the
+    # trainer's buffer at its first push, and served only from then on).
+    assert [(r["state"], r["version"], r["engine"]["version"]) for r in stats["replicas"]] == \
+        [("serving", 3, 3), ("serving", 3, 3)]
+    fault_record("generator replica SIGKILLed during a shared-buffer weight push (generator.restart_dead)",
+                 "replica 1's proc, as step 1's push asks the replicas to load the buffer", None,
+                 f"nothing: the survivor loaded version 1, the restarted replica mapped the buffer again and loaded "
+                 f"a later push; loads {controller.loads}; 3/3 steps trained")

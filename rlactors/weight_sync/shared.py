@@ -11,14 +11,17 @@ The trainer repacks only after every replica has loaded the last version
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rlactors.procs.placement import expandable_segments
 from rlactors.weight_sync.checksum import ChecksumMismatch
 from rlactors.weight_sync.packed import PackedLayout
 
@@ -43,7 +46,8 @@ class SharedBuffer:
         if device.type == "cuda":
             from torch.multiprocessing.reductions import reduce_tensor
 
-            self.buffer = layout.empty(device).zero_()
+            with _plain_segments():
+                self.buffer = layout.empty(device).zero_()
             self.handle = SharedHandle(socket.gethostname(), os.getpid(), layout, cuda=reduce_tensor(self.buffer))
         else:
             self._fd = os.memfd_create("rlactors-weights", os.MFD_CLOEXEC)
@@ -91,3 +95,17 @@ def map_buffer(handle: SharedHandle) -> torch.Tensor:
         os.close(fd)  # the mapping keeps the memory
     return torch.frombuffer(mapped, dtype=torch.uint8)[:handle.layout.total_bytes]
 
+
+
+@contextlib.contextmanager
+def _plain_segments() -> Iterator[None]:
+    """Allocates without expandable segments meanwhile: their memory goes by CUDA IPC only
+    through file descriptors that another process must be allowed to take (ptrace rights)."""
+    expandable = expandable_segments()
+    if expandable:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        if expandable:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")

@@ -12,6 +12,7 @@ own table in benchmarks/results/ (index: benchmarks/results/README.md).
     python benchmarks/gpu_benchmarks.py scale                    # 1 GPU: 1.7B/4B/8B x 2k/8k/16k rollouts, colocated
     python benchmarks/gpu_benchmarks.py scale-on-policy          # 1 GPU: 5 true on-policy steps of 4B and 8B
     python benchmarks/gpu_benchmarks.py lora [--gpus 2]          # LoRA weight sync: adapters vs full weights
+    python benchmarks/gpu_benchmarks.py shared-sync              # 1 GPU: colocated weight sync by CUDA IPC
 
 Which GPUs a mode may use and what each runs: `MODES` below. Needs vLLM and Monarch importable
 (docs/gpu.md); the GPU test suite is scripts/gpu_suite.py. The tools' output streams to the
@@ -191,6 +192,17 @@ def learning_curve(gpus: int, true_on_policy: bool) -> list[tuple[str, list[str]
             ("curve image", ["cp", str(run_dir / "reward_curve.png"), str(RESULTS / f"{name}_reward_curve.png")])]
 
 
+def shared_sync(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
+    """Issue #59 on one GPU, ~4 minutes (at most 12: each step's limit below): the GPU test of
+    "shared" sync (a colocated true on-policy vLLM replica, async and with sleep turns, logprobs
+    equal on every step), then the push at the 1.7B and 4B shapes beside a plain device copy."""
+    colocated = [*SYNC, "--colocate", "--weight-sync", "shared"]
+    return [("test: colocated true on-policy runs", within(300, [PY, "-m", "pytest", "-x", "-q", "-m", "gpu",
+                                                                 "tests/weight_sync/test_shared_sync_gpu.py"])),
+            ("1.7b, colocated", within(180, [*colocated, "--size", "1.7b"])),
+            ("4b, colocated", within(240, [*colocated, "--size", "4b"]))]
+
+
 MODES = {
     "generation": Mode((1,), generation),
     "training": Mode((1, 2), training),
@@ -202,6 +214,7 @@ MODES = {
     "scale": Mode((1,), scale),
     "scale-on-policy": Mode((1,), scale_on_policy),
     "lora": Mode((1, 2), lora),
+    "shared-sync": Mode((1,), shared_sync),
 }
 
 

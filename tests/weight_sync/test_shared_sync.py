@@ -14,6 +14,7 @@ import pytest
 import torch
 from monarch.actor import ActorError
 from support.packed_weights import small_weights
+from support.stand_ins import Rank0
 
 from rlactors.weight_sync.checksum import ChecksumMismatch
 from rlactors.weight_sync.packed import PackedLayout
@@ -58,16 +59,6 @@ class Endpoint:
         return result
 
     call_one = call
-
-
-class Rank0:
-    extent = {"gpus": 1}
-
-    def __init__(self, value):
-        self.value = value
-
-    def item(self, **_):
-        return self.value
 
 
 def packed(version=1):

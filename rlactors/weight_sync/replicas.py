@@ -16,10 +16,7 @@ through two callbacks when a replica died on a push (`died`) and when one took a
   rank 1 + m * tp + t (the trainer is rank 0); `receive` has the members still up receive a
   broadcast (and names those whose group broke: a member died, so the push broadcasts
   again to a new group); `dead_members` names those that died, which a broadcast waits for.
-
-- Through the trainer's shared buffer, `share` has every replica up check and load the buffer
-  (each maps it at its first call, a restarted one too), and returns once every one has loaded
-  it; under it a restarted replica awaits that push, as under broadcast.
+- Through the trainer's shared buffer, `share` has every replica up check and load it.
 
 Each replica a push reaches either takes the version (its `version` is set), rejects the weights
 (an ActorError from a live engine: checksum, names or shapes; it keeps its version and the push
@@ -90,8 +87,8 @@ class ReplicaWeights:
 
     async def bring_up(self, replica: Replica) -> bool:
         """Brings a new replica to the latest weights sent by messages (a newer version that
-        arrives meanwhile too). True when weights go by broadcast instead: the replica waits for
-        the next group, and serves from the first broadcast it receives."""
+        arrives meanwhile too). True when weights go by broadcast or the shared buffer instead: the
+        replica waits for the next push, and serves from the first one it takes."""
         if self.group is not None or self.shared:
             return True
         while self.latest is not None and replica.version != self.latest.version:

@@ -96,7 +96,6 @@ def map_buffer(handle: SharedHandle) -> torch.Tensor:
     return torch.frombuffer(mapped, dtype=torch.uint8)[:handle.layout.total_bytes]
 
 
-
 @contextlib.contextmanager
 def _plain_segments() -> Iterator[None]:
     """Allocates without expandable segments meanwhile: their memory goes by CUDA IPC only

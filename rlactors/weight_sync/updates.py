@@ -19,9 +19,6 @@ already outdated.
   ends the engine loop (the replica can no longer serve what it accepted). A receive whose group
   broke (a member died) leaves an overwritten version held, unloadable, until the push's next
   broadcast (to a new group) replaces it.
-- Through the trainer's shared buffer (`load_shared`, rlactors.weight_sync.shared) the checksum is
-  checked on the replica's mapping of it, and the call returns only once the load has copied the
-  weights into the model: the trainer repacks the buffer only after that.
 """
 
 from __future__ import annotations

@@ -16,6 +16,11 @@ from monarch.actor import ActorError
 from support.packed_weights import small_weights
 from support.stand_ins import Rank0
 
+from rlactors.config import GeneratorConfig, ModelConfig
+from rlactors.engines.async_engine import AsyncEngine
+from rlactors.engines.native import NativeEngine
+from rlactors.models.checkpoint import load_state_dict
+from rlactors.types import SamplingParams
 from rlactors.weight_sync.checksum import ChecksumMismatch
 from rlactors.weight_sync.packed import PackedLayout
 from rlactors.weight_sync.shared import SharedBuffer, SharedReceiver, map_buffer
@@ -42,6 +47,35 @@ def test_a_mapped_shared_buffer_gives_the_packed_weights_and_refuses_a_flipped_b
     assert receiver.buffer is mapping  # mapped once per buffer
     with pytest.raises(RuntimeError, match="on host another-host, this replica on .*: shared weight sync needs one"):
         map_buffer(dataclasses.replace(shared.handle, host="another-host"))
+
+
+def test_a_replica_returns_from_a_shared_load_once_its_model_holds_a_copy_of_the_weights(tiny_ckpt):
+    """Drain mode with a request in flight: the request ends on the old weights, then the load
+    copies the buffer into the model, then the call returns; the trainer may then repack."""
+    config = GeneratorConfig(replicas=1, max_model_len=64, kv_cache_tokens=256)
+    engine = AsyncEngine(NativeEngine.from_config(config, ModelConfig(path=str(tiny_ckpt)), device="cpu"))
+    weights = {name: tensor * 2 for name, tensor in load_state_dict(tiny_ckpt).items()}
+    layout = PackedLayout.of(weights)
+    shared = SharedBuffer(layout, torch.device("cpu"))
+    checksum = layout.checksum(layout.pack(weights, shared.buffer))
+
+    async def load_while_generating():
+        sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=0)
+        generating = asyncio.ensure_future(engine.generate([1, 2, 3], sampling, "in flight"))
+        await asyncio.sleep(0)  # queued
+        loaded = await engine.updates.load_shared(shared.handle, 1, checksum, "drain")
+        assert generating.done() and generating.result().versions == [0] * 8
+        params = engine.engine._loaded_parameters()
+        assert loaded["version"] == 1 and engine.engine.version == 1
+        assert all(torch.equal(params[name], tensor) for name, tensor in weights.items())
+        shared.buffer.zero_()  # the trainer repacks: the model keeps its copy
+        assert all(torch.equal(params[name], tensor) for name, tensor in weights.items())
+        with pytest.raises(ChecksumMismatch, match="^weights version 2: shared buffer checksum"):
+            await engine.updates.load_shared(shared.handle, 2, checksum, "drain")
+        assert engine.engine.version == 1 and not engine.updates.waiting
+        await engine.close()
+
+    asyncio.run(load_while_generating())
 
 
 class Endpoint:

@@ -13,6 +13,7 @@ own table in benchmarks/results/ (index: benchmarks/results/README.md).
     python benchmarks/gpu_benchmarks.py scale-on-policy          # 1 GPU: 5 true on-policy steps of 4B and 8B
     python benchmarks/gpu_benchmarks.py lora [--gpus 2]          # LoRA: weight sync, adapters vs full; 8B steps
     python benchmarks/gpu_benchmarks.py agent                    # 1 GPU: the agent example learning; gateway cost
+    python benchmarks/gpu_benchmarks.py shared-sync              # 1 GPU: colocated weight sync by CUDA IPC
 
 Which GPUs a mode may use and what each runs: `MODES` below. Needs vLLM and Monarch importable
 (docs/gpu.md); the GPU test suite is scripts/gpu_suite.py. The tools' output streams to the
@@ -234,6 +235,19 @@ def agent(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
             ("gateway vs direct, vLLM", within(GATEWAY_S, [PY, "benchmarks/gateway_overhead.py", "--device", "cuda"]))]
 
 
+def shared_sync(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
+    """Issue #59 on one GPU, ~5 minutes (at most 10: each step's limit below): the push through
+    the shared buffer at the 1.7B and 4B shapes beside a plain device copy, then the GPU test of
+    a colocated true on-policy vLLM replica in async mode (logprobs equal on every step; its
+    variant with sleep turns runs in scripts/gpu_suite.py's "other" group)."""
+    colocated = [*SYNC, "--colocate", "--weight-sync", "shared"]
+    return [("1.7b, colocated", within(180, [*colocated, "--size", "1.7b"])),
+            ("4b, colocated", within(240, [*colocated, "--size", "4b"])),
+            ("test: colocated true on-policy, async", within(180, [
+                PY, "-m", "pytest", "-x", "-q", "-m", "gpu", "tests/weight_sync/test_shared_sync_gpu.py", "-k",
+                "async"]))]
+
+
 MODES = {
     "generation": Mode((1,), generation),
     "training": Mode((1, 2), training),
@@ -246,6 +260,7 @@ MODES = {
     "scale-on-policy": Mode((1,), scale_on_policy),
     "lora": Mode((1, 2), lora),
     "agent": Mode((1,), agent),
+    "shared-sync": Mode((1,), shared_sync),
 }
 
 

@@ -4,6 +4,9 @@
     python benchmarks/weight_sync.py --device cpu --trainer-gpus 2 --replicas 2 --weight-sync broadcast
                                                            # native replicas on CPU: gloo broadcast
                                                            # (or `messages`: full tensors over Monarch)
+    python benchmarks/weight_sync.py --size 4b --colocate --weight-sync shared
+                                                           # one replica on the trainer's GPU, through
+                                                           # the trainer's buffer mapped by CUDA IPC
 
 Each sync is the controller's own path after one optimizer step of the trainer (on one short
 sequence per rank, `Controller._train_on`): the full weights gathered from the FSDP shards into one
@@ -11,7 +14,8 @@ packed buffer (bf16) chunk by chunk, each chunk NCCL-broadcast from trainer rank
 worker once packed, then the checksum; each replica verifies it and loads the weights. By broadcast
 to vLLM replicas of one GPU each, the push goes with the optimizer step and the trainer sends as
 the step ends. The ceiling is a plain NCCL broadcast of the same number of bytes from GPU 0 to the
-replicas' GPUs, measured in the same run. Adds a row to benchmarks/results/weight_sync.md
+replicas' GPUs, measured in the same run; colocated (`--colocate`, trainer and replica on GPU 0),
+a plain device-to-device copy of those bytes on GPU 0. Adds a row to benchmarks/results/weight_sync.md
 (results_table.py).
 """
 
@@ -124,6 +128,19 @@ def nccl_ceiling(num_bytes: int, gpus: list[int], iters: int) -> float:
     return out.get()
 
 
+def device_copy_ceiling(num_bytes: int, iters: int) -> float:
+    """The median seconds of one device-to-device copy of `num_bytes` on GPU 0."""
+    source, destination = (torch.empty(num_bytes, dtype=torch.uint8, device="cuda:0") for _ in range(2))
+    times = []
+    for _ in range(iters + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        destination.copy_(source)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 async def _updates(controller: Controller) -> list[int]:
     return [r["engine"]["updates"] for r in (await controller.router.stats.call_one())["replicas"]]
 
@@ -170,6 +187,8 @@ async def measure(config, iters: int) -> tuple[list[dict[str, float]], tuple[flo
 
 
 def _chunks_by(runs: list[dict[str, float]]) -> str:
+    if "checksum_s" in runs[0]:
+        return "shared buffer"
     if "copy_engine" not in runs[0]:
         return "messages"
     return "copy engine" if all(r["copy_engine"] == 1.0 for r in runs) else "broadcast"
@@ -182,8 +201,11 @@ def main() -> None:
     parser.add_argument("--trainer-gpus", type=int, default=1)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--weight-sync", choices=("auto", "messages", "broadcast"), default="auto",
-                        help="generator.weight_sync (auto: broadcast for vLLM, messages for native replicas)")
+    parser.add_argument("--weight-sync", choices=("auto", "messages", "broadcast", "shared"), default="auto",
+                        help="generator.weight_sync (auto: broadcast for vLLM, shared for one colocated vLLM "
+                             "replica, messages for native replicas)")
+    parser.add_argument("--colocate", action="store_true",
+                        help="controller.colocate: the replica on the trainer's GPU (one of each)")
     parser.add_argument("--dtype",
                         help="model.dtype of the synced weights (default: bfloat16 on cuda, the config's on cpu)")
     args = parser.parse_args()
@@ -197,10 +219,12 @@ def main() -> None:
                  "generator.max_model_len=512", "rollout.max_total_tokens=512",
                  f'generator.weight_sync="{args.weight_sync}"',
                  "controller.steps=1000000", "controller.checkpoint_every=0"]  # no step checkpoints
+    if args.colocate:
+        overrides.append("controller.colocate=true")
     if args.dtype:
         overrides.append(f'model.dtype="{args.dtype}"')
     if cuda:
-        overrides += ['generator.engine="vllm"', "generator.gpu_memory_utilization=0.35",
+        overrides += ['generator.engine="vllm"', f"generator.gpu_memory_utilization={0.25 if args.colocate else 0.35}",
                       'generator.update_mode="hot_swap"']
         if not args.dtype:
             overrides.append('model.dtype="bfloat16"')
@@ -215,14 +239,17 @@ def main() -> None:
     ceiling, ratio = "n/a", "n/a"
     if cuda:
         replica_gpus = [args.trainer_gpus + i for i in range(args.replicas)]
-        seconds = nccl_ceiling(int(num_bytes), [0, *replica_gpus], args.iters)
-        ceiling, ratio = f"{seconds * 1e3:.1f} ({num_bytes / seconds / 1e9:.0f} GB/s)", f"{total / seconds:.2f}x"
+        seconds = device_copy_ceiling(int(num_bytes), args.iters) if args.colocate else \
+            nccl_ceiling(int(num_bytes), [0, *replica_gpus], args.iters)
+        copy = ", device copy" if args.colocate else ""
+        ceiling, ratio = f"{seconds * 1e3:.1f} ({num_bytes / seconds / 1e9:.0f} GB/s{copy})", f"{total / seconds:.2f}x"
     figures = [f"{args.size} ({num_bytes / 1e6:.0f} MB)", args.trainer_gpus, args.replicas,
                "yes" if all(r["with_step"] for r in runs) else "no",
                f"{total * 1e3:.1f} ({min(totals) * 1e3:.1f}-{max(totals) * 1e3:.1f})", median_ms("served_s"),
                median_ms("send_s"), median_ms("send_device_s"), median_ms("pack_s"), median_ms("gather_s"),
                median_ms("transfer_s"),
-               median_ms("replica_receive_verify_s"), median_ms("plan_s"), median_ms("send_lag_s"),
+               median_ms("replica_receive_verify_s" if "copy_engine" in runs[0] else "replica_verify_s"),
+               median_ms("plan_s"), median_ms("send_lag_s"),
                median_ms("receive_lag_s"), median_ms("step_wait_s"), median_ms("reply_lag_s"),
                median_ms("train_step_s"), median_ms("replica_apply_s"),
                "yes" if all(r.get("copy_plan") == 1.0 for r in runs) else "no", _chunks_by(runs),

@@ -150,9 +150,12 @@ class GeneratorConfig(_Section):
     # How weights reach the replicas: "messages" (full tensors over Monarch; a dead replica is
     # restarted at the current version) or "broadcast" (one packed buffer from trainer rank 0:
     # NCCL on GPUs, gloo on CPU; faster; its group is formed again after a replica dies or restarts).
+    # "shared": trainer rank 0 packs into a buffer that the replicas on its host map (CUDA IPC on
+    # GPU, shared memory on CPU); each push sends only (version, checksum).
     # "auto": broadcast for vLLM replicas on GPUs of their own (NCCL cannot join two ranks on one
-    # GPU), messages otherwise; resolved when the Config is made, so only those two go further.
-    weight_sync: Literal["auto", "messages", "broadcast"] = "auto"
+    # GPU), shared for one vLLM replica of one GPU colocated on trainer rank 0's, messages
+    # otherwise; resolved when the Config is made.
+    weight_sync: Literal["auto", "messages", "broadcast", "shared"] = "auto"
     # controller.colocate: the engines sleep (KV cache freed, vLLM's weights to host memory) while
     # the trainer steps, and wake for generation (rlactors.run.turns)
     sleep: bool = False
@@ -452,7 +455,11 @@ class Config:
     def __post_init__(self) -> None:
         g = self.generator
         if g.weight_sync == "auto":
-            variant = "broadcast" if g.engine == "vllm" and not self.controller.colocate else "messages"
+            variant = "messages"
+            if g.engine == "vllm" and not self.controller.colocate:
+                variant = "broadcast"
+            elif g.engine == "vllm" and g.replicas == 1 and g.tp == 1 and not self.model.lora.rank:
+                variant = "shared"  # colocated: the replica shares trainer rank 0's GPU
             self.generator = dataclasses.replace(g, weight_sync=variant)
 
     def validate(self, available_gpus: int | None = None) -> None:
@@ -484,6 +491,10 @@ class Config:
                "must be 'sync' with generator.sleep (the engines sleep while the trainer steps)")
         _check(c.generator.weight_sync != "broadcast" or not c.controller.colocate, "generator.weight_sync",
                "'broadcast' needs generators on GPUs of their own (controller.colocate is set)")
+        shared = c.generator.weight_sync == "shared"
+        _check(not shared or (j.scheduler != "slurm" and c.generator.tp == 1 and not c.model.lora.rank),
+               "generator.weight_sync", "'shared' needs the replicas on the trainer's host (not job.scheduler = "
+               "'slurm'), generator.tp = 1, and no model.lora (adapters go by 'messages')")
         # vLLM runs our own model in true on-policy mode (rlactors.on_policy.vllm_model), unsharded.
         _check(not (c.model.true_on_policy and c.generator.engine == "vllm" and c.generator.tp > 1), "generator.tp",
                "model.true_on_policy with vLLM runs tensor parallelism 1 only")

@@ -168,7 +168,7 @@ def test_gpu_layout_separate_and_colocated():
 
 def test_broadcast_weight_sync_needs_generators_on_gpus_of_their_own():
     colocated = ["controller.device=cuda", "controller.colocate=true", "trainer.ranks=1", "generator.replicas=1"]
-    assert load_config(overrides=colocated, available_gpus=1).generator.weight_sync == "messages"
+    assert load_config(overrides=colocated, available_gpus=1).generator.weight_sync == "messages"  # native
     with pytest.raises(ConfigError, match=r"^generator\.weight_sync: 'broadcast' needs generators on GPUs of"):
         load_config(overrides=[*colocated, "generator.weight_sync=broadcast"], available_gpus=1)
 
@@ -178,7 +178,7 @@ def test_weight_sync_auto_is_resolved_when_the_config_loads():
     own_gpus = load_config(overrides=vllm, available_gpus=2)
     assert own_gpus.generator.weight_sync == "broadcast"
     assert load_config(overrides=[*vllm, "controller.colocate=true"], available_gpus=1).generator.weight_sync == \
-        "messages"
+        "shared"
     assert load_config().generator.weight_sync == "messages"  # native replicas
     assert load_config(overrides=["generator.weight_sync=broadcast"]).generator.weight_sync == "broadcast"
     # A run's config.toml holds the resolved value, so a resume with the same settings sees no change.
@@ -398,3 +398,18 @@ def test_lora_with_vllm_loads_at_tp_1_and_is_refused_at_tp_2():
     with pytest.raises(ConfigError, match=r"^model\.lora\.rank: with generator\.engine = 'vllm' needs "
                                           r"generator\.tp = 1 \(got 2; docs/lora\.md\)$"):
         load_config(overrides=[*vllm, "generator.tp=2"], available_gpus=8)
+
+
+def test_shared_weight_sync_is_auto_for_one_vllm_replica_on_trainer_rank_0s_gpu_and_checked_at_load():
+    colocated = ["controller.device=cuda", "generator.engine=vllm", "controller.colocate=true", "trainer.ranks=2"]
+    assert load_config(overrides=[*colocated, "generator.replicas=1"], available_gpus=2).generator.weight_sync == \
+        "shared"
+    # Replica 1 would share trainer rank 1's GPU, not rank 0's, where the buffer is; TP 2 loads in other processes.
+    for more in (["generator.replicas=2"], ["generator.replicas=1", "generator.tp=2"]):
+        assert load_config(overrides=[*colocated, *more], available_gpus=2).generator.weight_sync == "messages"
+    assert load_config(overrides=["generator.weight_sync=shared"]).generator.weight_sync == "shared"  # native, CPU
+    for override in ['job.scheduler="slurm"', "model.lora.rank=8"]:
+        with pytest.raises(ConfigError, match=r"^generator\.weight_sync: 'shared' needs the replicas on the trainer's "
+                                              r"host \(not job\.scheduler = 'slurm'\), generator\.tp = 1, and no "
+                                              r"model\.lora \(adapters go by 'messages'\)$"):
+            load_config(overrides=["generator.weight_sync=shared", override])

@@ -61,6 +61,11 @@ class Generator(Actor):
         return await self.engine.updates.receive_weights(version, mode)
 
     @concurrent_endpoint
+    async def load_shared_weights(self, handle: Any, version: int, checksum: str,
+                                  mode: str | None = None) -> dict[str, Any]:
+        return await self.engine.updates.load_shared(handle, version, checksum, mode)
+
+    @concurrent_endpoint
     async def sleep(self) -> None:
         await self.engine.sleep()
 

@@ -9,8 +9,8 @@
   replica that served it first (prefix-cache reuse across turns) unless that replica is dead or
   far busier than the least loaded one (`ReplicaPicker`).
 - States (`ReplicaState`): a replica is `starting` until it answers its first call (and holds
-  the latest weights), then `serving`; one restarted while weights go by broadcast is
-  `awaiting_weights` (up, out of routing) until a broadcast reaches it; one whose proc or engine
+  the latest weights), then `serving`; one restarted while weights go by broadcast or a shared
+  buffer is `awaiting_weights` (up, out of routing) until a push reaches it; one whose proc or engine
   loop died is `dead`, for good: a restart is a new replica in its slot, which starts again.
 - Failover: a replica whose call fails because its proc or its engine loop died is marked dead
   and the request is retried on a serving replica; a request error (ValueError) goes back to the
@@ -20,11 +20,11 @@
   in flight failed over; one that stops answering is slow after a few seconds (new requests go to
   the others while any answers; its own calls wait), and dead only once unresponsive for
   `unresponsive_timeout_s`. A slow replica that answers again serves again, never restarted.
-- Weights: the endpoints `update_weights` (by messages) and `watch_weight_group`,
+- Weights: the endpoints `update_weights` (by messages), `watch_weight_group`,
   `plan_weight_group`, `join_weight_group`, `receive_weights`, `dead_weight_group_members` (by
-  broadcast) call this router's `ReplicaWeights` (rlactors.weight_sync.replicas), which holds what
-  goes to which replica and is told whenever a replica comes up or goes down; the protocol that
-  drives them is rlactors.weight_sync.sync.
+  broadcast) and `load_shared_weights`, `awaiting_weights` (a shared buffer) call this router's
+  `ReplicaWeights` (rlactors.weight_sync.replicas), which holds what goes to which replica and
+  is told whenever a replica comes up or goes down; rlactors.weight_sync.sync drives them.
 """
 
 from __future__ import annotations
@@ -394,6 +394,24 @@ class GeneratorRouter(Actor):
         whose checksum does not match, or that received another version, keeps its old weights
         and the call raises naming it; a replica that fails otherwise is marked dead."""
         return await self.weights.receive(version, mode)
+
+    @concurrent_endpoint
+    async def load_shared_weights(self, handle: Any, version: int, checksum: str,
+                                  mode: str | None = None) -> dict[str, Any]:
+        """Every replica that is up checks the trainer's shared buffer against `checksum` and
+        loads it; returns once each has loaded it. A replica that rejects it keeps its old
+        version and the call raises naming it; one that fails otherwise is marked dead; a
+        restarted one serves from then on."""
+        await self._ensure_started()
+        return await self.weights.share(handle, version, checksum, mode, [r for r in self.replicas if r.up])
+
+    @concurrent_endpoint
+    async def awaiting_weights(self) -> dict[str, list[int]]:
+        """The replicas up that serve only once weights reach them (restarted ones), and the
+        slots whose restart is under way."""
+        await self._ensure_started()
+        return {"awaiting": [r.index for r in self.replicas if r.state is ReplicaState.AWAITING_WEIGHTS],
+                "restarting": sorted(self._restarts)}
 
     @concurrent_endpoint
     async def sleep(self) -> None:

@@ -77,6 +77,10 @@ class PolicyTrainer(Actor):
     async def init_weight_sender(self, host: str, port: int, world_size: int, layout: PackedLayout) -> None:
         self._core().init_weight_sender(host, port, world_size, layout)
 
+    @endpoint
+    async def share_weights(self, dtype: str | None = None) -> dict[str, Any] | None:
+        return self._core().share_weights(dtype)
+
     # Concurrent, so that an abort is served while a broadcast waits for a dead member (NCCL),
     # and so that a send called with the optimizer step that makes `version` waits for it.
     @concurrent_endpoint

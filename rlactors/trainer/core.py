@@ -57,6 +57,7 @@ from rlactors.trainer.reference import ReferencePolicy, load_sharded_weights
 from rlactors.weight_sync.broadcast import WeightSender
 from rlactors.weight_sync.checksum import state_checksum
 from rlactors.weight_sync.packed import Chunk, PackedLayout
+from rlactors.weight_sync.shared import SharedBuffer
 
 # With model.lora, LORA_DIR in a checkpoint holds the adapters as a PEFT adapter.
 LORA_DIR = "lora_adapter"
@@ -182,6 +183,8 @@ class PolicyTrainerCore:
         self.sender: WeightSender | None = None  # rank 0, once weights go by broadcast
         self._sync_layout: PackedLayout | None = None  # the send buffer's, once a weight group formed
         self._chunk_gathers: dict[int, RowGather] = {}  # by chunk start: how each chunk of it is packed
+        self.shared: SharedBuffer | None = None  # rank 0, once weights go through a shared buffer
+        self._shared_gathers: dict[int, RowGather] | None = None  # how each chunk of it is packed
 
     def _with_lora(self, convert: Callable | None, base_dtype: torch.dtype) -> Callable | None:
         """`convert`, then with `model.lora` the LoRA conversion (frozen base in `base_dtype`)."""
@@ -467,6 +470,27 @@ class PolicyTrainerCore:
     def _pack_chunk(self, chunk: Chunk, _: torch.Tensor | None) -> None:
         """The rows of `chunk`'s pieces into rank 0's send buffer (a collective on several ranks)."""
         self._chunk_gathers[chunk.start].run()
+
+    def share_weights(self, dtype: str | None = None) -> dict[str, Any] | None:
+        """Packs the policy into rank 0's shared buffer (rlactors.weight_sync.shared; made at the
+        first call, in the generator dtype) and checksums it there, which waits for the packing
+        to end. A collective: every rank calls it. Rank 0 returns the buffer's handle, the
+        version packed, its checksum, the bytes and seconds (packing, checksum)."""
+        start = time.perf_counter()
+        if self._shared_gathers is None:
+            layout = self.weight_layout(dtype)
+            self.shared = SharedBuffer(layout, self.device) if self.rank == 0 else None
+            self._shared_gathers = plan_packing(self._synced_parameters(), layout, layout.specs[0].torch_dtype,
+                                                None if self.shared is None else self.shared.buffer, self.device)
+        for gather in self._shared_gathers.values():
+            gather.run()
+        if self.shared is None:
+            return None
+        packed = time.perf_counter()
+        checksum = self.shared.layout.checksum(self.shared.buffer)
+        return {"handle": self.shared.handle, "version": self.version, "checksum": checksum,
+                "bytes": float(self.shared.layout.total_bytes), "pack_s": packed - start,
+                "checksum_s": time.perf_counter() - packed}
 
     def abort_weight_broadcast(self) -> None:
         """Rank 0 gives up a broadcast that waits for a dead member (`WeightSender.abort`)."""

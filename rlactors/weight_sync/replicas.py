@@ -16,6 +16,7 @@ through two callbacks when a replica died on a push (`died`) and when one took a
   rank 1 + m * tp + t (the trainer is rank 0); `receive` has the members still up receive a
   broadcast (and names those whose group broke: a member died, so the push broadcasts
   again to a new group); `dead_members` names those that died, which a broadcast waits for.
+- Through the trainer's shared buffer, `share` has every replica up check and load it.
 
 Each replica a push reaches either takes the version (its `version` is set), rejects the weights
 (an ActorError from a live engine: checksum, names or shapes; it keeps its version and the push
@@ -66,6 +67,7 @@ class ReplicaWeights:
         self.groups_formed = 0
         self.epoch = 0  # how many times a replica came up or went down
         self.watcher: Any = None  # a port told each new epoch
+        self.shared = False  # whether weights have gone through the trainer's shared buffer
 
     # -- by messages ------------------------------------------------------------------------
 
@@ -85,15 +87,28 @@ class ReplicaWeights:
 
     async def bring_up(self, replica: Replica) -> bool:
         """Brings a new replica to the latest weights sent by messages (a newer version that
-        arrives meanwhile too). True when weights go by broadcast instead: the replica waits for
-        the next group, and serves from the first broadcast it receives."""
-        if self.group is not None:
+        arrives meanwhile too). True when weights go by broadcast or the shared buffer instead: the
+        replica waits for the next push, and serves from the first one it takes."""
+        if self.group is not None or self.shared:
             return True
         while self.latest is not None and replica.version != self.latest.version:
             latest = self.latest
             await replica.actor.update_weights.call_one(latest.version, latest.tensors, latest.checksum)
             replica.version = latest.version
         return False
+
+    # -- through the trainer's shared buffer -------------------------------------------------
+
+    async def share(self, handle: Any, version: int, checksum: str, mode: str | None,
+                    up: Sequence[Replica]) -> dict[str, Any]:
+        """Every replica of `up` checks the shared buffer against `checksum` and loads it, at
+        once; returns once each has loaded it (or rejected it, or died), with their timings."""
+        start = time.perf_counter()
+        self.shared = True
+        rejected, _, timings = await self._fan_out(
+            version, lambda r: r.actor.load_shared_weights.call_one(handle, version, checksum, mode), up)
+        _raise_if_rejected(version, rejected)
+        return {"version": version, "seconds": time.perf_counter() - start, "replicas": timings}
 
     # -- by broadcast -----------------------------------------------------------------------
 

@@ -8,8 +8,10 @@ The controller holds one `WeightSync`, made by `create_weight_sync(config, train
 `sync.pushes_with_step`, the push of the version an optimizer step makes starts with that step.
 `push` returns once every replica has verified the weights; each loads them at its next engine
 step boundary. `MessagesSync` sends full tensors in Monarch messages; `BroadcastSync` one packed
-buffer from trainer rank 0 to every replica at once, re-forming its group when members die. The
-calls of a push, step by step, and what each failure raises: docs/ARCHITECTURE.md, "Weight sync".
+buffer from trainer rank 0 to every replica at once, re-forming its group when members die;
+`SharedSync` packs into a buffer the replicas on the trainer's host map, and returns once they
+loaded it. The calls of a push, step by step, and what each failure raises:
+docs/ARCHITECTURE.md, "Weight sync".
 """
 
 from __future__ import annotations
@@ -116,6 +118,57 @@ class MessagesSync(WeightSync):
         num_bytes = float(sum(t.numel() * t.element_size() for t in weights.weights.values()))
         return {"total_s": time.perf_counter() - start, "gather_s": gathered - start,
                 "transfer_s": time.perf_counter() - gathered, "bytes": num_bytes}
+
+
+class SharedSync(WeightSync):
+    """Through trainer rank 0's buffer, which each replica maps (rlactors.weight_sync.shared):
+    a push packs and checksums it, then has every replica up check and load it, and returns
+    once all have loaded it, so the next push repacks a buffer no replica reads any more. With
+    `restart_dead`, a push that every replica died during waits for a restart and goes again."""
+
+    def __init__(self, trainer: Any, router: Any, dtype: str, update_mode: str, restart_dead: bool):
+        super().__init__(trainer, router, dtype, update_mode)
+        self.restart_dead = restart_dead
+
+    async def _replicas_wait(self) -> bool:
+        return bool((await self.router.awaiting_weights.call_one())["awaiting"])  # a restart serves from a push
+
+    async def push(self, version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        packed = first_value(await self.trainer.share_weights.call(self.dtype))
+        if packed["version"] != version:
+            raise WeightSyncError(f"weight sync of policy version {version} failed: the trainer holds version "
+                                  f"{packed['version']}")
+        shared = time.perf_counter()
+        replicas = await self._load(packed, version)
+        if not replicas and self.restart_dead and await self._restarted():
+            replicas = await self._load(packed, version)  # the buffer holds `version` still: nobody loaded it
+        if not replicas:
+            raise NoReplicaUp(f"weight sync of policy version {version}: no generator replica is up to load it")
+        self.version = version
+        return {"total_s": time.perf_counter() - start, "bytes": packed["bytes"], "pack_s": packed["pack_s"],
+                "checksum_s": packed["checksum_s"], "load_s": time.perf_counter() - shared,
+                "replica_verify_s": max(r["verify_s"] for r in replicas),
+                "replica_load_s": max(r["apply_s"] for r in replicas)}
+
+    async def _load(self, packed: dict[str, Any], version: int) -> list[dict[str, Any]]:
+        """Every replica up checks and loads the buffer; the timings of those that loaded it."""
+        try:
+            loaded = await self.router.load_shared_weights.call_one(packed["handle"], version, packed["checksum"],
+                                                                     self.update_mode)
+        except ActorError as e:  # a replica rejected the weights (checksum, names, shapes)
+            raise WeightSyncError(f"weight sync of policy version {version} failed: {e.exception}") from None
+        return loaded["replicas"]
+
+    async def _restarted(self) -> bool:
+        """Whether a restarted replica is up, waited for while a restart is under way (at most
+        RESTART_WAIT_S)."""
+        waited = time.monotonic()
+        while True:
+            replicas = await self.router.awaiting_weights.call_one()
+            if replicas["awaiting"] or not replicas["restarting"] or time.monotonic() - waited >= RESTART_WAIT_S:
+                return bool(replicas["awaiting"])
+            await asyncio.sleep(BROADCAST_WATCH_S)
 
 
 class BroadcastSync(WeightSync):
@@ -336,4 +389,7 @@ def create_weight_sync(config: Config, trainer: Any, router: Any) -> WeightSync:
     if config.generator.weight_sync == "broadcast":
         return BroadcastSync(trainer, router, config.model.dtype, config.generator.update_mode,
                              config.generator.restart_dead, stages_concurrently(config.generator.tp))
+    if config.generator.weight_sync == "shared":
+        return SharedSync(trainer, router, config.model.dtype, config.generator.update_mode,
+                          config.generator.restart_dead)
     return MessagesSync(trainer, router, config.model.dtype, config.generator.update_mode)

@@ -37,6 +37,7 @@ import torch
 from rlactors.config import UpdateMode
 from rlactors.weight_sync.broadcast import BroadcastBroken, BroadcastReceiver
 from rlactors.weight_sync.checksum import ChecksumMismatch, state_checksum
+from rlactors.weight_sync.shared import SharedHandle, SharedReceiver
 
 UPDATE_MODES = typing.get_args(UpdateMode)
 
@@ -90,6 +91,7 @@ class WeightUpdates:
         self.check_alive = check_alive
         self.wake = wake
         self.receiver = engine.broadcast_receiver()
+        self.shared = SharedReceiver()
         self.pending: PendingLoad | None = None
         self._receive_lock = asyncio.Lock()  # one incoming version at a time, in order
         self.counters = {"updates": 0, "superseded": 0}
@@ -139,6 +141,30 @@ class WeightUpdates:
             self._queue(PendingLoad(version, functools.partial(self.receiver.load, version), mode,
                                     asyncio.get_running_loop().create_future()))
             return {"version": version, "mode": mode, **staged}
+
+    async def load_shared(self, handle: SharedHandle, version: int, checksum: str,
+                          mode: str | None = None) -> dict[str, Any]:
+        """Checks the trainer's shared buffer (mapped at the first call) against `checksum`
+        (ChecksumMismatch if it differs: the old weights keep serving), then loads it between
+        engine steps; returns once loaded, so the buffer may be repacked."""
+        mode = self._checked_mode(mode)
+        async with self._receive_lock:
+            self.check_alive()
+            start = time.perf_counter()
+            views = await asyncio.get_running_loop().run_in_executor(
+                self.side_executor, self.shared.verified_views, handle, version, checksum)
+            self.check_alive()
+            verified = time.perf_counter()
+            update = PendingLoad(version, functools.partial(self._load_views, views, version), mode,
+                                 asyncio.get_running_loop().create_future())
+            self._queue(update)
+            loaded = await update.future
+            return {**loaded, "verify_s": verified - start}
+
+    def _load_views(self, views: Mapping[str, torch.Tensor], version: int) -> None:
+        self.engine.load_weights(views, version)
+        if next(iter(views.values())).is_cuda:
+            torch.cuda.current_stream().synchronize()  # the copies out of the buffer are done
 
     async def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
                                 layout: Any) -> list[int]:

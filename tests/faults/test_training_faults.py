@@ -29,6 +29,7 @@ from rlactors.run.metrics import read_metrics
 from rlactors.run.run_dir import RunDir
 from rlactors.trainer.checkpoint import COMPLETE_FILE, checkpoint_dir, partial_dir
 from rlactors.weight_sync import sync
+from rlactors.weight_sync.shared import map_buffer
 
 # FaultyEnv's schedule (see fault_envs.py): per step, 2 groups of 4 rollouts, of which 3 end in
 # error_env, 1 in error_timeout, 2 in error_parse, and 2 have no fault.
@@ -721,3 +722,67 @@ def test_the_only_replica_of_a_broadcast_run_restarted_mid_step_gets_the_weights
     versions = [m["policy/version"] for m in metrics]
     assert versions[-1] >= 3 and versions == sorted(versions) and versions[-1] > versions[-2], versions
     assert metrics[-1]["generator/restarts"] == 1 and metrics[-1]["generator/serving_replicas"] == 1
+
+
+# -- weights through a shared buffer (generator.weight_sync = "shared": a memfd on CPU, CUDA IPC on GPUs) --
+
+SHARED = ("generator.replicas=2", 'generator.weight_sync="shared"', "controller.checkpoint_every=0")
+
+
+class _FaultySharedLoads:
+    """The router's `load_shared_weights`: push 1 SIGKILLs replica 1 as it starts (a death
+    mid-push); push 3 flips one bit of the trainer's buffer, mapped here, after the trainer
+    checksummed it. Records the versions each push's replicas loaded, and the router's stats."""
+
+    def __init__(self, controller, endpoint):
+        self.controller, self.endpoint, self.after, self.loads = controller, endpoint, None, []
+
+    async def call_one(self, handle, version, checksum, mode=None):
+        router = self.controller.router
+        if version == 1:
+            self.controller.killed_at = await kill_replica(router, 1)
+        if version == 3:
+            map_buffer(handle).view(torch.int32)[7] ^= 1 << 3
+        try:
+            loaded = await self.endpoint.call_one(handle, version, checksum, mode)
+            self.loads.append((version, [r["version"] for r in loaded["replicas"]]))
+            return loaded
+        finally:
+            self.after = await router.stats.call_one()
+
+
+class FaultySharedLoads(Controller):
+    async def start(self) -> None:
+        await super().start()
+        self.shared_loads = _FaultySharedLoads(self, self.router.load_shared_weights)
+        self.router = self.weight_sync.router = ActorWith(self.router, load_shared_weights=self.shared_loads)
+
+    async def push_weights(self, version):
+        if version == 2:  # the restarted replica is up, awaiting the weights of this push
+            while (await self.router.awaiting_weights.call_one())["awaiting"] != [1]:
+                assert time.monotonic() - self.killed_at < 120, "replica 1 was not restarted"
+                await asyncio.sleep(0.1)
+        return await super().push_weights(version)
+
+
+def test_shared_weight_sync_survives_a_death_mid_push_maps_again_on_restart_and_refuses_a_corrupted_buffer(
+        tiny_ckpt, tmp_path, fault_record):
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path, *SHARED))
+    controller = FaultySharedLoads(config)
+    with pytest.raises(TrainingError) as raised:
+        asyncio.run(asyncio.wait_for(controller.run(), 240))  # a regression hangs: fail instead
+    message = str(raised.value)
+    # Push 1 reached the survivor; push 2 the restarted replica too (it mapped the buffer again).
+    assert controller.shared_loads.loads == [(1, [1]), (2, [2, 2])]
+    assert [m["policy/version"] for m in read_metrics(tmp_path)] == [1.0, 2.0]
+    assert message.startswith("weight sync of policy version 3 failed: ") and "ChecksumMismatch" in message
+    assert "rejected by replica 0" in message and "replica 1" in message and "keeping the previous weights" in message
+    stats = controller.shared_loads.after
+    assert stats["deaths"] == 1 and stats["restarts"] == 1
+    assert [(r["state"], r["version"], r["engine"]["version"]) for r in stats["replicas"]] == \
+        [("serving", 2, 2), ("serving", 2, 2)]
+    fault_record("shared-buffer weight sync: a replica SIGKILLed mid-push, then a corrupted buffer",
+                 "replica 1's proc as step 1's push asks the replicas to load; one bit of the buffer flipped "
+                 "after the trainer checksummed step 3's", None,
+                 "step 1: the survivor loaded it, the restarted replica mapped the buffer again and loaded step 2's; "
+                 f"step 3: both kept version 2 and the run stopped with `{message[:100]}...`")

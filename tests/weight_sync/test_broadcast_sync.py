@@ -10,6 +10,7 @@ import time
 
 import pytest
 from monarch.actor import ActorError
+from support.stand_ins import Rank0
 
 from rlactors.config import load_config
 from rlactors.weight_sync.broadcast import BroadcastBroken
@@ -23,18 +24,6 @@ from rlactors.weight_sync.sync import (
     WeightSyncError,
     create_weight_sync,
 )
-
-
-class Rank0:
-    """A whole-mesh call's result with one point (what `first_value` reads)."""
-
-    extent = {"gpus": 1}
-
-    def __init__(self, value):
-        self.value = value
-
-    def item(self, **_):
-        return self.value
 
 
 class Call:

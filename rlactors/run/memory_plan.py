@@ -334,14 +334,15 @@ def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
 def sync_memory(config: Config, args: ModelArgs) -> tuple[float, float]:
     """The weight sync's bytes on trainer rank 0: (kept, gathered while syncing), of the policy in
     `model.dtype`. "broadcast" and "shared" keep it packed in one buffer (the replicas receive it
-    or map it by CUDA IPC). "messages" gathers it whole into tensors on rank 0's GPU before they
-    go to host memory (`PolicyTrainerCore.full_weights`), over ranks through a flat buffer per rank
-    and, on rank 0, one per rank."""
+    or map it by CUDA IPC). "messages" gathers it to host memory a chunk of rows at a time
+    (`PolicyTrainerCore.full_weights`): a staging chunk and, over ranks, every rank's slot of it."""
+    from rlactors.trainer.gather import GATHER_CHUNK_BYTES
+
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
     policy, ranks = dtype_bytes * _param_counts(args)[0], config.trainer.ranks
     if config.generator.weight_sync in ("broadcast", "shared"):
         return policy, 0.0
-    return 0.0, policy * (2 + 1 / ranks if ranks > 1 else 1)
+    return 0.0, min(policy, GATHER_CHUNK_BYTES) * (2 + 1 / ranks if ranks > 1 else 1)
 
 
 def kv_bytes_per_token(args: ModelArgs, dtype_bytes: int = 2) -> int:

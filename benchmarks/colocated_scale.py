@@ -1,23 +1,25 @@
-"""Colocated scale: a Qwen3 shape trained with GRPO on GPUs it shares with vLLM, taking turns.
+"""Colocated scale: Qwen3 shapes trained with GRPO on one GPU they share with vLLM, taking turns.
 
-    python benchmarks/colocated_scale.py --size 4b --rollout-tokens 8192            # one H200
-    python benchmarks/colocated_scale.py --size 8b --rollout-tokens 2048 --offload --true-on-policy --steps 5
+    python benchmarks/colocated_scale.py --size 4b --rollout-tokens 8192            # one case, one H200
+    python benchmarks/colocated_scale.py --cells 1.7b:2048 4b:2048 4b:2048:5:onpolicy --budget-s 720
     .venv/bin/python benchmarks/colocated_scale.py --dry-run                          # CPU: the same code, tiny
 
-A run of `python -m rlactors.train`'s controller on one GPU: `controller.colocate`, vLLM with
-`generator.sleep` (its engine asleep while the trainer steps), sync mode, on a random-init
-checkpoint of the shape (rlactors.models.tiny, kept under --ckpt-root for the next case). Each
-rollout is one turn of exactly --rollout-tokens (random weights never stop early) and earns a
-random reward (the parity of its tokens' sum), so every group trains. The memory knobs are the
-first set the memory plan says fits (none; activation checkpointing; with --offload the
-optimizer state offloaded first), and vLLM gets the share of the GPU that the generation phase
-leaves (or --gpu-memory-utilization).
+A case is a run of `python -m rlactors.train`'s controller on one GPU: `controller.colocate`, vLLM
+with `generator.sleep`, sync mode, on a random-init checkpoint of the shape (rlactors.models.tiny,
+kept under --ckpt-root for the next case). Each rollout is one turn of exactly --rollout-tokens
+(random weights never stop early) and earns a random reward (the parity of its tokens' sum). A
+step trains on about 131k tokens (8 x 16384, as trainer_throughput.py measures MFU): the prompts
+per step follow the rollout length. The memory knobs are the first set the memory plan says fits
+(none; activation checkpointing; the optimizer offloaded; both), and vLLM gets the largest share
+the plan leaves (MARGIN_GIB spare in every phase; or --gpu-memory-utilization).
 
-It adds one row to results/colocated_scale_gpu.md (--dry-run: _cpu): whether the plan fits, the
-planned and measured peaks (the GPU's use as nvidia-smi sees it, every 0.5 s; the trainer's
-torch.cuda.max_memory_allocated), and, of the last step (the first compiles), step time, trainer
-tokens/s, MFU (trainer_throughput.py's FLOPs over the step's training time) and generation
-tokens/s; with --true-on-policy, `loss/logprob_diff/max` of every step.
+`--cells SIZE:TOKENS[:STEPS][:onpolicy] ...` runs cases one after another, each in its own process
+within what is left of --budget-s; a case that ends without its row (killed at the budget, or
+crashed) gets one saying so. Each case adds one row to results/colocated_scale_gpu.md (--dry-run:
+_cpu): whether the plan fits (a case it refuses is not run), planned and measured GPU peaks
+(nvidia-smi, every 0.5 s) and trainer peaks (max allocated), and, of the last step (the first
+compiles), step time, trainer tokens/s and MFU over the trainer's phase alone (forward, backward,
+optimizer step), generation tokens/s; in true on-policy mode `loss/logprob_diff/max` of every step.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import math
 import os
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -43,10 +46,11 @@ from rlactors.config import Config, load_config  # noqa: E402
 from rlactors.models.checkpoint import load_args  # noqa: E402
 from rlactors.models.tiny import kept_checkpoint  # noqa: E402
 from rlactors.rollout import Observation, StepResult, TokenEnv  # noqa: E402
-from rlactors.run.memory_plan import GIB, VLLM_OUTSIDE_SHARE_GIB, gpu_gib, plan  # noqa: E402
+from rlactors.run.memory_plan import GIB, gpu_gib, plan  # noqa: E402
 
 PROMPT_TOKENS = 16
-GENERATION_MARGIN_GIB = 4.0  # left free in the generation phase when vLLM's share is chosen
+MARGIN_GIB = 4.0  # left free in every phase of the plan: vLLM's share and the knobs are chosen so
+STEP_TOKENS = 8 * 16384  # a step's tokens: trainer_throughput.py's step, where MFU was measured
 
 
 class RandomRewardEnv(TokenEnv):
@@ -64,6 +68,11 @@ class RandomRewardEnv(TokenEnv):
         return StepResult(None, reward=float(sum(completion.token_ids) % 2 == 0), done=True)
 
 
+def prompts_per_step(opts: argparse.Namespace) -> int:
+    """--prompts, else as many as make a step of about STEP_TOKENS."""
+    return opts.prompts or max(1, STEP_TOKENS // (opts.group_size * (opts.rollout_tokens + PROMPT_TOKENS)))
+
+
 def overrides(opts: argparse.Namespace, ckpt: Path, run_dir: Path, knobs: list[str]) -> list[str]:
     total = opts.rollout_tokens + PROMPT_TOKENS
     row = max(opts.row_tokens, -(-total // 1024) * 1024)
@@ -77,30 +86,31 @@ def overrides(opts: argparse.Namespace, ckpt: Path, run_dir: Path, knobs: list[s
             f"generator.max_model_len={total}", f"generator.kv_cache_tokens={4 * total}", "generator.max_num_seqs=64",
             "generator.max_num_tokens=8192",
             f"rollout.max_total_tokens={total}", f"rollout.max_tokens_per_turn={opts.rollout_tokens}",
-            "rollout.max_turns=1", f"rollout.prompts_per_step={opts.prompts}", f"rollout.group_size={opts.group_size}",
-            "rollout.keep_zero_variance_groups=true", f"batcher.row_tokens={row}", "batcher.rows_per_microbatch=1",
-            f"env.name={Path(__file__).stem}:RandomRewardEnv", *knobs]
+            "rollout.max_turns=1", f"rollout.prompts_per_step={prompts_per_step(opts)}",
+            f"rollout.group_size={opts.group_size}", "rollout.keep_zero_variance_groups=true",
+            f"batcher.row_tokens={row}", "batcher.rows_per_microbatch=1",
+            f"env.name={Path(__file__).stem}:RandomRewardEnv", *opts.set, *knobs]
 
 
 def fitting_config(opts: argparse.Namespace, ckpt: Path, run_dir: Path) -> tuple[Config, list[str], Any]:
-    """The config with the first set of memory knobs whose plan fits (the last tried when none does),
-    vLLM given what the generation phase leaves; its knobs and plan."""
-    offload = ["trainer.offload_optimizer=true"]
-    tries = [offload, [*offload, "trainer.activation_checkpointing=true"]] if opts.offload else \
-        [[], ["trainer.activation_checkpointing=true"]]
+    """The config with the first set of memory knobs whose plan fits with MARGIN_GIB to spare (the
+    last tried when none does), vLLM given the largest share the plan leaves with that margin; its
+    knobs and plan."""
+    offload, checkpointing = "trainer.offload_optimizer=true", "trainer.activation_checkpointing=true"
+    tries = [[offload], [offload, checkpointing]] if opts.offload else \
+        [[], [checkpointing], [offload], [offload, checkpointing]]
     args = load_args(ckpt)
     for knobs in tries:
         config = load_config(None, overrides(opts, ckpt, run_dir, knobs), available_gpus=1)
         gpu = gpu_gib(config) or opts.gpu_gib
         if not opts.dry_run:
             share = opts.gpu_memory_utilization
-            if share is None:  # what the generation phase leaves: the trainer's resident memory and a margin
-                resident = plan(config, args, gpu).trainer.resident / GIB
-                share = round(min(0.85, (gpu - resident - VLLM_OUTSIDE_SHARE_GIB - GENERATION_MARGIN_GIB) / gpu), 2)
-            knobs = [*knobs, f"generator.gpu_memory_utilization={share}"]
+            if share is None:
+                share = min(0.85, plan(config, args, gpu).largest_share(MARGIN_GIB))
+            knobs = [*knobs, f"generator.gpu_memory_utilization={max(share, 0.01):g}"]
             config = load_config(None, overrides(opts, ckpt, run_dir, knobs), available_gpus=1)
         memory = plan(config, args, gpu)
-        if not memory.problems():
+        if not plan(config, args, gpu - MARGIN_GIB).problems():
             break
     return config, knobs, memory
 
@@ -153,38 +163,23 @@ def run(config: Config) -> tuple[list[dict[str, float]], str]:
 
 COLUMNS = ("model", "rollout tokens", "knobs", "plan fits", "ran", "planned GPU peak (GiB)",
            "measured GPU peak (GiB)", "planned trainer peak (GiB)", "measured trainer peak (GiB)", "step (s)",
-           "trainer tokens/s", "MFU", "generation tokens/s", "loss/logprob_diff/max per step")
+           "trainer tokens/s", "trainer MFU (train phase)", "generation tokens/s", "loss/logprob_diff/max per step")
+TITLE = "Colocated scale: trainer and vLLM taking turns on one GPU"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default=None, help="a Qwen3 shape: 0.6b, 1.7b, 4b, 8b, 14b, 32b (--dry-run: tiny)")
-    parser.add_argument("--rollout-tokens", type=int, default=None, help="tokens per rollout (--dry-run: 48)")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=2, help="prompts per step")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--row-tokens", type=int, default=16384, help="at least (a rollout's tokens fit one row)")
-    parser.add_argument("--offload", action="store_true", help="trainer.offload_optimizer")
-    parser.add_argument("--true-on-policy", action="store_true")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share (default: chosen)")
-    parser.add_argument("--gpu-gib", type=float, default=139.8, help="the GPU's memory where none is seen (--dry-run)")
-    parser.add_argument("--ckpt-root", type=Path, default=Path(tempfile.gettempdir()) / "rlactors_scale_checkpoints")
-    parser.add_argument("--dry-run", action="store_true", help="CPU: the tiny shape, the native engine, 2 steps")
-    parser.add_argument("--out", type=Path, default=None)
-    opts = parser.parse_args()
-    if opts.dry_run:
-        opts.size, opts.rollout_tokens = opts.size or "tiny", opts.rollout_tokens or 48
-        opts.prompts, opts.group_size, opts.row_tokens = 2, 2, 256
-    elif opts.size is None or opts.rollout_tokens is None:
-        parser.error("--size and --rollout-tokens are needed (or --dry-run)")
+def results_file(opts: argparse.Namespace) -> Path:
+    return opts.out or RESULTS / f"colocated_scale_{'cpu' if opts.dry_run else 'gpu'}.md"
+
+
+def run_case(opts: argparse.Namespace) -> int:
+    """One case (--size, --rollout-tokens): its row; the exit code."""
     device = "cpu" if opts.dry_run else "cuda"
-    out = opts.out or RESULTS / f"colocated_scale_{'cpu' if opts.dry_run else 'gpu'}.md"
     ckpt = kept_checkpoint(opts.ckpt_root, opts.size)
     run_dir = Path(tempfile.mkdtemp(prefix=f"rlactors_scale_{opts.size}_{opts.rollout_tokens}_"))
     config, knobs, memory = fitting_config(opts, ckpt, run_dir)
     print(memory.table(), flush=True)
     fits = not memory.problems()
-    history, ended = [], "not run: the plan does not fit"
+    history, ended = [], "not run: the plan refuses"
     poll = GpuMemoryPoll() if device == "cuda" else None
     if fits:
         start = time.perf_counter()
@@ -209,19 +204,113 @@ def main() -> None:
                  "generation": f"{generated / last['time/rollout_wait_s']:,.0f}"}
     measured_trainer = max((m.get("memory/trainer_peak_gib", 0.0) for m in history), default=0.0)
     diffs = [m.get("loss/logprob_diff/max", math.nan) for m in history] if opts.true_on_policy else []
-    setup = [k.split("=")[0] for k in knobs if k.endswith("true")]
-    setup.append(f"gpu_memory_utilization {config.generator.gpu_memory_utilization:g}")
-    if opts.true_on_policy:
-        setup.append("true on-policy")
-    row = append_row(out, "Colocated scale: trainer and vLLM taking turns on one GPU", COLUMNS, [
-        f"qwen3 {opts.size}", opts.rollout_tokens, "; ".join(setup),
+    row = append_row(results_file(opts), TITLE, COLUMNS, [
+        f"qwen3 {opts.size}", opts.rollout_tokens, "; ".join(setup(opts, config, knobs)),
         "yes" if fits else "no", f"{len(history)} steps, {ended}", f"{(trainer + generator) / GIB:.1f}",
         f"{poll.peak_mib / 1024:.1f}" if poll is not None and poll.peak_mib else "n/a",
         f"{(memory.trainer.peak - memory.trainer.context) / GIB:.1f}",
         f"{measured_trainer:.1f}" if device == "cuda" else "n/a", cells["step"], cells["tokens"], cells["mfu"],
         cells["generation"], " ".join(f"{d:g}" for d in diffs) or "-"], device=device)
     print(row, flush=True)
-    sys.exit(0 if ended == "ok" or not fits else 1)
+    return 0 if ended == "ok" or not fits else 1
+
+
+def setup(opts: argparse.Namespace, config: Config, knobs: list[str]) -> list[str]:
+    """The knobs column: the memory knobs set, vLLM's share, the rollouts a step, the mode, --set."""
+    names = [k.split("=")[0] for k in knobs if k.endswith("true")]
+    names.append(f"gpu_memory_utilization {config.generator.gpu_memory_utilization:g}")
+    names.append(f"{config.rollout.prompts_per_step * config.rollout.group_size} rollouts a step")
+    if opts.true_on_policy:
+        names.append("true on-policy")
+    return names + list(opts.set)
+
+
+def parse_cell(text: str) -> list[str]:
+    """`SIZE:TOKENS[:STEPS][:onpolicy]` as this script's options."""
+    parts = text.split(":")
+    on_policy = parts[-1] == "onpolicy"
+    parts = parts[:-1] if on_policy else parts
+    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[1:]):
+        raise ValueError(f"--cells: {text!r} is not SIZE:TOKENS[:STEPS][:onpolicy]")
+    steps = ["--steps", parts[2]] if len(parts) == 3 else []
+    return ["--size", parts[0], "--rollout-tokens", parts[1], *steps, *(["--true-on-policy"] if on_policy else [])]
+
+
+def run_cells(opts: argparse.Namespace, passed: list[str]) -> int:
+    """Each of --cells in a process of its own (this script with its options and `passed`), within
+    what is left of --budget-s; one that ends without its row gets one saying how it ended. The exit
+    code is 1 when a case failed."""
+    cells = [(cell, parse_cell(cell)) for cell in opts.cells]
+    out, deadline, failed, done = results_file(opts), time.monotonic() + opts.budget_s, False, []
+    for cell, options in cells:
+        left = deadline - time.monotonic()
+        if left < 60:
+            done.append((cell, "not started: out of --budget-s", 0.0))
+            continue
+        command = [sys.executable, __file__, *options, *passed]
+        print(f"\n===== cell {cell} (at most {left:.0f} s): {shlex.join(command)}", flush=True)
+        rows, start = rows_in(out), time.monotonic()
+        code = subprocess.run(["timeout", "--kill-after", "20", str(int(left)), *command]).returncode
+        seconds = time.monotonic() - start
+        ended = "ok" if code == 0 else "killed at --budget-s" if code in (124, 137) else f"exit code {code}"
+        if rows_in(out) == rows:  # the case wrote no row: say how it ended
+            size, tokens = options[1], options[3]
+            append_row(out, TITLE, COLUMNS, [f"qwen3 {size}", tokens, " ".join(options[4:] + opts.set) or "-", "-",
+                                             f"{ended} after {seconds:.0f} s", *["-"] * 9],
+                       device="cpu" if opts.dry_run else "cuda")
+        failed |= code != 0
+        done.append((cell, ended, seconds))
+    print("\n| cell | ended | seconds |\n|---|---|---|")
+    print("\n".join(f"| {cell} | {ended} | {seconds:.0f} |" for cell, ended, seconds in done), flush=True)
+    return 1 if failed else 0
+
+
+def shared_options(opts: argparse.Namespace) -> list[str]:
+    """The options every one of --cells runs with (all but the case's own)."""
+    passed = ["--group-size", str(opts.group_size), "--row-tokens", str(opts.row_tokens), "--gpu-gib",
+              str(opts.gpu_gib), "--ckpt-root", str(opts.ckpt_root)]
+    for flag, value in (("--prompts", opts.prompts), ("--gpu-memory-utilization", opts.gpu_memory_utilization),
+                        ("--out", opts.out)):
+        passed += [flag, str(value)] if value is not None else []
+    passed += ["--offload"] * opts.offload + ["--dry-run"] * opts.dry_run
+    return passed + (["--set", *opts.set] if opts.set else [])
+
+
+def rows_in(path: Path) -> int:
+    return path.read_text().count("\n| ") if path.is_file() else 0
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default=None, help="a Qwen3 shape: 0.6b, 1.7b, 4b, 8b, 14b, 32b (--dry-run: tiny)")
+    parser.add_argument("--rollout-tokens", type=int, default=None, help="tokens per rollout (--dry-run: 48)")
+    parser.add_argument("--cells", nargs="+", default=None, help="cases SIZE:TOKENS[:STEPS][:onpolicy], one by one")
+    parser.add_argument("--budget-s", type=float, default=720, help="--cells: seconds for all of them")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: a step of ~131k tokens)")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--row-tokens", type=int, default=16384, help="at least (a rollout's tokens fit one row)")
+    parser.add_argument("--offload", action="store_true", help="trainer.offload_optimizer first")
+    parser.add_argument("--true-on-policy", action="store_true")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share (default: chosen)")
+    parser.add_argument("--gpu-gib", type=float, default=139.8, help="the GPU's memory where none is seen (--dry-run)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
+    parser.add_argument("--ckpt-root", type=Path, default=Path(tempfile.gettempdir()) / "rlactors_scale_checkpoints")
+    parser.add_argument("--dry-run", action="store_true", help="CPU: the tiny shape, the native engine, 2 steps")
+    parser.add_argument("--out", type=Path, default=None)
+    return parser
+
+
+def main() -> None:
+    opts = parser().parse_args()
+    if opts.cells:
+        sys.exit(run_cells(opts, shared_options(opts)))
+    if opts.dry_run:
+        opts.size, opts.rollout_tokens = opts.size or "tiny", opts.rollout_tokens or 48
+        opts.prompts, opts.group_size, opts.row_tokens = 2, 2, 256
+    elif opts.size is None or opts.rollout_tokens is None:
+        parser().error("--size and --rollout-tokens are needed (or --dry-run, or --cells)")
+    sys.exit(run_case(opts))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ own table in benchmarks/results/ (index: benchmarks/results/README.md).
     python benchmarks/gpu_benchmarks.py on-policy-cost           # 1 GPU: true on-policy cost, matmul vs cuBLAS
     python benchmarks/gpu_benchmarks.py learning-curve [--gpus 2|4] [--true-on-policy]  # the GPU demo, 100 steps
     python benchmarks/gpu_benchmarks.py moe                      # 1 GPU: Qwen3-MoE generation, training, a run
-    python benchmarks/gpu_benchmarks.py scale                    # 1 GPU: 1.7B/4B/8B x 2k/8k/16k rollouts, colocated
-    python benchmarks/gpu_benchmarks.py scale-on-policy          # 1 GPU: 5 true on-policy steps of 4B and 8B
+    python benchmarks/gpu_benchmarks.py scale                    # 1 GPU, 12 min: 1.7B/4B/8B x 2k/8k/16k, colocated
+    python benchmarks/gpu_benchmarks.py scale-on-policy          # 1 GPU, 12 min: 5 true on-policy steps of 4B, 8B
     python benchmarks/gpu_benchmarks.py lora [--gpus 2]          # LoRA: weight sync, adapters vs full; 8B steps
     python benchmarks/gpu_benchmarks.py agent                    # 1 GPU: the agent example learning; gateway cost
     python benchmarks/gpu_benchmarks.py shared-sync              # 1 GPU: colocated weight sync by CUDA IPC
@@ -161,29 +161,30 @@ def moe(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
 
 
 SCALE = [PY, "benchmarks/colocated_scale.py"]
-# Per rollout length: (steps, seconds a case may run). A case makes the checkpoint the first time
-# (4B ~1 min, 8B ~2), starts vLLM (~1 min) and the trainer, then each step decodes its rollouts
-# (16k tokens: minutes) and syncs the weights by messages; at 16k one step (its time includes the
-# trainer's compilation) is what fits 10 minutes.
-SCALE_CASES = {2048: (2, 480), 8192: (2, 590), 16384: (1, 590)}
+# Issue #59's cells, most wanted first: the MFU pair (1.7B and 4B, default mode), the true on-policy
+# 5-step runs (4B fully fine-tuned, 8B with its optimizer offloaded: the plan picks the knobs), then
+# the longer rollouts. A cell makes its checkpoint once (4B ~1 min, 8B ~2), starts vLLM (~1 min),
+# then each step generates ~131k tokens and syncs the weights by messages (4B: about a minute):
+# 12 minutes run the first cells; the rest get a row saying they did not start.
+SCALE_CELLS = ["1.7b:2048", "4b:2048", "4b:2048:5:onpolicy", "8b:2048:5:onpolicy", "1.7b:8192", "4b:8192",
+               "8b:2048", "8b:8192", "1.7b:16384", "4b:16384", "8b:16384"]
+SCALE_BUDGET_S = 720
 
 
 def scale(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
-    """Issue #59 on one GPU: each Qwen3 shape (1.7B, 4B, 8B) with rollouts of 2k, 8k and 16k
-    tokens, trainer and vLLM colocated, taking turns (`generator.sleep`); each case within 10
-    minutes, about 75 in all. 8B offloads its optimizer state."""
-    return [(f"{size}, {tokens} tokens", within(seconds, [
-        *SCALE, "--size", size, "--rollout-tokens", str(tokens), "--steps", str(steps),
-        *(["--offload"] if size == "8b" else [])]))
-        for size in ("1.7b", "4b", "8b") for tokens, (steps, seconds) in SCALE_CASES.items()]
+    """Issue #59 on one GPU: Qwen3 shapes (1.7B, 4B, 8B) x rollouts of 2k, 8k and 16k tokens and
+    the true on-policy 5-step runs, trainer and vLLM colocated, taking turns (`generator.sleep`),
+    one after another within 12 minutes (colocated_scale.py --cells)."""
+    return [("cells", within(SCALE_BUDGET_S + 60, [*SCALE, "--cells", *SCALE_CELLS,
+                                                   "--budget-s", str(SCALE_BUDGET_S)]))]
 
 
 def scale_on_policy(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
     """5 GRPO steps in true on-policy mode, colocated on one GPU: 4B fully fine-tuned, 8B with its
     optimizer state offloaded; `loss/logprob_diff/max` of every step in the row."""
-    return [(f"{size}, true on-policy", within(590, [
-        *SCALE, "--size", size, "--rollout-tokens", "1024", "--steps", "5", "--true-on-policy", *extra]))
-        for size, extra in (("4b", []), ("8b", ["--offload"]))]
+    cells = [cell for cell in SCALE_CELLS if cell.endswith("onpolicy")]
+    return [("true on-policy", within(SCALE_BUDGET_S + 60, [*SCALE, "--cells", *cells,
+                                                            "--budget-s", str(SCALE_BUDGET_S)]))]
 
 
 def learning_curve(gpus: int, true_on_policy: bool) -> list[tuple[str, list[str]]]:

@@ -1,7 +1,6 @@
 """benchmarks/colocated_scale.py: every case that `gpu_benchmarks.py scale` and `scale-on-policy`
 run builds a valid config whose memory plan fits one H200, with the knobs it needs."""
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,40 +20,54 @@ def shapes(tmp_path_factory):
     return {size: make_tiny_checkpoint(root / size, size=size, weights=False) for size in ("1.7b", "4b", "8b")}
 
 
-def case_options(command):
-    """The benchmark's options as a gpu_benchmarks step runs it."""
-    argv = command[command.index("benchmarks/colocated_scale.py") + 1:]
-    parser = argparse.ArgumentParser()
-    for flag in ("--size", "--rollout-tokens", "--steps"):
-        parser.add_argument(flag)
-    for flag in ("--offload", "--true-on-policy"):
-        parser.add_argument(flag, action="store_true")
-    opts = parser.parse_args(argv)
-    return argparse.Namespace(size=opts.size, rollout_tokens=int(opts.rollout_tokens), steps=int(opts.steps or 2),
-                              offload=opts.offload, true_on_policy=opts.true_on_policy, row_tokens=16384, prompts=2,
-                              group_size=8, gpu_memory_utilization=None, gpu_gib=139.8, dry_run=False)
-
-
-# size: (the knobs the plan needs, vLLM's share of the GPU)
-EXPECTED = {"1.7b": ([], 0.82), "4b": ([], 0.63),
-            "8b": (["trainer.offload_optimizer=true", "trainer.activation_checkpointing=true"], 0.74)}
+# size: (the knobs the plan needs with 4 GiB to spare, vLLM's share of the GPU)
+EXPECTED = {"1.7b": ([], 0.8), "4b": ([], 0.6),
+            "8b": (["trainer.offload_optimizer=true", "trainer.activation_checkpointing=true"], 0.67)}
 
 
 @pytest.mark.parametrize("mode", ["scale", "scale-on-policy"])
-def test_every_case_fits_one_h200_with_the_knobs_it_needs(mode, shapes, tmp_path):
-    steps = gpu_benchmarks.MODES[mode].steps(1, False)
-    assert len(steps) == {"scale": 9, "scale-on-policy": 2}[mode]
-    for _, command in steps:
-        opts = case_options(command)
+def test_every_cell_fits_one_h200_with_the_knobs_it_needs(mode, shapes, tmp_path):
+    (_, command), = gpu_benchmarks.MODES[mode].steps(1, False)
+    assert command[:3] == ["timeout", "--kill-after", "30"] and int(command[3]) == gpu_benchmarks.SCALE_BUDGET_S + 60
+    cells = command[command.index("--cells") + 1:command.index("--budget-s")]
+    assert len(cells) == {"scale": 11, "scale-on-policy": 2}[mode]
+    for cell in cells:
+        opts = colocated_scale.parser().parse_args(colocated_scale.parse_cell(cell))
         config, knobs, memory = colocated_scale.fitting_config(opts, shapes[opts.size], tmp_path)
-        assert memory.problems() == [], (opts.size, opts.rollout_tokens)
+        assert memory.problems() == [], cell
         needed, share = EXPECTED[opts.size]
         if opts.true_on_policy and opts.size == "4b":  # eager layers keep more activations
             needed = ["trainer.activation_checkpointing=true"]
-        assert knobs == [*needed, f"generator.gpu_memory_utilization={share}"], (opts.size, opts.rollout_tokens)
+        assert knobs == [*needed, f"generator.gpu_memory_utilization={share}"], cell
         assert (config.generator.sleep, config.controller.colocate, config.controller.mode) == (True, True, "sync")
         assert config.rollout.max_tokens_per_turn == opts.rollout_tokens
         assert config.batcher.row_tokens >= config.rollout.max_total_tokens
+        # about 131k tokens a step (8 x 16384), at least one group
+        rollouts = config.rollout.prompts_per_step * config.rollout.group_size
+        assert rollouts == 8 * max(1, 131072 // (8 * (opts.rollout_tokens + 16))), cell
+        assert opts.steps == (5 if opts.true_on_policy else 2)
+
+
+def test_cells_parse_and_a_bad_one_fails_naming_the_form():
+    assert colocated_scale.parse_cell("8b:2048:5:onpolicy") == [
+        "--size", "8b", "--rollout-tokens", "2048", "--steps", "5", "--true-on-policy"]
+    assert colocated_scale.parse_cell("1.7b:16384") == ["--size", "1.7b", "--rollout-tokens", "16384"]
+    with pytest.raises(ValueError, match=r"^--cells: '4b:2k' is not SIZE:TOKENS\[:STEPS\]\[:onpolicy\]$"):
+        colocated_scale.parse_cell("4b:2k")
+
+
+def test_cells_past_the_budget_do_not_start(tmp_path, capsys):
+    opts = colocated_scale.parser().parse_args(["--cells", "tiny:48", "tiny:96", "--budget-s", "30", "--dry-run",
+                                                "--out", str(tmp_path / "rows.md")])
+    assert colocated_scale.run_cells(opts, colocated_scale.shared_options(opts)) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == ["| tiny:48 | not started: out of --budget-s | 0 |",
+                                                         "| tiny:96 | not started: out of --budget-s | 0 |"]
+    assert not (tmp_path / "rows.md").exists()
+    # what a started cell's process would be given
+    child = colocated_scale.parser().parse_args([*colocated_scale.parse_cell("tiny:48"),
+                                                 *colocated_scale.shared_options(opts)])
+    assert (child.size, child.rollout_tokens, child.dry_run, child.out, child.cells) == (
+        "tiny", 48, True, tmp_path / "rows.md", None)
 
 
 def test_a_case_needs_a_size_and_a_rollout_length(monkeypatch, capsys):
@@ -62,4 +75,5 @@ def test_a_case_needs_a_size_and_a_rollout_length(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit:
         colocated_scale.main()
     assert exit.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith("--size and --rollout-tokens are needed (or --dry-run)")
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "--size and --rollout-tokens are needed (or --dry-run, or --cells)")

@@ -3,19 +3,13 @@
 Pure arithmetic, before anything spawns (`python -m rlactors.train --config F --plan` prints it;
 `Controller.start` refuses a run that cannot fit, in one line naming the keys to change).
 
-The trainer keeps, per rank (FSDP2 over `trainer.ranks`): fp32 master weights, fp32 gradients and
-AdamW's two fp32 moments, each 1/ranks of the model; with bf16 mixed precision, bf16 copies of the
-root unit (embedding, untied LM head, final norm: gathered for the whole forward and backward) and
-of two decoder layers (the one running and the one prefetched); the activations a microbatch
-(`batcher.rows_per_microbatch` x `batcher.row_tokens` tokens) saves for backward
-(`saved_bytes_per_token_layer`); and the LM head's chunk of `trainer.logprob_chunk_tokens` x vocab
-logits. With `trainer.offload_optimizer` the moments live in host memory and only the largest
-offload group's (`rlactors.trainer.offload`) is on the GPU during the step.
-
-A vLLM generator takes `generator.gpu_memory_utilization` of each of its GPUs (weights, runtime,
-KV cache). Colocated with `generator.sleep` the GPU is held in turns: the trainer's phase (the
-engines asleep: weights in host memory, KV cache freed) and the generation phase (the trainer's
-master weights, and its moments unless offloaded, stay); the plan is the larger of the two.
+Per trainer rank (FSDP2): fp32 master weights, gradients and AdamW moments (offloaded: one group's
+during the step), gathered bf16 compute copies, a microbatch's activations, the LM head's chunk,
+the weight sync's buffer (`sync_memory`) and the process's CUDA context. Per vLLM replica GPU: its
+`gpu_memory_utilization` share plus what it holds beyond it (`vllm_beyond_share`). Colocated with
+`generator.sleep` the GPU is held in turns (rlactors.run.turns): training (vLLM asleep), syncing
+(vLLM's weights awake, the trainer gathering the policy) and generation (vLLM awake beside what the
+trainer keeps between steps); the plan is the largest phase. docs/model_sizes.md has the formulas.
 """
 
 from __future__ import annotations
@@ -30,15 +24,19 @@ from rlactors.config import Config, ConfigError
 from rlactors.models.args import ModelArgs
 
 GIB = 2**30
-# Every process that uses a GPU: the CUDA context and kernels (not seen by torch's allocator).
-CUDA_CONTEXT_GIB = 0.5
+# Every trainer process beside its tensors: the CUDA context, cuBLAS and NCCL workspaces, allocator
+# slack (0.8 GiB seen at the 8B shape after loading: benchmarks/results/notes/colocated_scale.md).
+CUDA_CONTEXT_GIB = 1.0
 # vLLM's own use inside its share beside weights and KV cache: profiled activations, sampler,
 # CUDA graphs.
 VLLM_RUNTIME_GIB = 2.0
 # What a vLLM process holds outside its gpu_memory_utilization share, awake or asleep (level 1):
-# CUDA context, NCCL, allocator pools (fitted to what vLLM held beside its share, asleep and
-# awake: benchmarks/results/notes/colocated_scale.md). CUDA-graph pools beyond it are not counted.
+# CUDA context, NCCL, allocator pools (notes/colocated_scale.md).
 VLLM_OUTSIDE_SHARE_GIB = 2.0
+# vLLM 0.26 (sleep mode) sized its KV cache past its share minus its weights: by 2.74 GiB at the 4B
+# shape and 7.67 at 8B (its profile under-counts; its CUDA graphs took 0.06 GiB). Fitted per TP rank
+# as these bytes x layers x hidden_size^2 (3.07 and 7.88 GiB there).
+VLLM_OVERSHOOT_BYTES_PER_LAYER_HIDDEN2 = 14
 # Compiled layers (`trainer.compile_layers`, CUDA) save this share of the eager layer's bytes:
 # the compiler recomputes the norms' fp32 copies and the activations' elementwise products instead
 # of keeping them. Fitted to the 1.7B and 4B shapes' measured peaks (trainer_throughput_gpu.md).
@@ -96,18 +94,21 @@ class TrainerMemory:
     activations: float
     logprob_head: float
     optimizer_resident: float  # AdamW's moments on the GPU between steps (0: offloaded)
+    sync_buffer: float = 0.0  # the weight sync's packed policy, kept on rank 0 (`sync_memory`)
+    sync_gather: float = 0.0  # the policy gathered on rank 0 while it is sent, then freed
     context: float = CUDA_CONTEXT_GIB * GIB
 
     @property
     def peak(self) -> float:
         return (self.master_weights + self.gradients + self.optimizer + self.compute_copies + self.activations
-                + self.logprob_head + self.context)
+                + self.logprob_head + self.sync_buffer + self.context)
 
     @property
     def resident(self) -> float:
-        """What stays while the engines generate: master weights, the moments unless offloaded
-        (the gradients are freed by the step, the activations by backward)."""
-        return self.master_weights + self.optimizer_resident + self.context
+        """What stays while the engines generate: master weights, the moments unless offloaded,
+        the sync's buffer (the gradients are freed by the step, the activations by backward, the
+        gathered policy by the turn that wakes the KV cache)."""
+        return self.master_weights + self.optimizer_resident + self.sync_buffer + self.context
 
 
 @dataclass(frozen=True)
@@ -115,11 +116,12 @@ class GeneratorMemory:
     """Bytes of one generator replica on each of its GPUs."""
 
     engine: str
-    share: float  # what it takes awake: vLLM its gpu_memory_utilization, native its weights and cache
+    share: float  # what it takes awake: vLLM its gpu_memory_utilization and beyond, native its weights and cache
     weights: float
     kv_cache: float
     kv_tokens: int
     asleep: float  # what stays while it sleeps (vLLM level 1: the CUDA context)
+    beyond: float = 0.0  # vLLM awake beyond its share (`vllm_beyond_share`), in `share`
 
 
 @dataclass(frozen=True)
@@ -140,11 +142,13 @@ class MemoryPlan:
 
     def phases(self) -> dict[str, tuple[float, float]]:
         """Per GPU, (trainer, generator) bytes in each phase that holds the GPU. Colocated with
-        sleep: the trainer's phase and the generation phase; colocated without: both at their
-        peak at once; apart: the trainer's GPUs and the generators' GPUs."""
+        sleep: the trainer's step, the weight sync (vLLM's weights awake, the trainer gathering)
+        and generation; colocated without: both at their peak at once; apart: the trainer's GPUs
+        and the generators' GPUs."""
         t, g = self.trainer, self.generator
         if self.sleeps:
-            return {"training": (t.peak, g.asleep), "generation": (t.resident, g.share)}
+            return {"training": (t.peak, g.asleep), "syncing": (t.resident + t.sync_gather, g.asleep + g.weights),
+                    "generation": (t.resident, g.share)}
         if self.colocated:
             return {"both": (t.peak, g.share)}
         return {"trainer GPUs": (t.peak, 0.0), "generator GPUs": (0.0, g.share)}
@@ -163,6 +167,15 @@ class MemoryPlan:
         moments = t.master_weights * 2 if self.config.trainer.offload_optimizer else 0.0
         return moments + (g.weights if self.sleeps and g.engine == "vllm" else 0.0)
 
+    def largest_share(self, margin_gib: float = 0.0) -> float:
+        """The largest `generator.gpu_memory_utilization` (to 0.01 below) whose colocated vLLM
+        fits beside what the trainer holds while it generates (its resident memory with sleep,
+        else its step peak), with `margin_gib` to spare; 0 when nothing is left."""
+        t, g = self.trainer, self.generator
+        trainer = t.resident if self.sleeps else t.peak
+        left = self.gpu_bytes - trainer - g.beyond - margin_gib * GIB
+        return max(0.0, math.floor(100 * left / self.gpu_bytes) / 100)
+
     def problems(self) -> list[str]:
         """Why the run cannot fit this GPU, each with the keys to change; empty when it fits or
         the GPU's size is unknown."""
@@ -170,21 +183,36 @@ class MemoryPlan:
             return []
         c, g = self.config, self.generator
         found = []
-        name, trainer, generator = self.needed
+        phases = self.phases()
+        share = c.generator.gpu_memory_utilization
+        if sum(phases.get("generation", (0.0, 0.0))) > self.gpu_bytes:
+            trainer, generator = phases.pop("generation")
+            most = self.largest_share()
+            found.append(f"{_gib(trainer + generator)} GiB needed per GPU of {_gib(self.gpu_bytes)} while vLLM "
+                         f"generates: generator.gpu_memory_utilization = {share:g} ({_gib(generator - g.beyond)} GiB, "
+                         f"{_gib(g.beyond)} beyond it) is too big beside the trainer's {_gib(trainer)} GiB kept "
+                         f"between steps: set " + (f"generator.gpu_memory_utilization <= {most:g} or " if most else "")
+                         + self._fixes(resident_only=True))
+        name, (trainer, generator) = max(phases.items(), key=lambda phase: sum(phase[1]))
         if trainer + generator > self.gpu_bytes:
+            fixes = (f"the weight sync by {c.generator.weight_sync} gathers {_gib(self.trainer.sync_gather)} GiB on "
+                     "trainer rank 0's GPU: set controller.colocate = false or raise generator.tp"
+                     if name == "syncing" else "set " + self._fixes())
             found.append(f"{_gib(trainer + generator)} GiB needed per GPU of {_gib(self.gpu_bytes)} ({name}: trainer "
-                         f"{_gib(trainer)} + {g.engine} {_gib(generator)}): {self._fixes()}")
+                         f"{_gib(trainer)} + {g.engine} {_gib(generator)}): {fixes}")
         if g.engine == "vllm" and g.kv_tokens < c.generator.max_model_len:
-            found.append(f"vLLM's share ({_gib(g.share)} GiB) leaves KV cache for {g.kv_tokens} tokens after its "
-                         f"weights ({_gib(g.weights)} GiB), fewer than generator.max_model_len = "
+            found.append(f"vLLM's share ({_gib(g.share - g.beyond)} GiB) leaves KV cache for {g.kv_tokens} tokens "
+                         f"after its weights ({_gib(g.weights)} GiB), fewer than generator.max_model_len = "
                          f"{c.generator.max_model_len}: raise generator.gpu_memory_utilization or generator.tp")
         return found
 
-    def _fixes(self) -> str:
+    def _fixes(self, resident_only: bool = False) -> str:
         c = self.config
         keys = []
         if not c.trainer.offload_optimizer:
             keys.append("trainer.offload_optimizer = true")
+        if resident_only:
+            return " or ".join([*keys, "more trainer.ranks"])
         if self.colocated and c.generator.engine == "vllm" and not c.generator.sleep:
             keys.append("generator.sleep = true")
         if not c.trainer.activation_checkpointing:
@@ -193,7 +221,7 @@ class MemoryPlan:
             keys.append("lower generator.gpu_memory_utilization")
         keys.append("more trainer.ranks")
         keys.append("lower batcher.rows_per_microbatch or batcher.row_tokens")
-        return "set " + ", ".join(keys[:-1]) + " or " + keys[-1]
+        return ", ".join(keys[:-1]) + " or " + keys[-1]
 
     def check(self) -> None:
         """Raises ConfigError, one line, when the run cannot fit (`problems`)."""
@@ -215,7 +243,9 @@ class MemoryPlan:
             (f"trainer: activations, {tokens} tokens a microbatch, checkpointing "
              f"{'on' if c.trainer.activation_checkpointing else 'off'}", t.activations),
             (f"trainer: LM head, {c.trainer.logprob_chunk_tokens}-token chunks", t.logprob_head),
-            ("trainer: CUDA context", t.context),
+            (f"trainer: weight sync ({c.generator.weight_sync}) buffer kept on rank 0", t.sync_buffer),
+            (f"trainer: weight sync ({c.generator.weight_sync}) gather on rank 0, while syncing", t.sync_gather),
+            ("trainer: CUDA context and workspaces", t.context),
             ("trainer: step peak", t.peak),
             ("trainer: kept while generating", t.resident),
             (f"{g.engine}: weights" + (f" (1/{c.generator.tp} each)" if c.generator.tp > 1 else ""), g.weights),
@@ -223,6 +253,8 @@ class MemoryPlan:
             (f"{g.engine}: awake" + (f" (gpu_memory_utilization {c.generator.gpu_memory_utilization:g})"
                                      if g.engine == "vllm" else ""), g.share),
         ]
+        if g.engine == "vllm":
+            rows.append(("vllm: of which beyond its share (context, pools, its profile's overshoot)", g.beyond))
         if self.sleeps:
             rows.append((f"{g.engine}: asleep", g.asleep))
         for name, (trainer, generator) in self.phases().items():
@@ -292,9 +324,25 @@ def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
     # The final hidden states (kept for backward), per token fp32 logprob, logsumexp and entropy,
     # and one chunk's logits at a time.
     head = tokens * (compute_bytes * args.hidden_size + 12) + chunk * args.vocab_size * LOGPROB_CHUNK_BYTES
+    sync_buffer, sync_gather = sync_memory(config, args)
     return TrainerMemory(master_weights=4 * params / ranks, gradients=4 * params / ranks, optimizer=on_gpu,
                          compute_copies=copies, activations=activations, logprob_head=head,
-                         optimizer_resident=0.0 if t.offload_optimizer else moments)
+                         optimizer_resident=0.0 if t.offload_optimizer else moments, sync_buffer=sync_buffer,
+                         sync_gather=sync_gather)
+
+
+def sync_memory(config: Config, args: ModelArgs) -> tuple[float, float]:
+    """The weight sync's bytes on trainer rank 0: (kept, gathered while syncing), of the policy in
+    `model.dtype`. "broadcast" and "shared" keep it packed in one buffer (the replicas receive it
+    or map it by CUDA IPC). "messages" gathers it to host memory a chunk of rows at a time
+    (`PolicyTrainerCore.full_weights`): a staging chunk and, over ranks, every rank's slot of it."""
+    from rlactors.trainer.gather import GATHER_CHUNK_BYTES
+
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
+    policy, ranks = dtype_bytes * _param_counts(args)[0], config.trainer.ranks
+    if config.generator.weight_sync in ("broadcast", "shared"):
+        return policy, 0.0
+    return 0.0, min(policy, GATHER_CHUNK_BYTES) * (2 + 1 / ranks if ranks > 1 else 1)
 
 
 def kv_bytes_per_token(args: ModelArgs, dtype_bytes: int = 2) -> int:
@@ -317,5 +365,13 @@ def generator_memory(config: Config, args: ModelArgs, gpu_bytes: float | None) -
                                asleep=weights + kv + CUDA_CONTEXT_GIB * GIB)
     share = g.gpu_memory_utilization * gpu_bytes if gpu_bytes is not None else weights + VLLM_RUNTIME_GIB * GIB
     kv = max(0.0, share - weights - VLLM_RUNTIME_GIB * GIB)
-    return GeneratorMemory("vllm", share + VLLM_OUTSIDE_SHARE_GIB * GIB, weights, kv, int(kv // per_token),
-                           asleep=VLLM_OUTSIDE_SHARE_GIB * GIB)
+    beyond = vllm_beyond_share(args, g.tp)
+    return GeneratorMemory("vllm", share + beyond, weights, kv, int(kv // per_token),
+                           asleep=VLLM_OUTSIDE_SHARE_GIB * GIB, beyond=beyond)
+
+
+def vllm_beyond_share(args: ModelArgs, tp: int) -> float:
+    """What an awake vLLM replica holds on each GPU beyond its gpu_memory_utilization share: its
+    process's context and pools, and the KV cache its profile sizes past the share."""
+    overshoot = VLLM_OVERSHOOT_BYTES_PER_LAYER_HIDDEN2 * args.num_hidden_layers * args.hidden_size**2 / tp
+    return VLLM_OUTSIDE_SHARE_GIB * GIB + overshoot

@@ -8,7 +8,8 @@ Every GPU holds a trainer rank and a generator replica. A step goes
     -> `syncing`: the trainer hands its allocator's cached memory back to the device, the engines'
        weights wake (so the sync writes into them before the KV cache is allocated again)
     -> weight sync
-    -> `generating`: the engines' KV caches wake.
+    -> `generating`: the trainer hands back what the sync cached (rank 0 gathered the policy), the
+       engines' KV caches wake.
 Asleep, an engine serves nothing, so the turns need sync mode (checked at load).
 `NoTurns` stands in where the engines keep their memory (without `generator.sleep`).
 """
@@ -58,6 +59,7 @@ class Turns(NoTurns):
 
     async def generating(self) -> dict[str, float]:
         start = time.perf_counter()
+        await self.trainer.release_memory.call()  # its peak since `syncing`: the sync's, not the step's
         await self.router.wake_up.call_one(["kv_cache"])
         return {"turns/wake_kv_cache_s": time.perf_counter() - start}
 

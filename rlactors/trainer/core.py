@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import math
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,7 +51,7 @@ from rlactors.storage.records import writing
 from rlactors.trainer import checkpoint as ckpt
 from rlactors.trainer import expert_parallel
 from rlactors.trainer.batch import MicroBatch
-from rlactors.trainer.gather import RowGather, gather_rows, plan_packing
+from rlactors.trainer.gather import GATHER_CHUNK_BYTES, RowGather, plan_chunked, plan_packing, row_chunks
 from rlactors.trainer.losses import LossNorm, LossStats, compute_loss, distillation_advantages, loss_tokens
 from rlactors.trainer.offload import OffloadedStep, layer_groups
 from rlactors.trainer.parallel import build_sharded_model, clip_grad_norm_, make_mesh
@@ -401,15 +403,27 @@ class PolicyTrainerCore:
         in `dtype`, on CPU: on rank 0; None elsewhere.
 
         A collective: every rank must call it. Tied embeddings give one tensor (no lm_head.weight),
-        the HF checkpoint's names and set.
+        the HF checkpoint's names and set. Gathered in chunks of rows of about GATHER_CHUNK_BYTES,
+        each through one staging buffer on the device into host memory: the GPU holds one chunk's
+        buffers, not the policy.
         """
         params = self._synced_parameters() if synced_only else dict(self.model.named_parameters())
-        weights = ({name: torch.empty(p.shape, dtype=dtype, device=self.device) for name, p in params.items()}
-                   if self.rank == 0 else None)
-        names = list(params)
-        gather_rows(params, [(name, 0, p.shape[0]) for name, p in params.items()], dtype,
-                    None if weights is None else lambda i: weights[names[i]], self.device)
-        return None if weights is None else {name: t.cpu() for name, t in weights.items()}
+        chunks = row_chunks(params, dtype.itemsize, GATHER_CHUNK_BYTES)
+        views, weights = [], None
+        if self.rank == 0:
+            weights = {name: torch.empty(p.shape, dtype=dtype) for name, p in params.items()}
+            elements = [[rows * math.prod(params[name].shape[1:]) for name, _, rows in parts] for parts in chunks]
+            staging = torch.empty(max(sum(sizes) for sizes in elements), dtype=dtype, device=self.device)
+            for parts, sizes in zip(chunks, elements):
+                offsets = [0, *itertools.accumulate(sizes)]
+                views.append([staging[offsets[i]:offsets[i + 1]].view(rows, *params[name].shape[1:])
+                              for i, (name, _, rows) in enumerate(parts)])
+        gathers = plan_chunked(params, chunks, dtype, [lambda i, v=v: v[i] for v in views] or None, self.device)
+        for parts, gather, staged in itertools.zip_longest(chunks, gathers, views):
+            gather.run()
+            for (name, first, rows), view in zip(parts, staged or []):
+                weights[name][first:first + rows].copy_(view)
+        return weights
 
     def state_dict_for_sync(self, dtype: str | None = None) -> VersionedWeights | None:
         """The policy for the generators (default dtype: `model.dtype`), with its version; rank 0 only."""

@@ -97,10 +97,25 @@ class RowGather:
             torch._foreach_copy_(self.targets, self.sources)
 
 
-def gather_rows(params: Mapping[str, nn.Parameter], parts: Sequence[Part], dtype: torch.dtype,
-                destination: Callable[[int], torch.Tensor] | None, device: torch.device) -> None:
-    """Plans and runs one gather (`RowGather`) with buffers of its own."""
-    plan_chunked(params, [parts], dtype, None if destination is None else [destination], device)[0].run()
+# Rows gathered at once where the whole policy goes to host memory (`PolicyTrainerCore.full_weights`).
+GATHER_CHUNK_BYTES = 512 << 20
+
+
+def row_chunks(params: Mapping[str, nn.Parameter], itemsize: int, chunk_bytes: int) -> list[list[Part]]:
+    """The parameters' rows, in order, as chunks of parts (name, first row, rows) of at most
+    `chunk_bytes` at `itemsize` bytes an element (one row at least)."""
+    chunks, chunk, size = [], [], 0
+    for name, p in params.items():
+        row_bytes = itemsize * math.prod(p.shape[1:])
+        first = 0
+        while first < p.shape[0]:
+            if size + row_bytes > chunk_bytes and chunk:
+                chunks.append(chunk)
+                chunk, size = [], 0
+            rows = min(p.shape[0] - first, max(1, (chunk_bytes - size) // row_bytes))
+            chunk.append((name, first, rows))
+            first, size = first + rows, size + rows * row_bytes
+    return chunks + ([chunk] if chunk else [])
 
 
 def plan_chunked(params: Mapping[str, nn.Parameter], chunks: Sequence[Sequence[Part]], dtype: torch.dtype,

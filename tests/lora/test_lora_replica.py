@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from rlactors import vllm_api
 from rlactors.config import LoraConfig
 from rlactors.engines.vllm_engine import VLLMEngine
 from rlactors.lora.adapters import adapter_parameters, initial_adapters, initial_adapters_of, merged_weight, to_lora
@@ -197,7 +198,7 @@ def test_a_vllm_engine_with_lora_merges_its_first_adapters_and_each_load_of_adap
     """`VLLMEngine` (vLLM's engine a stand-in that runs `apply_model` on our model as vLLM runs
     it): the first adapters merged at start, then adapters by messages checked against the
     model's and merged, as the trainer's merged weights; the broadcast receiver merges too."""
-    for name, module in {"vllm": types.SimpleNamespace(SamplingParams=object),
+    for name, module in {"vllm": types.SimpleNamespace(SamplingParams=object, __version__=vllm_api.SUPPORTED[0]),
                          "vllm.sampling_params": types.SimpleNamespace(
                              RequestOutputKind=types.SimpleNamespace(DELTA="delta", FINAL_ONLY="final"))}.items():
         monkeypatch.setitem(sys.modules, name, module)

@@ -3,6 +3,7 @@ decoder's saved bytes against what autograd really keeps, and a run that cannot 
 one line, by `--plan` and before the controller spawns anything."""
 
 import asyncio
+import dataclasses
 import json
 import math
 import struct
@@ -17,7 +18,7 @@ from rlactors.models.checkpoint import checkpoint_shapes, load_args
 from rlactors.models.decoder import DecoderLayer
 from rlactors.models.tiny import make_tiny_checkpoint, size_args
 from rlactors.run.controller import Controller
-from rlactors.run.memory_plan import GIB, gpu_gib, plan, saved_bytes_per_token_layer
+from rlactors.run.memory_plan import GIB, gpu_gib, plan, saved_bytes_per_token_layer, sync_memory
 
 V = 151936  # Qwen3's vocabulary
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,25 +95,30 @@ def test_plan_of_4b_on_one_gpu_colocated_with_sleep_and_offload(shapes):
     assert eager == 170_280
     assert t.activations == pytest.approx(8192 * 36 * eager * 0.70)  # compiled layers keep 70% of it
     assert t.logprob_head == 8192 * (2 * 2560 + 12) + 1024 * V * 14
-    peak = 4 * params * 2 + 8 * V * 2560 + 2 * (root + 2 * layer) + 8192 * 36 * eager * 0.70 + t.logprob_head + GIB / 2
+    # By messages (colocated): rank 0 gathers the bf16 policy a 512 MiB chunk at a time, and keeps nothing.
+    assert (t.sync_buffer, t.sync_gather) == (0, 512 * 2**20)
+    peak = 4 * params * 2 + 8 * V * 2560 + 2 * (root + 2 * layer) + 8192 * 36 * eager * 0.70 + t.logprob_head + GIB
     assert t.peak == pytest.approx(peak)
     g = p.generator
     share = 0.3 * 80 * GIB
-    assert g.weights == 2 * params and g.share == share + 2 * GIB and g.asleep == 2 * GIB
+    beyond = 2 * GIB + 14 * 36 * 2560**2  # context and pools; the KV cache vLLM's profile sizes past its share
+    assert g.weights == 2 * params and g.beyond == beyond and g.share == share + beyond and g.asleep == 2 * GIB
     assert g.kv_tokens == int((share - 2 * params - 2 * GIB) // (2 * 36 * 8 * 128 * 2))
     phases = p.phases()
     assert phases["training"] == (pytest.approx(peak), 2 * GIB)
-    assert phases["generation"] == (4 * params + GIB / 2, share + 2 * GIB)
-    assert sum(phases["training"]) / GIB == pytest.approx(71.3, abs=0.05)
+    assert phases["syncing"] == (4 * params + GIB + GIB / 2, 2 * GIB + 2 * params)
+    assert phases["generation"] == (4 * params + GIB, share + beyond)
+    assert sum(phases["training"]) / GIB == pytest.approx(71.8, abs=0.05)
+    assert p.largest_share() == math.floor(100 * (80 * GIB - 4 * params - GIB - beyond) / (80 * GIB)) / 100 == 0.73
     assert p.host_bytes == 8 * params + 2 * params  # the offloaded moments, vLLM's weights asleep
     assert p.problems() == []
 
 
 def test_plan_of_8b_on_two_trainer_gpus_apart_from_the_generators(shapes):
     c = cuda_config(shapes["8b"], "trainer.ranks=2", "trainer.activation_checkpointing=true",
-                    "trainer.compile_layers=false", "generator.replicas=2", "generator.gpu_memory_utilization=0.9",
+                    "trainer.compile_layers=false", "generator.replicas=2", "generator.gpu_memory_utilization=0.85",
                     "batcher.row_tokens=16384", "batcher.rows_per_microbatch=1", gpus=4)
-    p = plan(c, load_args(c.model.path), gpu_gib=80)
+    p = plan(c, load_args(c.model.path), gpu_gib=96)
     # By hand. Qwen3-8B: hidden 4096, intermediate 12288, 36 layers, 32 q / 8 kv heads, untied.
     layer = 4096 * 4096 + 2 * 4096 * 1024 + 4096 * 4096 + 2 * 128 + 3 * 4096 * 12288 + 2 * 4096
     root = 2 * V * 4096 + 4096  # embedding, LM head, final norm
@@ -121,14 +127,17 @@ def test_plan_of_8b_on_two_trainer_gpus_apart_from_the_generators(shapes):
     t = p.trainer
     assert t.master_weights == t.gradients == 4 * params / 2
     assert t.optimizer == t.optimizer_resident == 8 * params / 2
+    assert (t.sync_buffer, t.sync_gather) == (2 * params, 0)  # GPUs apart: the broadcast's packed buffer on rank 0
     eager = 2 * (8 * 4096 + 4) + (6 * (4096 + 1024) + 4 * 40) + (2 * (2 * 4096 + 2 * 1024) + 4 * 32) + 8 * 12288
     # Checkpointing: each layer's bf16 input kept, one layer's activations (eager: not compiled).
     assert t.activations == 16384 * (36 * 2 * 4096 + eager)
-    peak = 16 * params / 2 + 2 * (root + 2 * layer) + t.activations + 16384 * (2 * 4096 + 12) + 1024 * V * 14 + GIB / 2
+    peak = (16 * params / 2 + 2 * (root + 2 * layer) + t.activations + 16384 * (2 * 4096 + 12) + 1024 * V * 14
+            + 2 * params + GIB)
     assert t.peak == pytest.approx(peak)
-    assert p.generator.share == 0.9 * 80 * GIB + 2 * GIB
-    assert p.phases() == {"trainer GPUs": (pytest.approx(peak), 0.0), "generator GPUs": (0.0, 0.9 * 80 * GIB + 2 * GIB)}
-    assert peak / GIB == pytest.approx(74.5, abs=0.05)
+    vllm = 0.85 * 96 * GIB + 2 * GIB + 14 * 36 * 4096**2
+    assert p.generator.share == vllm
+    assert p.phases() == {"trainer GPUs": (pytest.approx(peak), 0.0), "generator GPUs": (0.0, vllm)}
+    assert peak / GIB == pytest.approx(90.3, abs=0.05)
     assert p.problems() == []
 
 
@@ -136,9 +145,12 @@ def test_the_32b_config_fits_eight_80gb_gpus(tmp_path):
     checkpoint = make_tiny_checkpoint(tmp_path / "32b", size="32b", weights=False)
     c = load_config(ROOT / "configs" / "qwen3_32b_8gpu.toml", [f'model.path="{checkpoint}"'], available_gpus=8)
     p = plan(c, load_args(checkpoint), gpu_gib(c))
-    assert p.gpu_bytes == 79.6 * GIB and p.problems() == []
-    name, trainer, generator = p.needed
-    assert name == "generation" and (trainer + generator) / GIB == pytest.approx(69.5, abs=0.05)
+    assert p.gpu_bytes == 79.6 * GIB
+    phases = {name: round(sum(bytes) / GIB, 1) for name, bytes in p.phases().items()}
+    assert phases == {"training": 55.2, "syncing": 49.8, "generation": 73.0} and p.problems() == []
+    # The sync by messages stages a 512 MiB chunk on rank 0's GPU, and gathers every rank's slot of it.
+    assert p.trainer.sync_gather == 512 * 2**20 * (2 + 1 / 8)
+    assert p.largest_share() == 0.63 and p.config.generator.gpu_memory_utilization == 0.55
 
 
 def test_a_run_that_cannot_fit_fails_in_one_line_naming_the_keys(shapes):
@@ -149,14 +161,14 @@ def test_a_run_that_cannot_fit_fails_in_one_line_naming_the_keys(shapes):
         plan(c, load_args(c.model.path), gpu_gib=139.8).check()
     message = str(error.value)
     assert "\n" not in message
-    assert message.startswith("memory plan: 173.1 GiB needed per GPU of 139.8 (both: trainer 129.1 + vllm 43.9): set "
+    assert message.startswith("memory plan: 176.6 GiB needed per GPU of 139.8 (both: trainer 129.6 + vllm 47.0): set "
                               "trainer.offload_optimizer = true, generator.sleep = true, "
                               "trainer.activation_checkpointing = true, lower generator.gpu_memory_utilization")
     # vLLM's share too small for one sequence of max_model_len
     c = cuda_config(shapes["8b"], "trainer.ranks=1", "generator.replicas=1", "generator.gpu_memory_utilization=0.2",
                     "generator.max_model_len=16384", "rollout.max_total_tokens=16384", gpus=2)
-    with pytest.raises(ConfigError, match=r"^memory plan: 148\.3 GiB needed per GPU of 80\.0 \(trainer GPUs: trainer "
-                                          r"148\.3 \+ vllm 0\.0\): set .*; vLLM's share \(18\.0 GiB\) leaves KV cache "
+    with pytest.raises(ConfigError, match=r"^memory plan: 164\.1 GiB needed per GPU of 80\.0 \(trainer GPUs: trainer "
+                                          r"164\.1 \+ vllm 0\.0\): set .*; vLLM's share \(16\.0 GiB\) leaves KV cache "
                                           r"for 0 tokens after its weights \(15\.3 GiB\), fewer than "
                                           r"generator\.max_model_len = 16384: raise "
                                           r"generator\.gpu_memory_utilization or generator\.tp$"):
@@ -175,7 +187,7 @@ def test_plan_command_prints_the_table_and_refuses_what_cannot_fit(shapes, capsy
     assert train.main(base) == 2
     captured = capsys.readouterr()
     assert "does NOT fit" in captured.out
-    assert captured.err.count("\n") == 1 and captured.err.startswith("error: memory plan: 173.1 GiB needed per GPU")
+    assert captured.err.count("\n") == 1 and captured.err.startswith("error: memory plan: 176.6 GiB needed per GPU")
 
 
 def write_sparse_weights(checkpoint):
@@ -202,3 +214,37 @@ def test_the_controller_refuses_a_run_that_cannot_fit_before_spawning(shapes, tm
     with pytest.raises(ConfigError, match=r"^memory plan: .* needed per GPU of 80\.0"):
         asyncio.run(controller.start())
     assert controller.trainer is None and controller.router is None
+
+
+def test_a_share_too_big_beside_the_trainers_resident_memory_is_refused_with_the_largest_that_fits(shapes):
+    # The 4B shape fully fine-tuned, colocated in turns on an H200: between steps the trainer keeps
+    # fp32 weights and AdamW's moments (12 bytes a parameter) beside vLLM's share.
+    c = cuda_config(shapes["4b"], "trainer.ranks=1", "generator.replicas=1", "generator.gpu_memory_utilization=0.7",
+                    "generator.sleep=true", "controller.colocate=true", 'controller.mode="sync"',
+                    "trainer.activation_checkpointing=true", "batcher.row_tokens=16384",
+                    "batcher.rows_per_microbatch=1")
+    p = plan(c, load_args(c.model.path), gpu_gib=139.8)
+    resident = 12 * 4_022_468_096 + GIB
+    assert p.trainer.resident == resident
+    largest = math.floor(100 * (139.8 * GIB - resident - p.generator.beyond) / (139.8 * GIB)) / 100
+    assert p.largest_share() == largest == 0.63 and p.largest_share(margin_gib=4) == 0.6
+    with pytest.raises(ConfigError) as error:
+        p.check()
+    assert str(error.value) == (
+        "memory plan: 148.9 GiB needed per GPU of 139.8 while vLLM generates: generator.gpu_memory_utilization = 0.7 "
+        "(97.9 GiB, 5.1 beyond it) is too big beside the trainer's 46.0 GiB kept between steps: set "
+        "generator.gpu_memory_utilization <= 0.63 or trainer.offload_optimizer = true or more trainer.ranks")
+    assert plan(dataclasses.replace(c, generator=dataclasses.replace(c.generator, gpu_memory_utilization=0.63)),
+                load_args(c.model.path), gpu_gib=139.8).problems() == []
+
+
+@pytest.mark.parametrize("weight_sync, kept, gathered", [("messages", 0, 512 * 2**20), ("broadcast", 2, 0),
+                                                          ("shared", 2, 0)])
+def test_the_weight_syncs_buffer_on_trainer_rank_0(shapes, weight_sync, kept, gathered):
+    c = cuda_config(shapes["4b"], "trainer.ranks=1", "generator.replicas=1", gpus=2)
+    # "shared" (a colocated replica maps rank 0's packed bf16 policy by CUDA IPC) keeps it like broadcast.
+    c = dataclasses.replace(c, generator=dataclasses.replace(c.generator, weight_sync=weight_sync))
+    params = 4_022_468_096
+    assert sync_memory(c, load_args(c.model.path)) == (kept * params, gathered)
+    t = plan(c, load_args(c.model.path)).trainer
+    assert t.resident == 12 * params + kept * params + GIB and t.sync_gather == gathered

@@ -89,8 +89,8 @@ def test_colocated_turns_sleep_for_training_and_load_weights_before_the_kv_cache
 
     update = asyncio.run(one_step(Turns(SimpleNamespace(release_memory=endpoint(release_memory)), router),
                                   engine, calls, weights))
-    assert calls == ["generate", "sleep", "train", "checkpoint", "release_memory", "wake weights", "sync", "load",
-                     "wake kv_cache", "generate"]
+    assert calls == ["generate", "sleep", "train", "checkpoint", "release_memory", "wake weights", "sync",
+                     "release_memory", "load", "wake kv_cache", "generate"]
     assert update.trained == {"loss": 0.5} and update.synced["version"] == 1
     assert update.turns["memory/trainer_peak_gib"] == 1.5
     assert set(update.turns) == {"turns/sleep_s", "turns/wake_weights_s", "turns/wake_kv_cache_s",

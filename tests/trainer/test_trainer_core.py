@@ -582,3 +582,23 @@ def test_a_send_made_with_the_optimizer_step_goes_as_it_ends_and_after_a_skipped
         waited, metrics, sent = asyncio.run(send_with_step(cat(rows(8))))
         received.result()
     assert waited and metrics["policy_version"] == sent["version"] == 1 and sent["verified"] == 1
+
+
+def test_the_policy_gathered_in_small_chunks_of_rows_is_the_same(tiny_ckpt, device, monkeypatch):
+    from rlactors.trainer import core as core_module
+    from rlactors.trainer.gather import row_chunks
+
+    core = make_core(tiny_ckpt, device)
+    whole = core.full_weights(torch.bfloat16)
+    params = dict(core.model.named_parameters())
+    chunks = row_chunks(params, 2, 1000)
+    # in order, every row once, each chunk within 1000 bytes unless one row is larger
+    assert [part for chunk in chunks for part in chunk][0][:2] == (next(iter(params)), 0)
+    assert {name: sum(rows for chunk in chunks for n, _, rows in chunk if n == name) for name in params} == \
+        {name: p.shape[0] for name, p in params.items()}
+    assert all(sum(rows * 2 * math.prod(params[n].shape[1:]) for n, _, rows in chunk) <= 1000 or len(chunk) == 1
+               for chunk in chunks)
+    monkeypatch.setattr(core_module, "GATHER_CHUNK_BYTES", 1000)
+    chunked = core.full_weights(torch.bfloat16)
+    assert list(chunked) == list(whole) and all(torch.equal(chunked[n], whole[n]) for n in whole)
+    assert all(t.device.type == "cpu" for t in chunked.values())

@@ -96,29 +96,3 @@ def test_changed_code_marks_the_commit_and_changed_results_do_not(tmp_path, monk
     (tmp_path / "code.py").write_text("a = 2\n")
     assert results_table.commit() == f"{head}+changes"
 
-
-def test_a_learning_curve_is_one_row_under_its_table_with_every_eval_and_window(tmp_path, monkeypatch):
-    import json
-
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    curve_spec = importlib.util.spec_from_file_location("learning_curve", ROOT / "benchmarks" / "learning_curve.py")
-    curve = importlib.util.module_from_spec(curve_spec)
-    curve_spec.loader.exec_module(curve)
-    run_dir = tmp_path / "demo_run"
-    run_dir.mkdir()
-    steps = [{"step": s, "rollout/reward_mean": r, "time/step_s": t, "loss/current_policy_tokens": 10.0,
-              "loss/logprob_diff/max": d}
-             for s, r, t, d in [(1, 0.25, 1.0, 0.0), (2, 0.5, 3.0, 0.125), (3, 1.0, 2.0, 0.0)]]
-    evals = [{"step": s, "eval/reward_mean": r, "eval/pass@1": p, "eval/samples": 8.0}
-             for s, r, p in [(0, 0.125, 0.0), (3, 0.625, 0.5)]]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [evals[0], *steps, evals[1]]))
-    out = tmp_path / "demo_learning.md"
-    out.write_text("# Demo\n\nWhat it measures.\n\n" + "| date | machine | commit | command | "
-                   + " | ".join(curve.COLUMNS) + " |\n|" + "---|" * 10 + "\n| an earlier row |\n\nA note.\n")
-    figures = curve.learning_curve(run_dir, window=2)
-    assert figures == ["demo_run", "0: 0.125 (0.000), 3: 0.625 (0.500); 8 samples", "1-2: 0.375, 3-3: 1.000", "2.00",
-                       "max 0.125 over 3 of 3 steps (30 tokens), above 0 at 1", "-"]
-    row = results_table.append_row(out, "unused", curve.COLUMNS, figures, machine_name="GPU x1", command_line="demo")
-    lines = out.read_text().splitlines()
-    assert lines[-4:] == ["| an earlier row |", row, "", "A note."]
-    assert row.startswith(f"| {datetime.date.today().isoformat()} | GPU x1 | ") and "| `demo` | demo_run |" in row

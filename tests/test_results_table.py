@@ -95,4 +95,3 @@ def test_changed_code_marks_the_commit_and_changed_results_do_not(tmp_path, monk
     assert results_table.commit() == head
     (tmp_path / "code.py").write_text("a = 2\n")
     assert results_table.commit() == f"{head}+changes"
-

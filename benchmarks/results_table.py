@@ -72,15 +72,16 @@ def _line(cells: Sequence[object]) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
 
 
-def append_row(path: Path, title: str, columns: Sequence[str], figures: Sequence[object], *, device: str,
-               launcher: str = "python") -> str:
+def append_row(path: Path, title: str, columns: Sequence[str], figures: Sequence[object], *, device: str = "cpu",
+               launcher: str = "python", machine_name: str | None = None, command_line: str | None = None) -> str:
     """Adds `date | machine | commit | command | *figures` to the table of `columns` in `path`
-    (creating the file as `# title` with the table on first use); returns the row."""
+    (creating the file as `# title` with the table on first use); returns the row. The machine is
+    `device`'s and the command this process's unless `machine_name` and `command_line` say."""
     if len(figures) != len(columns):
         raise ValueError(f"{path.name}: {len(figures)} figures for {len(columns)} columns {list(columns)}")
     header = _line([*STAMP, *columns])
-    row = _line([datetime.date.today().isoformat(), machine(device), commit(), f"`{command(launcher=launcher)}`",
-                 *figures])
+    row = _line([datetime.date.today().isoformat(), machine_name or machine(device), commit(),
+                 f"`{command_line or command(launcher=launcher)}`", *figures])
     lines = path.read_text().splitlines() if path.exists() else [f"# {title}"]
     if header in lines:
         end = len(lines) - lines[::-1].index(header)  # just below the last such header

@@ -4,6 +4,7 @@ import asyncio
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from rlactors.rollout import load_env
 from rlactors.rollout.rewards import reference_answer
 from rlactors.run.controller import Controller
 from rlactors.run.metrics import read_metrics
+from rlactors.trainer.checkpoint import checkpoint_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "math" / "data"
@@ -64,7 +66,9 @@ def _math_cpu(run_dir, *extra):
 def test_math_cpu_config_trains_and_resumes_exactly(tmp_path):
     """The CPU config as shipped (fewer steps): rewards computed from the data, the policy trained;
     a run stopped after step 1 and resumed gives step 2 exactly as an uninterrupted run."""
-    straight = asyncio.run(Controller(_math_cpu(tmp_path / "straight", "controller.steps=2")).run())
+    straight_dir = tmp_path / "straight"
+    config = _math_cpu(straight_dir, "controller.steps=2", "controller.checkpoint_every=1")
+    straight = asyncio.run(Controller(config).run())
     assert [m["policy/version"] for m in straight] == [1.0, 2.0]
     for m in straight:
         assert m["rollout/rollouts"] == 32
@@ -73,8 +77,11 @@ def test_math_cpu_config_trains_and_resumes_exactly(tmp_path):
     samples = [json.loads(line) for line in (tmp_path / "straight" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 8 * 2
 
+    # The straight run as a run stopped after step 1 leaves it: step 2's checkpoint not written
+    # (--resume drops step 2's records).
     interrupted = tmp_path / "interrupted"
-    asyncio.run(Controller(_math_cpu(interrupted, "controller.steps=1")).run())
+    shutil.copytree(straight_dir, interrupted)
+    shutil.rmtree(checkpoint_dir(interrupted / "checkpoints", 2))
     resumed = asyncio.run(Controller(_math_cpu(interrupted, "controller.steps=2"), resume=True).run())
     assert len(resumed) == 1
     for key in ("loss/loss", "rollout/reward_mean", "loss/tokens", "train/grad_norm"):

@@ -1,30 +1,16 @@
 """GeneratorRouter: one actor in front of R Generator replicas.
 
-- Replicas: each in its own proc mesh (one replica's death never takes another down), on the
-  router's host or, given a host mesh `hosts`, spread evenly over its hosts (replica r on host
-  r // replicas per host, restarts too); with GPUs, replica r sees only `gpu_ids[r]` of its host
-  (CUDA_VISIBLE_DEVICES set in its bootstrap command). A replica is one proc: vLLM runs tensor
-  parallelism over the GPUs it sees.
-- Routing: least loaded (requests in flight through this router); a `session_id` sticks to the
-  replica that served it first (prefix-cache reuse across turns) unless that replica is dead or
-  far busier than the least loaded one (`ReplicaPicker`).
-- States (`ReplicaState`): a replica is `starting` until it answers its first call (and holds
-  the latest weights), then `serving`; one restarted while weights go by broadcast or a shared
-  buffer is `awaiting_weights` (up, out of routing) until a push reaches it; one whose proc or engine
-  loop died is `dead`, for good: a restart is a new replica in its slot, which starts again.
-- Failover: a replica whose call fails because its proc or its engine loop died is marked dead
-  and the request is retried on a serving replica; a request error (ValueError) goes back to the
-  caller. With `generator.restart_dead`, a dead replica that had served is replaced. A streamed
-  request (`generate_streamed`) continues on the other replica from the tokens already sent.
-- Dead or slow (`rlactors.procs.liveness`): a replica whose OS process exits is dead at once, its calls
-  in flight failed over; one that stops answering is slow after a few seconds (new requests go to
-  the others while any answers; its own calls wait), and dead only once unresponsive for
-  `unresponsive_timeout_s`. A slow replica that answers again serves again, never restarted.
-- Weights: the endpoints `update_weights` (by messages), `watch_weight_group`,
-  `plan_weight_group`, `join_weight_group`, `receive_weights`, `dead_weight_group_members` (by
-  broadcast) and `load_shared_weights`, `awaiting_weights` (a shared buffer) call this router's
-  `ReplicaWeights` (rlactors.weight_sync.replicas), which holds what goes to which replica and
-  is told whenever a replica comes up or goes down; rlactors.weight_sync.sync drives them.
+- Replicas: each in its own proc mesh (one replica's death never takes another down), spread
+  evenly over the hosts of `hosts` if given; replica r sees only `gpu_ids[r]` of its host.
+- Routing: least loaded; a `session_id` sticks to the replica that served it first unless that
+  one is dead or far busier (`ReplicaPicker`).
+- States (`ReplicaState`): `starting`, `serving`, `awaiting_weights` (restarted under broadcast
+  or a shared buffer, out of routing until a push reaches it), `dead` (for good; a restart is a new replica).
+- Failover: a call that fails because a replica's proc or engine loop died is retried on a
+  serving replica (a streamed one continues from the tokens sent); a ValueError goes back to the
+  caller. Dead or slow: rlactors.procs.liveness.
+- Weights: the weight endpoints call this router's `ReplicaWeights` (rlactors.weight_sync.replicas).
+The protocols in full: docs/ARCHITECTURE.md (Generation, Failover, Weight sync).
 """
 
 from __future__ import annotations

@@ -5,20 +5,12 @@
     args = { train_path = "data/gsm8k/train.parquet", eval_path = "data/gsm8k/test.parquet",
              prompt_field = "question", answer_field = "answer" }
 
-Records come from a `.jsonl` or `.parquet` file (or a glob of them) or a directory saved by HF
-`datasets` (`rlactors.envs.data`). The prompt field holds the question as text, put into
-`prompt_template` as the user message after the optional `system_prompt`, or a list of chat
-messages used as they are. The answer field holds the reference answer: a plain answer, or a
-worked solution ending in `#### ANSWER` (GSM8K) or holding `\\boxed{ANSWER}` (MATH).
-
-The eval split is a file of its own (`eval_path`), or a seeded `eval_fraction` of the train
-records. Both keep the file order; a record's id is its `id_field`, or `FILE:ROW`. The same data
-and config give the same samples, so a resumed run's SampleStream continues where it stopped.
-
-The reply is scored once, with two reward components the rubric weighs: "correct" (1 when the
-answer extracted by the `extract` methods, in order, matches the reference; `rlactors.rollout.rewards`)
-and "format" (1 when `format_pattern` is found in the reply). Over-long replies are handled by
-the `rollout.mask_truncated` and `rollout.overlong_*` keys.
+Records come from `.jsonl`, `.parquet` (or a glob) or an HF `save_to_disk` dir (`rlactors.envs.data`).
+The prompt field is a question put into `prompt_template` (after an optional `system_prompt`) or a
+list of chat messages; the answer field a plain answer or a worked solution (`#### ANSWER`,
+`\\boxed{ANSWER}`). The eval split is `eval_path` or a seeded `eval_fraction` of the train records.
+A reply earns "correct" (the `extract` methods' answer matches the reference) and "format"
+(`format_pattern` found), weighed by the rubric. The fields and keys in full: docs/data.md.
 """
 
 from __future__ import annotations

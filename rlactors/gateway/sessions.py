@@ -4,16 +4,13 @@ A session is one rollout. It keeps the messages of its last request followed by 
 message it returned, and the tokens of that turn: the prompt and the sampled completion. A request
 whose messages extend that conversation (same tools, the earlier messages equal, new ones after)
 is encoded as those tokens + the chat template's rendering of the new messages only
-(`extend_with_messages`, which closes the assistant turn once): earlier turns are never rendered
-or tokenized again, so the episode holds exactly the tokens that were sampled. Any other request
-(the harness edited, dropped or reordered messages, or changed the tools) is rendered whole and
-starts a new branch: a separate episode of the same rollout.
+(`extend_with_messages`): earlier turns are never tokenized again, so the episode holds exactly
+the tokens that were sampled. Any other request is rendered whole and starts a new branch: a
+separate episode of the same rollout.
 
-Earlier messages are compared by meaning (`match_key`), not as sent: harnesses rewrite what they
-send back without changing it. Tool-call arguments compare as parsed JSON (`{"a":1}` is
-`{"a": 1}`), text with its outer whitespace stripped, and ids and names are left out (a harness
-may issue its own tool-call ids, or add a tool's name to its result). A null content is "" and
-content parts are their joined text (`canonical_message`).
+Earlier messages are compared by meaning (`match_key`, `canonical_message`), not as sent:
+harnesses rewrite what they send back without changing it (tool-call arguments as parsed JSON,
+text stripped, ids and names left out, a null content as "").
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """The mixture-of-experts block of ``qwen3_moe`` models, with Hugging Face parameter names.
 
-A sparse layer's MLP is ``SparseMoeBlock``: a router (``gate``, a linear to one logit per
-expert), a softmax, the top ``k`` experts per token (``route``), each chosen expert's SwiGLU MLP,
-and the outputs summed weighted by the router's probabilities. The experts are held fused, as
-transformers 5 holds them in memory (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj
-[E, H, I]``), so dim 0 of every expert tensor is the expert: FSDP shards it by experts, and
-expert parallelism (``rlactors.trainer.expert_parallel``) places whole experts on ranks.
-Checkpoints on disk hold one tensor per expert (``rlactors.models.checkpoint`` converts).
-``RoutingReplay`` can force each token's experts (routing replay, R3).
-
-Tokens are sorted by expert and every expert multiplies its rows in one matmul
-(``grouped_linear``: ``torch._grouped_mm`` for bf16 on CUDA, a matmul per expert otherwise).
-
-Top-k is a stable sort (ties go to the lower expert index) and the weighted sum runs over a
-token's ``k`` experts in rank order, elementwise, so neither depends on the batch; true
-on-policy swaps in batch-invariant kernels for the rest (``rlactors.on_policy.modules``).
+A sparse layer's MLP is ``SparseMoeBlock``: a router (``gate``), a softmax, the top ``k`` experts
+per token (``route``), each chosen expert's SwiGLU MLP, and the outputs summed weighted by the
+router's probabilities. The experts are held fused, as transformers 5 holds them
+(``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``): dim 0 is the expert, so
+FSDP shards by experts and expert parallelism (``rlactors.trainer.expert_parallel``) places whole
+experts. Checkpoints hold one tensor per expert (``rlactors.models.checkpoint`` converts).
+``RoutingReplay`` can force each token's experts (R3). Tokens are sorted by expert, one matmul
+per expert (``grouped_linear``). Top-k is a stable sort and the weighted sum runs in rank order,
+so neither depends on the batch (docs/ARCHITECTURE.md, "Model").
 """
 
 from __future__ import annotations

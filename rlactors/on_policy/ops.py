@@ -1,20 +1,14 @@
 """Batch-invariant ops: the kernels of the true on-policy mode.
 
 An op is *batch-invariant* when the value it computes for one row (one token) is bitwise the
-same whatever else is computed in the same call: how many other rows there are, which ones, and
-where the row sits among them. When every op of the model is, a token's logprob is the same
-number in the generator (a decode step among whatever the engine was running, or a prefill
-chunk) and in the trainer (a packed microbatch), and the on-policy update is really on-policy.
+same whatever else is computed in the same call. When every op of the model is, a token's
+logprob is the same number in the generator and in the trainer, and the update is on-policy.
 
-The ops are: ``cpu_kernels.matmul`` on CPU (one fmaf chain per output element, no BLAS) and a
-fixed-tile Triton matmul on CUDA; ``silu_mul`` spelled with exp and a division; one attention
-function for both sides (``rlactors.on_policy.attention``); one-program-per-row Triton kernels for
-row reductions on CUDA. Why each default op breaks invariance, and how each fix holds it:
-docs/ARCHITECTURE.md, "True on-policy".
-
-Backward passes use the default kernels: only forward values must match the generator, and a
-gradient computed in another summation order is just as correct. That keeps the trainer's cost
-close to the default mode's.
+The ops: ``cpu_kernels.matmul`` on CPU (one fmaf chain per output element) and a fixed-tile
+Triton matmul on CUDA; ``silu_mul`` spelled with exp and a division; one attention function for
+both sides (``rlactors.on_policy.attention``); one-program-per-row Triton row reductions on CUDA.
+Backward passes use the default kernels: only forward values must match the generator. Why each
+default op breaks invariance and how each fix holds it: docs/ARCHITECTURE.md, "True on-policy".
 """
 
 from __future__ import annotations

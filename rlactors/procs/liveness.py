@@ -1,25 +1,17 @@
 """Liveness: tell a dead proc from a slow one, by construction.
 
 Each watched proc answers pings (the `Liveness` actor of rlactors.procs.liveness_actor, on its own
-thread in the proc) with its machine and OS pid. `ProcWatcher` keeps two facts per proc:
+thread) with its machine and OS pid. `ProcWatcher` keeps two facts per proc:
 
-- Exited: on this machine a pidfd turns readable the moment the OS process ends; its wait
-  status gives "exited (signal 9)" or "exited with code 1". Within milliseconds, whatever Monarch
-  is waiting for. The status is read from the zombie, or, once the proc's parent (Monarch's host
-  agent) has reaped it, from the pidfd itself (Linux 6.15+ keeps it there: PIDFD_INFO_EXIT). A
-  proc on another machine is seen dead by a ping that fails (Monarch's proc status: about a second).
-- Unresponsive: a ping unanswered for `slow_after_s` makes the proc slow (the router routes new
-  requests elsewhere), logged every `report_every_s` with how long it has been silent; one
-  unanswered for `unresponsive_timeout_s` (controller.unresponsive_timeout_s) is lost (and, on this
-  machine, killed). A proc that answers again is back, and says so.
-- The watcher's own pauses: silence is measured by the watcher's clock, which runs on while the
-  watcher does not (its process stopped by SIGSTOP or Ctrl-Z, its machine suspended). A check
-  that comes `PAUSED_AFTER_S` later than its interval finds the watcher was away: the silence is
-  its own, so it pings the proc afresh and judges by that ping alone.
+- Exited: on this machine a pidfd turns readable the moment the process ends, with its wait
+  status ("exited (signal 9)"); a proc on another machine is dead when a ping fails.
+- Unresponsive: unanswered for `slow_after_s`, a proc is slow (logged every `report_every_s`);
+  for `unresponsive_timeout_s`, lost (and, on this machine, killed). One that answers is back.
+  Silence is measured by the watcher's clock: a check `PAUSED_AFTER_S` late finds the watcher
+  itself was paused (SIGSTOP, Ctrl-Z) and pings afresh.
 
-A lost proc's verdict ("trainer rank 0 (pid 123) exited (signal 9)", "... unresponsive for 63 s")
-fails every call made through `guard` at once, with `ProcLost`, while Monarch, whose state queries
-wait much longer (rlactors.procs.supervision), may not have noticed yet.
+A lost proc's verdict fails every call made through `guard` at once, with `ProcLost`, before
+Monarch notices (rlactors.procs.supervision). In full: docs/ARCHITECTURE.md, "Failover".
 """
 
 from __future__ import annotations

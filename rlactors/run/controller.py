@@ -1,26 +1,15 @@
 """Controller: from one Config, spawn the procs (rlactors.run.meshes) and train, one step at a time.
 
-Sync and async training are one loop: a RolloutProducer starts each step's rollout groups once
-the generators hold a recent enough policy (rlactors.rollout.producer). Each step takes
-`rollout.prompts_per_step` finished groups, drops episodes older than `controller.max_staleness`
-versions (counted), trains, checkpoints when due, and pushes the new weights to every replica,
-verified by checksum (rlactors.weight_sync.sync; where `WeightSync.pushes_with_step`, the push goes
-out with the optimizer step on a step that does not checkpoint). A step with nothing to train on (every group's
-rewards equal) is a whole step all the same; its policy is the previous step's. After
-`controller.max_errored_steps` steps in a row in which every rollout ended in an error, the run
-stops, saved, naming the error. The run dir's layout and rules are rlactors.run.run_dir's,
-evaluation's schedule rlactors.run.evaluation's. Ctrl-C lets
-a step whose update has begun complete, then saves the last completed step unless it is saved. A
-step after which every generator replica is dead for good (none restarting) stops the run, saved.
-A dead trainer rank stops the run, or, with `controller.restart_trainer`, has the trainer rebuilt
-from the last checkpoint and the steps since redone (rlactors.run.recovery).
+Each step takes `rollout.prompts_per_step` finished groups from a RolloutProducer (sync and async
+are one loop), drops episodes older than `controller.max_staleness` versions, trains, checkpoints
+when due, and pushes the new weights to every replica (rlactors.weight_sync.sync). What stops a
+run, saved, and what a Ctrl-C keeps: docs/ARCHITECTURE.md (Controller) and docs/failures.md; a
+dead trainer rank's rebuild: rlactors.run.recovery; the run dir's rules: rlactors.run.run_dir.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import math
 import sys
 import time
 from collections.abc import Awaitable
@@ -31,7 +20,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 
 from rlactors.config import Config
 from rlactors.procs.liveness import ProcLost
-from rlactors.procs.placement import first_value, placement_line
+from rlactors.procs.placement import placement_line
 from rlactors.procs.watchdog import LoopWatchdog
 from rlactors.rollout.env import OnTokens
 from rlactors.rollout.producer import RolloutProducer, fresh_episodes
@@ -43,25 +32,21 @@ from rlactors.run.inputs import load_inputs
 from rlactors.run.meshes import HostsLost, Meshes
 from rlactors.run.metrics import (
     EnvErrorLog,
+    ErroredSteps,
     GeneratorMetrics,
     MetricsLogger,
     WandbSink,
-    every_rollout_failed,
-    failed_steps_line,
-    optimizer_metrics,
     sample_records,
     step_metrics,
     untrained_reason,
 )
-from rlactors.run.recovery import TrainerLost, TrainerRestarts, recovery_point
+from rlactors.run.optimizer_step import UpdateSkipped, optimizer_step
+from rlactors.run.recovery import TrainerRestarts, recovery_point, train_with_restarts
 from rlactors.run.run_dir import SLURM_DIR, ResumeState, RunComplete, RunDir, TrainingError
 from rlactors.run.turns import NoTurns, Turns, take_turns
 from rlactors.storage.records import is_storage_fault
-from rlactors.trainer.losses import LossNorm
 from rlactors.types import Completion, SamplingParams
 from rlactors.weight_sync.sync import BroadcastStuck, NoReplicaUp, WeightSync, WeightSyncError, create_weight_sync
-
-logger = logging.getLogger(__name__)
 
 
 class Controller:
@@ -82,12 +67,11 @@ class Controller:
         self.trainer = self.router = None  # guarded by the meshes' watcher
         self.turns = NoTurns()  # colocated engines that sleep: Turns, once the meshes are up
         self.weight_sync: WeightSync | None = None
-        # During training, a call that blocks the loop (an env's) is named after step_timeout_s,
-        # which cannot fire then.
+        # While training, a call that blocks the loop (an env's) is named after step_timeout_s.
         self.watchdog = LoopWatchdog(after_s=config.rollout.step_timeout_s)
         self.gateway = None  # an AgentEnv's harnesses call the policy through it (rlactors.gateway)
         self.trainer_restarts = TrainerRestarts(config.controller.restart_trainer)
-        self._failed_steps = 0  # steps in a row in which every rollout ended in an error
+        self.errored_steps = ErroredSteps(config.controller.max_errored_steps)
 
     async def start(self) -> None:
         c = self.config
@@ -102,8 +86,7 @@ class Controller:
 
         if c.generator.sleep:
             self.turns = Turns(self.trainer, self.router)
-        self.weight_sync = create_weight_sync(c, self.trainer, self.router)
-        await self._sync_call(self.weight_sync.start())
+        await self._attach(self.trainer)
         self.run_dir.write_config(c)
         # Where a trainer rebuilt before the first checkpoint starts again (rlactors.run.recovery).
         self._start_state = ResumeState(0, 0, self.samples.state_dict(), self.rollouter.state_dict())
@@ -112,8 +95,7 @@ class Controller:
             print(f"resumed from {resume_from} at step {self.step} (policy version {self.policy_version})", flush=True)
 
     async def _restore(self, checkpoint: Path | None, state: ResumeState) -> None:
-        """The trainer, the run's state and the generators' policy as `checkpoint` (None: model.path,
-        which the trainer holds) holds them after `state.step`."""
+        """The trainer, the run's state and the generators' policy as of `state` and `checkpoint` (None: model.path)."""
         if checkpoint is not None:
             await self.trainer.load_checkpoint.call(str(checkpoint))
         self.samples.load_state_dict(state.samples)
@@ -122,22 +104,26 @@ class Controller:
         # The generators hold model.path's policy, or a later one: give them this one before any rollout.
         await self._sync_call(self.push_weights(self.policy_version))
 
-    async def recover_trainer(self, cause: str) -> None:
-        """Rebuilds the trainer after one of its ranks died (`cause`) from the last complete
-        checkpoint, brings the run and the generators back to it, and says so (rlactors.run.recovery)."""
+    async def _attach(self, trainer: Any) -> None:
+        """`trainer` becomes the run's, with a weight sync of its own to the router's replicas."""
+        self.trainer = trainer
+        self.weight_sync = create_weight_sync(self.config, trainer, self.router)
+        await self._sync_call(self.weight_sync.start())
+
+    async def recover_trainer(self, cause: str) -> int:
+        """Rebuilds the trainer from the last complete checkpoint after one of its ranks died (`cause`),
+        brings the run and the generators back to it, says so; the step it stands at."""
         start, lost_in = time.monotonic(), self.step + 1
         point = recovery_point(self.run_dir, self._start_state)
-        # From here the run stands at the checkpoint's step: a Ctrl-C meanwhile saves nothing more.
-        self.step, self.policy_version = point.state.step, point.state.policy_version
+        self.step, self.policy_version = point.state.step, point.state.policy_version  # a Ctrl-C saves no more
         try:
-            self.trainer, _ = await self.meshes.respawn_trainer()
-            self.weight_sync = create_weight_sync(self.config, self.trainer, self.router)
-            await self._sync_call(self.weight_sync.start())
+            await self._attach((await self.meshes.respawn_trainer())[0])
             await self._restore(point.checkpoint, point.state)
         except (SupervisionError, ProcLost) as e:
             raise TrainingError(self.run_dir.resumable(f"rebuilding the trainer after {cause}: "
                                                        f"{await self.meshes.cause(e)}")) from None
         print(self.trainer_restarts.recovered_line(lost_in, cause, point, time.monotonic() - start), flush=True)
+        return self.step
 
     async def shutdown(self) -> None:
         """Stops the gateway, the router and the procs (`Meshes.shutdown`: killed if they hang)."""
@@ -154,8 +140,7 @@ class Controller:
         return await generate(self.router, prompt_token_ids, sampling, request_id, session_id, on_tokens=on_tokens)
 
     async def push_weights(self, version: int) -> dict[str, float]:
-        """The trainer's policy `version` to every replica (`WeightSync.push`): its current one, or
-        the one its optimizer step under way makes (`WeightSync.pushes_with_step`); its timings."""
+        """The trainer's policy `version` (current, or its step's under way) to every replica; its timings."""
         return await self.weight_sync.push(version)
 
     async def _sync_call(self, call: Awaitable[Any]) -> Any:
@@ -170,13 +155,9 @@ class Controller:
         except WeightSyncError as e:
             raise TrainingError(str(e)) from None
 
-    # -- training -----------------------------------------------------------------------------
-
     async def run(self) -> list[dict[str, float]]:
-        """Starts the meshes, trains `controller.steps` steps, shuts down; per-step metrics.
-
-        Cancelled (the first Ctrl-C, `rlactors.train.run_controller`), it keeps the last completed
-        step: saved unless its checkpoint exists; `interrupt_report` says what was kept."""
+        """Starts the meshes, trains `controller.steps` steps, shuts down; per-step metrics. Cancelled
+        (the first Ctrl-C, `rlactors.train.run_controller`), it keeps the last completed step."""
         try:
             await self.start()
             return await self.meshes.while_hosts_hold(self.train())
@@ -198,30 +179,13 @@ class Controller:
             await self.shutdown()
 
     async def keep_last_step(self) -> None:
-        """After Ctrl-C: saves the last completed step unless its checkpoint is complete, and says
-        where the run resumes from (or that nothing was saved) in `interrupt_report`."""
-        if self.step and not self.run_dir.is_saved(self.step):
-            print(f"interrupted: saving step {self.step} (Ctrl-C again to quit without saving)", file=sys.stderr,
-                  flush=True)
-            try:
-                await self.save_checkpoint()
-            except Exception as e:  # noqa: BLE001 - stopping anyway: say what was kept
-                logger.error("saving step %d failed: %s", self.step, e)
-        self.interrupt_report = self.run_dir.interrupt_report(self.step)
-        print(self.interrupt_report, file=sys.stderr, flush=True)
+        """After Ctrl-C: saves the last completed step unless saved; `interrupt_report` says what was kept."""
+        self.interrupt_report = await self.run_dir.keep_on_interrupt(self.step, self.save_checkpoint)
 
     async def train(self) -> list[dict[str, float]]:
         """Trains from `self.step` to controller.steps; the metrics of the steps trained. A trainer
         rank's death with a restart left rebuilds the trainer and trains on from its checkpoint."""
-        history: dict[int, dict[str, float]] = {}  # step -> its metrics
-        while True:
-            try:
-                await self._train_from_step(history)
-                return list(history.values())
-            except TrainerLost as lost:
-                await self.recover_trainer(str(lost))
-                for step in [s for s in history if s > self.step]:
-                    del history[step]  # trained again
+        return await train_with_restarts(self._train_from_step, self.recover_trainer)
 
     async def _train_from_step(self, history: dict[int, dict[str, float]]) -> None:
         c = self.config
@@ -249,11 +213,9 @@ class Controller:
         except (SupervisionError, ProcLost) as e:
             # A proc died or stayed unresponsive (trainer or router), or the job's hosts went away:
             # stop with which, how, and where to resume from.
-            cause = await self.meshes.cause(e)
-            if self.trainer_restarts.allow(self.meshes.trainer_lost()):
-                raise TrainerLost(cause) from None
-            cause = self.trainer_restarts.exhausted(cause)
-            raise TrainingError(self.run_dir.resumable(f"step {self.step + 1}: {cause}")) from None
+            cause, step = await self.meshes.cause(e), self.step + 1
+            raise self.trainer_restarts.failure(cause, self.meshes.trainer_lost(),
+                                                lambda why: self.run_dir.resumable(f"step {step}: {why}")) from None
         finally:
             self.watchdog.stop()
             try:
@@ -314,11 +276,8 @@ class Controller:
         await self.producer.reached(step)
         step_s = time.perf_counter() - step_start
 
-        metrics = step_metrics(groups, update.trained, trained=trained, policy_version=self.policy_version, ages=ages,
-                               stale=stale, step_s=step_s, rollout_wait_s=rollout_wait, train_s=update.seconds["train"],
-                               sync=update.synced, sync_s=update.seconds["sync"],
-                               checkpoint_s=update.seconds["checkpoint"])
-        metrics.update(update.turns)
+        metrics = step_metrics(groups, update, trained=trained, policy_version=self.policy_version, ages=ages,
+                               stale=stale, step_s=step_s, rollout_wait_s=rollout_wait)
         generators = await self.meshes.router_stats(self.router)
         metrics.update(self._generator_metrics.read(generators))
         if self.gateway is not None:
@@ -327,10 +286,7 @@ class Controller:
         if c.controller.log_samples:
             metrics_log.log_samples(step, sample_records(groups, self.tokenizer))
         metrics_log.log_step(step, metrics, groups, untrained)  # the step's records are complete with this one
-        failed = every_rollout_failed(groups)
-        self._failed_steps = self._failed_steps + 1 if failed else 0
-        if failed and self._failed_steps == c.controller.max_errored_steps:
-            line = failed_steps_line(step - self._failed_steps + 1, step, failed, c.controller.max_errored_steps)
+        if (line := self.errored_steps.stop_line(step, groups)) is not None:
             raise TrainingError(f"{line}; {await self._save_step_once()}")
         if step < c.controller.steps and (lost := replicas_lost(generators, c.generator.restart_dead)):
             raise TrainingError(f"step {step}: {lost}; {await self._save_step_once()}; continue with --resume")
@@ -338,45 +294,20 @@ class Controller:
 
     async def _train_on(self, episodes: list[Episode],
                         step: int) -> tuple[dict[str, float], asyncio.Future[dict[str, float]] | None]:
-        """One optimizer step on `episodes`: its metrics, and the push of the policy it made where
-        that push went out with the step (to be awaited)."""
-        from rlactors.actors.trainer import forward_backward
-
-        c = self.config
-        packed = self.batcher.pack(episodes)
-        max_tokens = c.rollout.max_tokens_per_turn * c.rollout.max_turns
-        norm = LossNorm.for_step([mb for mbs in packed.per_rank for mb in mbs], c.loss.name, max_tokens)
-        if norm.num_tokens == 0:
-            return dict(packed.metrics), None
-        await forward_backward(self.trainer, packed.per_rank, norm, c.loss)
-        # The new policy goes out as the optimizer step ends, with no call between them. A step that
-        # checkpoints pushes after its save, so that a push that fails stops the run with it saved.
-        pushing = None
-        if self.weight_sync.pushes_with_step and not c.controller.checkpoint_due(step):
-            pushing = asyncio.ensure_future(self.push_weights(self.policy_version + 1))
+        """One optimizer step on `episodes` (rlactors.run.optimizer_step): its metrics, and the push
+        of the policy it made where that push went out with the step (to be awaited). A step that
+        checkpoints pushes after its save, so that a push that fails stops the run with it saved."""
+        with_step = self.weight_sync.pushes_with_step and not self.config.controller.checkpoint_due(step)
+        push = (lambda: self.push_weights(self.policy_version + 1)) if with_step else None
         try:
-            optim = first_value(await self.trainer.optim_step.call())
-        except BaseException:
-            _let_go(pushing)
-            raise
-        if not math.isfinite(optim["loss"]) or optim["update_skipped"]:
-            # optim_step skipped the update (a non-finite gradient, even under a finite loss): the
-            # weights are still those of the last step, and the next steps would only repeat the
-            # overflow. A complete checkpoint of that state is kept as is. A push sent with the
-            # step sent those weights, which every replica refused as another version: it ends
-            # before the save, which reads the weights too.
-            if pushing is not None:
-                await asyncio.wait([pushing])
-                _let_go(pushing)
-            saved = await self._save_step_once()
-            raise TrainingError(f"step {step}: the loss is {optim['loss']} (gradient norm {optim['grad_norm']}); "
-                                f"{saved}")
-        self.policy_version = int(optim.pop("policy_version"))
-        return {**optimizer_metrics(optim), **packed.metrics}, pushing
+            metrics, pushing, version = await optimizer_step(self.trainer, self.batcher, self.config, episodes, push)
+        except UpdateSkipped as skipped:
+            raise TrainingError(f"step {step}: {skipped}; {await self._save_step_once()}") from None
+        self.policy_version = self.policy_version if version is None else version
+        return metrics, pushing
 
     async def _save_step_once(self) -> str:
-        """Saves the current step before the run stops, unless its checkpoint is complete already
-        (saving again would rewrite a complete checkpoint); says where."""
+        """Saves the current step before the run stops unless its checkpoint is complete; says where."""
         if not self.run_dir.is_saved(self.step):
             await self.save_checkpoint()
         return f"the state after step {self.step} is saved in {self.run_dir.checkpoints}"
@@ -387,8 +318,3 @@ class Controller:
         return await self.run_dir.save(self.trainer, ResumeState(self.step, self.policy_version, **resume),
                                        self.config.controller.keep_checkpoints)
 
-
-def _let_go(pushing: asyncio.Future | None) -> None:
-    """Leaves a push that the step's failure makes moot to end by itself, its outcome unread."""
-    if pushing is not None:
-        pushing.add_done_callback(lambda f: f.cancelled() or f.exception())

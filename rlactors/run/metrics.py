@@ -33,6 +33,7 @@ from rlactors.storage.records import keep_records_through, read_records, writing
 
 if TYPE_CHECKING:
     from rlactors.rollout.types import Episode, Rollout, RolloutGroup
+    from rlactors.run.turns import StepUpdate
 
 REWARD_MEAN, REWARD_MIN, REWARD_MAX = STEP_RECORD_KEY, "rollout/reward_min", "rollout/reward_max"
 REWARD_P25, REWARD_P75 = "rollout/reward_p25", "rollout/reward_p75"
@@ -264,13 +265,13 @@ def optimizer_metrics(optim: dict[str, float]) -> dict[str, float]:
     return {(f"train/{k}" if k in train_keys else f"loss/{k}"): float(v) for k, v in optim.items()}
 
 
-def step_metrics(groups: Sequence[RolloutGroup], train_metrics: dict[str, float], *, trained: bool,
-                 policy_version: int, ages: Sequence[int], stale: int, step_s: float, rollout_wait_s: float,
-                 train_s: float, sync: dict[str, float], sync_s: float, checkpoint_s: float) -> dict[str, float]:
-    """A step's record: its rollouts (`summarize` of its groups), its update, the age of its
-    episodes, where its time went and its throughput."""
+def step_metrics(groups: Sequence[RolloutGroup], update: StepUpdate, *, trained: bool, policy_version: int,
+                 ages: Sequence[int], stale: int, step_s: float, rollout_wait_s: float) -> dict[str, float]:
+    """A step's record: its rollouts (`summarize` of its groups), its update (`take_turns`'), the
+    age of its episodes, where its time went and its throughput."""
     from rlactors.rollout.rollouter import summarize
 
+    train_metrics, train_s = update.trained, update.seconds["train"]
     generated = sum(r.num_generated_tokens for g in groups for r in g.rollouts)
     metrics = {
         **summarize(groups),
@@ -283,11 +284,12 @@ def step_metrics(groups: Sequence[RolloutGroup], train_metrics: dict[str, float]
         "time/step_s": step_s,
         "time/rollout_wait_s": rollout_wait_s,
         "time/train_s": train_s,
-        "time/weight_sync_s": sync_s,
-        **{f"weight_sync/{k}": v for k, v in sync.items()},
-        "time/checkpoint_s": checkpoint_s,
+        "time/weight_sync_s": update.seconds["sync"],
+        **{f"weight_sync/{k}": v for k, v in update.synced.items()},
+        "time/checkpoint_s": update.seconds["checkpoint"],
         "time/trainer_idle_fraction": rollout_wait_s / step_s if step_s else 0.0,
         "throughput/generated_tokens_per_s": generated / step_s if step_s else 0.0,
+        **update.turns,
     }
     if "batcher/tokens" in train_metrics and train_s:
         metrics["throughput/trained_tokens_per_s"] = train_metrics["batcher/tokens"] / train_s
@@ -322,6 +324,23 @@ def failed_steps_line(first: int, last: int, error: str, limit: int) -> str:
     steps = f"step {last}" if first == last else f"steps {first}-{last}"
     return (f"{steps}: every rollout ended in an error, so nothing was trained ({last - first + 1} such steps in a "
             f"row, controller.max_errored_steps={limit}); the last step's: {error}")
+
+
+class ErroredSteps:
+    """Counts the steps in a row in which every rollout ended in an error, against `limit`
+    (controller.max_errored_steps; 0: never stop)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_a_row = 0
+
+    def stop_line(self, step: int, groups: Sequence[RolloutGroup]) -> str | None:
+        """Counts `step`; the line that stops the run once `limit` such steps came in a row, else None."""
+        error = every_rollout_failed(groups)
+        self.in_a_row = self.in_a_row + 1 if error else 0
+        if error is None or self.in_a_row != self.limit:
+            return None
+        return failed_steps_line(step - self.in_a_row + 1, step, error, self.limit)
 
 
 def no_signal_line(step: int) -> str:

@@ -1,30 +1,22 @@
 """In-job trainer recovery (`controller.restart_trainer`): a run one of whose trainer ranks died
 goes on from its last complete checkpoint instead of stopping.
 
-When a call to the trainer fails because one of its ranks exited or stayed unresponsive (the
-watcher's verdict, rlactors.procs.liveness) and restarts are left, the controller
-(`Controller.recover_trainer`):
-
-1. ends the steps under way (their rollouts are cancelled; the generators keep serving);
-2. stops the trainer's procs that are left, killing those that do not stop, and spawns a new
-   trainer mesh on the same hosts (`Meshes.respawn_trainer`);
-3. loads the last complete checkpoint into it, with the sample stream's and the rollouter's
-   states saved beside it; with none yet, the run starts again from model.path (step 0);
-4. pushes that policy to every replica (the normal weight sync; by broadcast, in a new group);
-5. trains again from the step after it. The training loop starts as a resumed run does: the
-   records of the steps after the checkpoint (metrics.jsonl, samples.jsonl, TensorBoard) are
-   dropped, so every step is recorded once.
-
-A run restarts its trainer at most `controller.restart_trainer` times; a death after that stops
-it as one does without recovery (continue with --resume).
+When a call to the trainer fails because one of its ranks exited or stayed unresponsive and
+restarts are left (`TrainerRestarts`), the steps under way end, the controller rebuilds the
+trainer on the same hosts from the last complete checkpoint (`recovery_point`; none yet: from
+model.path) and pushes that policy to every replica (`Controller.recover_trainer`), and training
+goes on from the step after it (`train_with_restarts`), the later steps' records dropped so every
+step is recorded once. A death after the last restart stops the run as without recovery. In
+full: docs/recovery.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlactors.run.run_dir import ResumeState, RunDir
+from rlactors.run.run_dir import ResumeState, RunDir, TrainingError
 from rlactors.trainer.checkpoint import latest_checkpoint
 
 KEY = "controller.restart_trainer"
@@ -70,13 +62,36 @@ class TrainerRestarts:
         self.done += 1
         return True
 
-    def exhausted(self, cause: str) -> str:
-        """`cause` of a death that stops the run, saying that no restart was left where restarts were on."""
-        if self.limit == 0:
-            return cause
-        return f"{cause} (the trainer was restarted {self.done} times already, {KEY}={self.limit})"
+    def failure(self, cause: str, lost_rank: str | None, stopped: Callable[[str], str]) -> Exception:
+        """What a proc's death (`cause`; `lost_rank`: the trainer rank it took, if any) raises:
+        TrainerLost where a restart is left for it, counted; else the TrainingError whose line
+        `stopped` makes of the cause, saying that no restart was left where restarts were on."""
+        if self.allow(lost_rank):
+            return TrainerLost(cause)
+        if self.limit:
+            cause = f"{cause} (the trainer was restarted {self.done} times already, {KEY}={self.limit})"
+        return TrainingError(stopped(cause))
 
     def recovered_line(self, step: int, cause: str, point: RecoveryPoint, seconds: float) -> str:
         """The line that says the trainer was rebuilt and from which step the run trains again."""
         return (f"step {step}: {cause}; the trainer was rebuilt from {point.name} in {seconds:.1f} s "
                 f"(restart {self.done} of {KEY}={self.limit}); training again from step {point.state.step + 1}")
+
+
+History = dict[int, dict[str, float]]  # step -> its metrics
+
+
+async def train_with_restarts(train: Callable[[History], Awaitable[None]],
+                              recover: Callable[[str], Awaitable[int]]) -> list[dict[str, float]]:
+    """The metrics of the steps that `train` completes. Each TrainerLost it raises has `recover`
+    rebuild the trainer (returning the step it stands at), and `train` goes on from there, the
+    steps after that one to be trained again."""
+    history: History = {}
+    while True:
+        try:
+            await train(history)
+            return list(history.values())
+        except TrainerLost as lost:
+            step = await recover(str(lost))
+            for trained_again in [s for s in history if s > step]:
+                del history[trained_again]

@@ -9,21 +9,20 @@
         tensorboard/             TensorBoard events
         wandb_run_id             the W&B run a resumed run goes on logging into
         slurm/                   the Slurm job's logs (job.scheduler = "slurm")
-        checkpoints/step_N/      trainer checkpoints (rlactors.trainer.checkpoint), each with
-                                 controller_state.json: where the run stood after step N
+        checkpoints/step_N/      trainer checkpoints, with controller_state.json (the run after step N)
 
-A new run refuses a dir that holds steps. `--resume` continues from the newest intact checkpoint
-whose step is recorded in metrics.jsonl (records of later steps are dropped, so each step is
-recorded once), or from step 0 when there is none; it refuses a config whose env or seed differ
-from the run's. docs/checkpoints.md tells the whole story.
+A new run refuses a dir that holds steps; `--resume` continues from the newest intact checkpoint
+of a recorded step, or from step 0 (docs/checkpoints.md tells the whole story).
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import shutil
-from collections.abc import Sequence
+import sys
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,8 @@ from rlactors.trainer.checkpoint import (
     newest_intact,
     prune,
 )
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
@@ -198,6 +199,19 @@ class RunDir:
         if last is None:
             return f"{line}; no checkpoint was completed (--resume restarts the run from step 0)"
         return f"{line}; the last complete checkpoint is {last}; once it can be written, continue with --resume"
+
+    async def keep_on_interrupt(self, step: int, save: Callable[[], Awaitable[Any]]) -> str:
+        """After Ctrl-C: has `save` save `step` (0: none) unless its checkpoint is complete, then
+        prints and returns where the run resumes from, or that nothing was saved."""
+        if step and not self.is_saved(step):
+            print(f"interrupted: saving step {step} (Ctrl-C again to quit without saving)", file=sys.stderr, flush=True)
+            try:
+                await save()
+            except Exception as e:  # noqa: BLE001 - stopping anyway: say what was kept
+                logger.error("saving step %d failed: %s", step, e)
+        report = self.interrupt_report(step)
+        print(report, file=sys.stderr, flush=True)
+        return report
 
     def interrupt_report(self, step: int) -> str:
         """What a run interrupted after `step` (0: before its first) kept, and how to go on."""

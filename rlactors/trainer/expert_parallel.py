@@ -2,28 +2,15 @@
 expert over groups of ``E`` consecutive trainer ranks, a token's rows sent to the ranks of its
 group that hold its experts and the results sent back (all-to-all).
 
-The ``R`` trainer ranks form an ``R/E x E`` mesh (``expert_mesh``, dims ``replica`` and
-``expert``): each row, ``E`` consecutive ranks, is an expert-parallel group and holds every
-expert, split by expert; the ranks of a column, one per group, hold the same experts (replicas).
-``shard_experts`` makes every ``Experts`` parameter a DTensor on that mesh, sharded on dim 0 (the
-expert) within a group and replicated over the groups, so loading, checkpoints and the weight
-gather for sync read its shards like FSDP's; FSDP leaves these parameters alone, so a rank
-computes with its own experts and never gathers the others'. The dense parameters stay FSDP over
-all ``R`` ranks.
-
-Each rank multiplies the rows it receives source rank by source rank, as each source rank
-multiplies its own rows without expert parallelism (``Experts.mlp``): the outputs and the
-inputs' gradients are FSDP's bit for bit. An expert's weight gradient is the sum, over all ``R``
-ranks, of the terms each rank's rows give it, as FSDP's reduce-scatter sums them (gradients are
-summed, not averaged: the loss is normalised by the step's global token count): autograd adds a
-group's terms on the rank holding the expert, and ``backward`` adds the groups' sums over the
-replicas. A sum of 2 terms is exact in any order; of more, its order may differ from the
-reduce-scatter's, and the gradient by the rounding of fp32 additions.
-
-Under mixed precision (CUDA) the experts compute in bf16 from their fp32 shards, as FSDP's
-gathered parameters do, and the terms are added in fp32, as FSDP reduces in fp32: each source
-rank's rows use the bf16 copy through a node of their own (``shared_cast``), so autograd adds
-their gradients in fp32, not in bf16.
+The ``R`` ranks form an ``R/E x E`` mesh (``expert_mesh``, dims ``replica`` and ``expert``): a row
+is an expert-parallel group holding every expert; a column's ranks hold the same experts.
+``shard_experts`` makes every ``Experts`` parameter a DTensor on that mesh (sharded on the expert
+dim within a group, replicated over groups), so loading, checkpoints and the sync's gather read it
+like FSDP's; the dense parameters stay FSDP over all ``R`` ranks. Each rank multiplies the rows it
+receives source rank by source rank, so outputs and input gradients are FSDP's bit for bit; an
+expert's weight gradient sums the same terms as FSDP's reduce-scatter, in an order that may
+differ beyond 2 terms. Under mixed precision the terms add in fp32 (``shared_cast``). The
+argument in full: docs/ARCHITECTURE.md, "Training".
 """
 
 from __future__ import annotations

@@ -2,21 +2,12 @@
 
 A tensor's bytes are read as 32-bit words and summed into PERIOD columns (word i into column
 i % PERIOD) in one pass, in int32: integer sums wrap the same way in any reduction order and on
-any device, and a native int32 sum reads the data once (an int32 -> int64 sum would first copy
-the whole tensor to int64). The small vector of column sums is then reduced exactly in int64 to
-a plain sum and a column-weighted sum. Every result stays on the device until one transfer per
-call, so a state of hundreds of tensors costs one host sync, not hundreds.
-
-What it detects:
-- any change confined to one 32-bit word (a flipped bit anywhere): that column's sum changes
-  mod 2**32, so the exact int64 plain sum changes;
-- a swap of two unequal words in different columns: their column sums change by d and -d mod
-  2**32, so either the plain sum moves by +-2**32 or it stays and the weighted sum moves by
-  d * (column distance), nonzero and far from overflowing. Words a multiple of PERIOD apart share
-  a column, so swapping them is invisible; PERIOD is prime so that distances built from powers of
-  two (rows, shards, tensors in a packed buffer, transport chunks) are not multiples of it;
-- unequal tensors swapped between two names: each name carries its own sums into the digest
-  (missed only if the two tensors happen to have equal sums).
+any device. The column sums are then reduced exactly in int64 to a plain sum and a
+column-weighted sum. Every result stays on the device until one transfer per call, so a state of
+hundreds of tensors costs one host sync. It detects any change within one 32-bit word, a swap of
+unequal words in different columns (PERIOD is prime, so distances built from powers of two are
+not multiples of it), and unequal tensors swapped between names; why: docs/ARCHITECTURE.md,
+"Weight sync".
 """
 
 from __future__ import annotations

@@ -166,6 +166,7 @@ class TrainerKilledAsStepsBegin(Controller):
             self.stepped_at.append(time.monotonic())
         return metrics
 
-    async def recover_trainer(self, cause: str) -> None:
-        await super().recover_trainer(cause)
+    async def recover_trainer(self, cause: str) -> int:
+        step = await super().recover_trainer(cause)
         self.rebuilt_at.append(time.monotonic())
+        return step

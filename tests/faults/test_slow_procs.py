@@ -252,19 +252,21 @@ def test_a_replica_killed_while_stopped_is_found_dead_in_seconds_and_its_request
 
 @pytest.mark.slow
 def test_a_cpu_demo_run_completes_on_a_3x_oversubscribed_machine(tiny_ckpt, tmp_path, fault_record):
-    # The CPU demo's config (2 trainer procs over gloo, 2 replicas, 16 prompts x 4 rollouts per
-    # step), shortened to 2 steps (a weight sync between them); 3 spinning processes per core
-    # compete with its 5 procs and the controller.
+    # The CPU demo's config (2 trainer procs over gloo, 2 replicas), shortened to 2 steps (a weight
+    # sync between them) of 4 prompts x 4 rollouts; 3 spinning processes per core compete with its
+    # 5 procs and the controller. What a false death needs is a proc starved of CPU, whatever the
+    # work of a step: each proc's liveness is answered by a thread of its own.
     spinners = 3 * os.cpu_count()
     start = time.monotonic()
     with Spinners(spinners):
         done = run_cli(f'model.path="{tiny_ckpt}"', f'controller.run_dir="{tmp_path}"', "controller.steps=2",
-                       "controller.eval_every=0", "controller.checkpoint_every=0", timeout=900)
+                       "rollout.prompts_per_step=4", "controller.eval_every=0", "controller.checkpoint_every=0",
+                       timeout=900)
     wall_s = time.monotonic() - start
     assert done.returncode == 0, done.stderr[-3000:]
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
     assert "likely crashed" not in done.stderr and " exited" not in done.stderr, done.stderr[-3000:]
-    fault_record("busy machine", f"the CPU demo config (2 steps) beside {spinners} spinning processes on "
+    fault_record("busy machine", f"the CPU demo config (2 steps of 4 prompts) beside {spinners} spinning processes on "
                  f"{os.cpu_count()} cores", None, "nothing: the run completed", wall_s=wall_s)
 
 

@@ -3,10 +3,11 @@ them, and which checkpoint a rebuilt trainer starts from."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
-from rlactors.run.recovery import TrainerRestarts, recovery_point
-from rlactors.run.run_dir import CONTROLLER_STATE, ResumeState, RunDir
+from rlactors.run.recovery import TrainerLost, TrainerRestarts, recovery_point, train_with_restarts
+from rlactors.run.run_dir import CONTROLLER_STATE, ResumeState, RunDir, TrainingError
 from rlactors.trainer.checkpoint import COMPLETE_FILE, STATE_FILE, checkpoint_dir, partial_dir
 
 LOST = "trainer rank 1 (pid 7) exited (signal 9)"
@@ -14,13 +15,40 @@ LOST = "trainer rank 1 (pid 7) exited (signal 9)"
 
 def test_restarts_are_counted_up_to_the_limit_and_only_for_a_lost_trainer_rank():
     restarts = TrainerRestarts(2)
-    assert not restarts.allow(None)  # not a trainer rank's death (the router's, the hosts')
-    assert restarts.allow(LOST) and restarts.allow(LOST)
-    assert not restarts.allow(LOST) and restarts.done == 2
-    assert restarts.exhausted(LOST) == (f"{LOST} (the trainer was restarted 2 times already, "
-                                        "controller.restart_trainer=2)")
+    stopped = "step 5: {}; continue with --resume".format
+    router = restarts.failure("the router's proc exited", None, stopped)  # not a trainer rank's death
+    assert type(router) is TrainingError and str(router) == (
+        "step 5: the router's proc exited (the trainer was restarted 0 times already, controller.restart_trainer=2); "
+        "continue with --resume")
+    for _ in range(2):
+        lost = restarts.failure(LOST, LOST, stopped)
+        assert type(lost) is TrainerLost and str(lost) == LOST
+    last = restarts.failure(LOST, LOST, stopped)
+    assert type(last) is TrainingError and restarts.done == 2
+    assert str(last) == f"step 5: {LOST} (the trainer was restarted 2 times already, controller.restart_trainer=2); " \
+                        "continue with --resume"
     off = TrainerRestarts(0)  # the default: the run stops with the cause alone, as before
-    assert not off.allow(LOST) and off.exhausted(LOST) == LOST
+    assert str(off.failure(LOST, LOST, stopped)) == stopped(LOST) and off.done == 0
+
+
+def test_a_lost_trainer_is_rebuilt_and_the_steps_after_its_checkpoint_are_trained_again():
+    attempts, recovered = [], []
+
+    async def train(history):
+        attempts.append(sorted(history))
+        start = max(history, default=0) + 1
+        for step in range(start, 7):
+            history[step] = {"step": float(step), "attempt": float(len(attempts))}
+            if step == 5 and len(attempts) == 1:
+                raise TrainerLost(LOST)
+
+    async def recover(cause):
+        recovered.append(cause)
+        return 3  # the checkpoint's step
+
+    metrics = asyncio.run(train_with_restarts(train, recover))
+    assert recovered == [LOST] and attempts == [[], [1, 2, 3]]
+    assert [(m["step"], m["attempt"]) for m in metrics] == [(1, 1), (2, 1), (3, 1), (4, 2), (5, 2), (6, 2)]
 
 
 def _checkpoint(root, step: int, complete: bool = True):

@@ -348,7 +348,7 @@ class Controller:
         norm = LossNorm.for_step([mb for mbs in packed.per_rank for mb in mbs], c.loss.name, max_tokens)
         if norm.num_tokens == 0:
             return dict(packed.metrics), None
-        await forward_backward(self.trainer, packed.per_rank, norm, c.loss)
+        await forward_backward(self.trainer, packed.per_rank, norm, c.loss, self.meshes.teacher)
         # The new policy goes out as the optimizer step ends, with no call between them. A step that
         # checkpoints pushes after its save, so that a push that fails stops the run with it saved.
         pushing = None

@@ -16,6 +16,7 @@ colocated with the trainer. Adds a row to results/teacher_scoring_{cpu,gpu}.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 import time
@@ -50,17 +51,19 @@ def timed(device: torch.device, work) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
+def train_step(core: PolicyTrainerCore, mbs: list) -> dict[str, float]:
+    loss = LossConfig(name="grpo")
+    norm = LossNorm.for_step(mbs, loss.name)
+    for mb in mbs:
+        core.forward_backward([mb], norm, loss)
+    return core.optim_step()
+
+
 def train_steps(core: PolicyTrainerCore, steps: list, device: torch.device, warmup: int) -> float:
     """The mean seconds of the steps after `warmup`."""
-    loss, times = LossConfig(name="grpo"), []
+    times = []
     for i, mbs in enumerate(steps):
-        norm = LossNorm.for_step(mbs, loss.name)
-
-        def step():
-            for mb in mbs:
-                core.forward_backward([mb], norm, loss)
-            return core.optim_step()
-        seconds, metrics = timed(device, step)
+        seconds, metrics = timed(device, functools.partial(train_step, core, mbs))
         if metrics["update_skipped"]:
             raise RuntimeError(f"step {i} skipped its update (grad norm {metrics['grad_norm']})")
         times += [seconds] if i >= warmup else []
@@ -104,7 +107,7 @@ def main() -> None:
     scorer = TeacherScorer(teacher, model, device, kernels, trainer.logprob_chunk_tokens)
     score_times = []
     for i in range(len(steps)):
-        seconds, steps[i] = timed(device, lambda mbs=steps[i]: scorer.score(mbs))
+        seconds, steps[i] = timed(device, functools.partial(scorer.score, steps[i]))
         score_times += [seconds] if i >= opts.warmup else []
     score_s = sum(score_times) / len(score_times)
     print(f"teacher: {tokens / score_s:,.0f} tokens/s, {score_s:.3f} s/step", flush=True)

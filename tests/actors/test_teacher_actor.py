@@ -16,6 +16,7 @@ from monarch.actor import this_host
 from support.trainer_inputs import cat, rows
 
 from rlactors.actors.teacher import score, spawn_teacher
+from rlactors.actors.trainer import forward_backward
 from rlactors.config import ConfigError, ModelConfig, TeacherConfig, TrainerConfig
 from rlactors.models.checkpoint import from_pretrained
 from rlactors.on_policy.sides import sides
@@ -77,3 +78,56 @@ def test_a_teacher_needs_the_students_tokenizer(tiny_ckpt, tiny_ckpt_untied, tmp
     with pytest.raises(ConfigError, match=r"^teacher.path: .*other_ids's tokenizer maps tokens to other ids than "
                                           r"the student's: a teacher needs the student's tokenizer$"):
         check_teacher_tokenizer(str(other_ids), str(tiny_ckpt))
+
+
+class _Endpoint:
+    def __init__(self, work):
+        self.work = work
+
+    def call(self, *args):
+        return asyncio.ensure_future(self.work(*args))
+
+
+class _Values:
+    """A one-point answer of a whole-mesh call (what `first_value` reads)."""
+
+    extent: dict = {}
+
+    def __init__(self, value):
+        self.value = value
+
+    def item(self):
+        return self.value
+
+
+def test_each_calls_microbatches_reach_the_trainer_scored_and_a_failed_scoring_fails_the_step():
+    """The trainer's call j is sent once the teacher scored call j's microbatches, before call j+1's
+    are scored; a scoring that fails fails forward_backward with its error."""
+    events = []
+
+    async def score_mbs(mbs, fail_at=None):
+        events.append(("score", mbs[0]))
+        if mbs[0] == fail_at:
+            raise RuntimeError(f"teacher failed on {fail_at}")
+        return _Values([f"{mb}+teacher" for mb in mbs])
+
+    async def train(mbs, norm, loss):
+        await asyncio.sleep(0)
+        return mbs
+
+    def trainer_call(mbs, norm, loss):
+        events.append(("train", mbs))
+        return asyncio.ensure_future(train(mbs, norm, loss))
+
+    trainer = type("Trainer", (), {"forward_backward": type("E", (), {"call": staticmethod(trainer_call)})()})()
+    per_rank = [["a0", "a1", "a2"], ["b0", "b1", "b2"]]
+    teacher = type("Teacher", (), {"score": _Endpoint(score_mbs)})()
+    asyncio.run(forward_backward(trainer, per_rank, None, None, teacher))
+    assert events == [("score", "a0"), ("train", ["a0+teacher", "b0+teacher"]),
+                      ("score", "a1"), ("train", ["a1+teacher", "b1+teacher"]),
+                      ("score", "a2"), ("train", ["a2+teacher", "b2+teacher"])]
+    events.clear()
+    failing = type("Teacher", (), {"score": _Endpoint(lambda mbs: score_mbs(mbs, fail_at="a1"))})()
+    with pytest.raises(RuntimeError, match="^teacher failed on a1$"):
+        asyncio.run(forward_backward(trainer, per_rank, None, None, failing))
+    assert events == [("score", "a0"), ("train", ["a0+teacher", "b0+teacher"]), ("score", "a1")]

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from rlactors.config import ConfigError, ModelConfig, TeacherConfig
 from rlactors.models.args import DTYPES
-from rlactors.models.checkpoint import load_args
+from rlactors.models.checkpoint import check_checkpoint_dir, load_args
 from rlactors.models.tokenizer import load_tokenizer
 from rlactors.on_policy.sides import TrainerSide
 from rlactors.trainer.batch import MicroBatch
@@ -25,16 +26,26 @@ from rlactors.trainer.reference import ReferencePolicy
 
 
 def check_teacher_tokenizer(teacher: str, student: str) -> int:
-    """The teacher's vocab size, once its embedding rows and its tokenizer's token-to-id map are
-    the student's; else ConfigError naming `teacher.path`."""
-    teacher_vocab, student_vocab = load_args(teacher).vocab_size, load_args(student).vocab_size
+    """The teacher's vocab size, once its checkpoint dir is whole and its embedding rows and its
+    tokenizer's token-to-id map are the student's; else ConfigError naming `teacher.path`."""
+    def refused(e: Exception) -> ConfigError:
+        return ConfigError(f"teacher.path: {' '.join(str(e).split()) or type(e).__name__}")
+
+    if not Path(teacher).is_dir():
+        raise ConfigError(f"teacher.path: checkpoint directory not found: {teacher}")
+    try:
+        teacher_vocab = load_args(teacher).vocab_size
+    except (OSError, ValueError) as e:
+        raise refused(e) from None
+    student_vocab = load_args(student).vocab_size
     if teacher_vocab != student_vocab:
         raise ConfigError(f"teacher.path: {teacher} has {teacher_vocab} tokens, the student {student_vocab}: "
                           f"a teacher needs the student's tokenizer")
     try:
+        check_checkpoint_dir(teacher)
         same = load_tokenizer(teacher).get_vocab() == load_tokenizer(student).get_vocab()
-    except ValueError as e:
-        raise ConfigError(f"teacher.path: {' '.join(str(e).split())}") from None
+    except (OSError, ValueError) as e:
+        raise refused(e) from None
     if not same:
         raise ConfigError(f"teacher.path: {teacher}'s tokenizer maps tokens to other ids than the student's: "
                           f"a teacher needs the student's tokenizer")

@@ -61,6 +61,8 @@ def test_the_teacher_proc_scores_the_sampled_tokens_and_its_death_fails_the_call
 
 def test_a_teacher_needs_the_students_tokenizer(tiny_ckpt, tiny_ckpt_untied, tmp_path):
     assert check_teacher_tokenizer(str(tiny_ckpt_untied), str(tiny_ckpt)) == 1024
+    with pytest.raises(ConfigError, match=r"^teacher.path: checkpoint directory not found: .*missing$"):
+        check_teacher_tokenizer(str(tmp_path / "missing"), str(tiny_ckpt))
     other_vocab = tmp_path / "other_vocab"
     shutil.copytree(tiny_ckpt, other_vocab)
     config = json.loads((other_vocab / "config.json").read_text())

@@ -84,6 +84,7 @@ def main() -> None:
     opts = parser.parse_args()
     device = join_process_group(opts.device)
     cuda = device.type == "cuda"
+    print(f"checkpoints under {opts.ckpt_root} (made where missing): {opts.teacher}, {opts.student}", flush=True)
     teacher_ckpt, student_ckpt = (kept_checkpoint(opts.ckpt_root, size) for size in (opts.teacher, opts.student))
     dtype = "bfloat16" if cuda else "float32"
     model = ModelConfig(path=str(student_ckpt), dtype=dtype)
@@ -95,6 +96,7 @@ def main() -> None:
               for _ in range(opts.microbatches)] for _ in range(opts.warmup + opts.steps)]
     tokens = opts.microbatches * opts.row_tokens
 
+    print(f"GRPO alone: {opts.warmup} warmup + {opts.steps} timed steps of {tokens} tokens", flush=True)
     core = PolicyTrainerCore(model, trainer, device, kernels)
     for mbs in steps:  # on policy: ratio 1, as trainer_throughput.py
         for mb in mbs:

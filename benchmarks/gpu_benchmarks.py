@@ -14,6 +14,7 @@ own table in benchmarks/results/ (index: benchmarks/results/README.md).
     python benchmarks/gpu_benchmarks.py lora [--gpus 2]          # LoRA: weight sync, adapters vs full; 8B steps
     python benchmarks/gpu_benchmarks.py agent                    # 1 GPU: the agent example learning; gateway cost
     python benchmarks/gpu_benchmarks.py shared-sync              # 1 GPU: colocated weight sync by CUDA IPC
+    python benchmarks/gpu_benchmarks.py distill                  # 1 GPU: 1.7B teacher's scoring, step vs GRPO
 
 Which GPUs a mode may use and what each runs: `MODES` below. Needs vLLM and Monarch importable
 (docs/gpu.md); the GPU test suite is scripts/gpu_suite.py. The tools' output streams to the
@@ -187,6 +188,12 @@ def scale_on_policy(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
                                                             "--budget-s", str(SCALE_BUDGET_S)]))]
 
 
+def distill(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
+    """Issue #63 on one GPU, about 2-3 minutes (at most 5): a 1.7B-shape teacher's scoring
+    throughput, and the step of a 0.6B-shape student with its scoring against GRPO alone."""
+    return [("1.7b teacher, 0.6b student", within(300, [PY, "benchmarks/teacher_scoring.py", "--device", "cuda"]))]
+
+
 def learning_curve(gpus: int, true_on_policy: bool) -> list[tuple[str, list[str]]]:
     """The demo as a user runs it, in a new run dir under the temp dir; its curve appended to the
     demo's results file, its metrics and drawn curve copied beside it."""
@@ -262,6 +269,7 @@ MODES = {
     "lora": Mode((1, 2), lora),
     "agent": Mode((1,), agent),
     "shared-sync": Mode((1,), shared_sync),
+    "distill": Mode((1,), distill),
 }
 
 

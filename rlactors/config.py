@@ -265,8 +265,8 @@ class LossConfig(_Section):
 
 @dataclass
 class TeacherConfig(_Section):
-    """On-policy distillation: a teacher with the student's tokenizer, held frozen by the trainer
-    ranks (in model.dtype), scores the sampled tokens; each token's advantage becomes
+    """On-policy distillation: a teacher with the student's tokenizer, frozen on procs of its own
+    (in model.dtype), scores the sampled tokens; each token's advantage becomes
     task_coef * A - coef * (log p_student - log p_teacher) (docs/algorithms.md)."""
 
     path: str = ""  # an HF checkpoint dir of any supported family; "" = off

@@ -118,8 +118,8 @@ async def spawn_trainer(hosts: HostMesh, model: ModelConfig, trainer: TrainerCon
     initialises a PolicyTrainer on each. Returns (procs, actor mesh, each rank's `init` answer:
     rank, world size, host, policy version). `kernels`: what the trainer runs
     (`rlactors.on_policy.sides`); `reference`: each rank also holds the initial weights frozen, for
-    `loss.kl_coef` (`rlactors.trainer.reference`); `teacher`: the distillation teacher each rank
-    holds, when its path is set."""
+    `loss.kl_coef` (`rlactors.trainer.reference`); `teacher`: the distillation settings, when its
+    path is set (the microbatches come scored by the teacher mesh, rlactors.actors.teacher)."""
     if device == "cuda":
         def bootstrap_command(point):
             gpu = cuda_visible_devices([first_gpu + point["gpus"]])
@@ -137,9 +137,22 @@ async def spawn_trainer(hosts: HostMesh, model: ModelConfig, trainer: TrainerCon
 
 
 async def forward_backward(trainer: Any, per_rank: Sequence[Sequence[MicroBatch]], norm: LossNorm,
-                           loss: LossConfig) -> None:
+                           loss: LossConfig, teacher: Any = None) -> None:
     """The gradients of one optimizer step of `trainer` (a PolicyTrainer mesh), accumulated over
-    each rank's microbatches."""
-    # Sent together: an actor serves its calls in order, and the trainer never waits for the host.
-    await asyncio.gather(*(trainer.forward_backward.call([mbs[j] for mbs in per_rank], norm, loss)
-                           for j in range(len(per_rank[0]))))
+    each rank's microbatches; with `teacher` (a Teacher mesh, rlactors.actors.teacher) each call's
+    microbatches go scored by it, the next call's scored while the trainer runs this one."""
+    from rlactors.actors.teacher import score
+
+    # Sent as soon as they are ready: an actor serves its calls in order, and the trainer never
+    # waits for the host.
+    calls = []
+    try:
+        for j in range(len(per_rank[0])):
+            mbs = [mbs[j] for mbs in per_rank]
+            calls.append(trainer.forward_backward.call(await score(teacher, mbs) if teacher is not None else mbs,
+                                                       norm, loss))
+    except BaseException:
+        for call in calls:  # the step fails with the teacher's error; these end by themselves
+            asyncio.ensure_future(call).add_done_callback(lambda f: f.cancelled() or f.exception())
+        raise
+    await asyncio.gather(*calls)

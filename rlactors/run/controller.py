@@ -300,7 +300,8 @@ class Controller:
         with_step = self.weight_sync.pushes_with_step and not self.config.controller.checkpoint_due(step)
         push = (lambda: self.push_weights(self.policy_version + 1)) if with_step else None
         try:
-            metrics, pushing, version = await optimizer_step(self.trainer, self.batcher, self.config, episodes, push)
+            metrics, pushing, version = await optimizer_step(self.trainer, self.batcher, self.config, episodes, push,
+                                                              self.meshes.teacher)
         except UpdateSkipped as skipped:
             raise TrainingError(f"step {step}: {skipped}; {await self._save_step_once()}") from None
         self.policy_version = self.policy_version if version is None else version

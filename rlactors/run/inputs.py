@@ -31,10 +31,13 @@ async def load_inputs(c: Config, generate: GenerateFn) -> RunInputs:
     is a TrainingError, and prompts too long to sample from are counted in one printed line."""
     from rlactors.models import load_checked_tokenizer
     from rlactors.models.checkpoint import load_args
+    from rlactors.trainer.teacher import check_teacher_tokenizer
 
     tokenizer = load_checked_tokenizer(c.model.path)
     args = load_args(c.model.path)
     check_model_keys(c.model, c.trainer, args)
+    if c.teacher.path:
+        check_teacher_tokenizer(c.teacher.path, c.model.path)
     if c.controller.device == "cuda":  # a run that cannot fit stops here, before any proc starts
         plan(c, args, gpu_gib(c)).check()
     env = load_env(c.env, tokenizer)

@@ -1,5 +1,6 @@
-"""The procs of one run: the job's hosts, the trainer mesh on them and the generator router on a
-proc of this host (its replicas on the job's generator hosts). Each proc is watched
+"""The procs of one run: the job's hosts, the trainer mesh on them (and with `teacher.path` the
+teacher mesh, rlactors.actors.teacher) and the generator router on a proc of this host (its
+replicas on the job's generator hosts). Each proc is watched
 (rlactors.procs.liveness), so a call to one that exits or stays unresponsive fails at once with
 ProcLost; a shutdown that a hung proc does not return from kills the procs after SHUTDOWN_WAIT_S.
 """
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 
 from rlactors.config import Config
 from rlactors.procs.liveness import ProcLost, ProcWatcher, this_machine, with_descendants
-from rlactors.procs.placement import Hosts, NoHosts, allocate_hosts, host_name
+from rlactors.procs.placement import Hosts, NoHosts, allocate_hosts, host_name, num_hosts
 from rlactors.run.generation import spawn_router
 from rlactors.run.run_dir import TrainingError
 
@@ -44,6 +45,7 @@ class Meshes:
         self._procs: list[Any] = []  # the router's last: on this host
         self._replica_pids: set[int] = set()  # replicas' OS processes on this machine (router_stats)
         self._trainer_watch: list[Any] = []  # the trainer ranks' WatchedProcs
+        self.teacher: Any = None  # the Teacher mesh, guarded, with teacher.path
         self._kernels: Any = None  # what the trainer runs (rlactors.on_policy.sides)
 
     async def spawn(self, slurm_log_dir: Path) -> tuple[Any, Any, list[dict[str, Any]]]:
@@ -63,12 +65,25 @@ class Meshes:
             raise TrainingError(f"job.scheduler: {e}") from None
         self._kernels = sides(c.model.true_on_policy, c.generator.engine, c.controller.device).trainer
         trainer_procs, trainer, ranks = await self._spawn_trainer(c)
+        teacher_procs = await self._spawn_teacher(c) if c.teacher.path else None
         router_procs, router = spawn_router(c, self.hosts.generators)
-        self._procs = [trainer_procs, router_procs]
+        self._procs = [trainer_procs, *([teacher_procs] if teacher_procs else []), router_procs]
         # Calls to a proc that exits (or stays unresponsive past the timeout) fail at once with ProcLost.
         trainer = await self._watch_trainer(trainer_procs, trainer, ranks)
         router_watch = await watch_procs(self.watcher, router_procs, ["generator router"])
         return trainer, self.watcher.guard(router, router_watch), ranks
+
+    async def _spawn_teacher(self, c: Config) -> Any:
+        """The teacher's procs; sets `teacher`, whose calls fail with ProcLost once one exits."""
+        from rlactors.actors.teacher import spawn_teacher
+        from rlactors.procs.liveness_actor import watch_procs
+
+        procs, teacher = await spawn_teacher(self.hosts.trainers, c.teacher, c.model, c.trainer, self._kernels,
+                                             c.controller.device)
+        ranks = num_hosts(self.hosts.trainers)  # one proc a host
+        watched = await watch_procs(self.watcher, procs, [f"teacher rank {r}" for r in range(ranks)])
+        self.teacher = self.watcher.guard(teacher, watched)
+        return procs
 
     async def _watch_trainer(self, procs: Any, trainer: Any, ranks: list[dict[str, Any]]) -> Any:
         from rlactors.procs.liveness_actor import watch_procs

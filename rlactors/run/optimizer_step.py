@@ -24,11 +24,13 @@ class UpdateSkipped(Exception):
     """The trainer skipped the step's update; the message gives the loss and gradient norm."""
 
 
-async def optimizer_step(trainer: Any, batcher: Any, config: Config, episodes: list[Episode], push: Push | None
+async def optimizer_step(trainer: Any, batcher: Any, config: Config, episodes: list[Episode], push: Push | None,
+                         teacher: Any = None
                          ) -> tuple[dict[str, float], asyncio.Future[dict[str, float]] | None, int | None]:
-    """One optimizer step of `trainer` (a PolicyTrainer mesh) on `episodes`: its metrics, the push
-    started by `push` as the step ends (None: no push with the step), and the policy version it
-    made (None: no token to train on, so no step)."""
+    """One optimizer step of `trainer` (a PolicyTrainer mesh) on `episodes`, scored by `teacher`
+    (a Teacher mesh) where the run distills: its metrics, the push started by `push` as the step
+    ends (None: no push with the step), and the policy version it made (None: no token to train
+    on, so no step)."""
     from rlactors.actors.trainer import forward_backward
 
     packed = batcher.pack(episodes)
@@ -36,7 +38,7 @@ async def optimizer_step(trainer: Any, batcher: Any, config: Config, episodes: l
     norm = LossNorm.for_step([mb for mbs in packed.per_rank for mb in mbs], config.loss.name, max_tokens)
     if norm.num_tokens == 0:
         return dict(packed.metrics), None, None
-    await forward_backward(trainer, packed.per_rank, norm, config.loss)
+    await forward_backward(trainer, packed.per_rank, norm, config.loss, teacher)
     # The new policy goes out as the optimizer step ends, with no call between them.
     pushing = asyncio.ensure_future(push()) if push is not None else None
     try:

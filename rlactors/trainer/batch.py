@@ -22,6 +22,8 @@ class MicroBatch:
     the padding at the end of a row is its own document with loss_mask False.
     `routed_experts` (int64 `[rows, width, sparse layers, k]`, -1 where unknown), for a mixture of
     experts whose generator returned them: the experts of the forward that sampled the target.
+    `teacher_logprobs` (float32), with `teacher.path`: the distillation teacher's logprobs of the
+    targets (rlactors.trainer.teacher).
     """
 
     input_ids: torch.Tensor
@@ -32,6 +34,7 @@ class MicroBatch:
     generator_logprobs: torch.Tensor
     versions: torch.Tensor
     routed_experts: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
 
     @property
     def num_loss_tokens(self) -> int:

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlactors.attention.varlen import cu_seqlens_from_positions
-from rlactors.config import ConfigError, LossConfig, ModelConfig, TeacherConfig, TrainerConfig, check_model_keys
+from rlactors.config import LossConfig, ModelConfig, TeacherConfig, TrainerConfig, check_model_keys
 from rlactors.lora import adapters as lora
 from rlactors.lora.peft_io import save_peft_adapter
 from rlactors.models.args import DTYPES
@@ -125,8 +125,8 @@ class PolicyTrainerCore:
     `model.true_on_policy` mode). Decoder layers are torch.compile'd with
     `trainer.compile_layers` on CUDA unless those kernels must run eager. With `reference`, the
     rank also holds the initial weights frozen (`rlactors.trainer.reference`), for `loss.kl_coef`;
-    with a `teacher` whose path is set, that model frozen too, whose logprobs of the sampled tokens
-    shape the advantages (on-policy distillation).
+    with a `teacher` whose path is set, each microbatch's `teacher_logprobs` (scored by the teacher
+    mesh, rlactors.trainer.teacher) shape the advantages (on-policy distillation).
     """
 
     def __init__(self, model: ModelConfig, trainer: TrainerConfig, device: torch.device, kernels: TrainerSide,
@@ -156,14 +156,7 @@ class PolicyTrainerCore:
         self.reference = ReferencePolicy(
             self.args, model.path, device, DTYPES[model.dtype], kernels, trainer.expert_parallel,
             trainer.logprob_chunk_tokens) if reference else None
-        self.teacher_config, self.teacher = (teacher if teacher is not None and teacher.path else None), None
-        if self.teacher_config is not None:
-            teacher_args = load_args(teacher.path)
-            if teacher_args.vocab_size != self.args.vocab_size:
-                raise ConfigError(f"teacher.path: {teacher.path} has {teacher_args.vocab_size} tokens, the student "
-                                  f"{self.args.vocab_size}: a teacher needs the student's tokenizer")
-            self.teacher = ReferencePolicy(teacher_args, teacher.path, device, DTYPES[model.dtype], kernels,
-                                           logprob_chunk_tokens=trainer.logprob_chunk_tokens)
+        self.teacher = teacher if teacher is not None and teacher.path else None
         # Per sparse layer, of the current forward: the expert ids [T, k] its router chose (before
         # any replay), and (for the load-balancing loss) its router logits.
         self._routing: list[torch.Tensor] = []
@@ -216,16 +209,15 @@ class PolicyTrainerCore:
             raise ValueError("loss.kl_coef > 0 needs the reference policy: this trainer was built without one")
         mb = microbatches[self.rank].to(self.device)
         reference = self.reference.logprobs(mb) if loss.kl_coef > 0 else None
-        teacher = self.teacher.logprobs(mb) if self.teacher is not None else None
         self._router_logits.clear()
         self._routing.clear()
         logprobs, entropy = self._token_logprobs(mb, with_entropy=True)
         advantages, generator_logprobs = mb.advantages.reshape(-1), mb.generator_logprobs.reshape(-1)
         distilled = LossStats()
-        if teacher is not None:
+        if self.teacher is not None:
             advantages, distilled = distillation_advantages(
-                self.teacher_config.task_coef, self.teacher_config.coef, advantages, logprobs.detach(), teacher,
-                loss_tokens(loss.name, mb.loss_mask.reshape(-1), generator_logprobs))
+                self.teacher.task_coef, self.teacher.coef, advantages, logprobs.detach(),
+                mb.teacher_logprobs.reshape(-1), loss_tokens(loss.name, mb.loss_mask.reshape(-1), generator_logprobs))
         value, stats = compute_loss(
             loss, norm, logprobs, mb.loss_mask.reshape(-1), advantages, generator_logprobs, entropy.detach(),
             current_policy=mb.versions.reshape(-1) == self.version, positions=mb.positions.reshape(-1),
@@ -334,6 +326,12 @@ class PolicyTrainerCore:
                     f"int64 {(*mb.input_ids.shape, sparse_layers, moe.num_experts_per_tok)}"
                 raise ValueError(f"microbatches[{r}].routed_experts is {routed.dtype} {tuple(routed.shape)}, "
                                  f"expected {want}")
+            scored = getattr(mb, "teacher_logprobs", None)
+            if self.teacher is not None and (scored is None or scored.dtype != torch.float32
+                                             or scored.shape != mb.input_ids.shape):
+                got = "none" if scored is None else f"{scored.dtype} {tuple(scored.shape)}"
+                raise ValueError(f"microbatches[{r}].teacher_logprobs is {got}, expected float32 "
+                                 f"{tuple(mb.input_ids.shape)}: teacher.path is set, the teacher mesh scores them")
 
     def _check_norm(self, norm: LossNorm, loss: LossConfig, here: int) -> None:
         """`here`: the loss tokens of this call's microbatches, all ranks."""

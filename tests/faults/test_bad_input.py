@@ -261,12 +261,15 @@ def test_bad_model_dirs_and_envs_are_named_before_any_proc_starts(capsys, tmp_pa
          f"error: env.name: module 'fault_envs' ({fault_envs.__file__}) has no 'NoSuchEnv'"),
         ([f'model.path="{tiny_ckpt}"', 'env.name="fault_envs:VOCAB"'],
          "error: env.name: 'fault_envs:VOCAB' is not a TokenEnv subclass"),
+        ([f'model.path="{tiny_ckpt}"', f'teacher.path="{tmp_path / "missing"}"'],
+         f"error: teacher.path: checkpoint directory not found: {tmp_path / 'missing'}"),
     ]
     for overrides, expected in cases:
         assert cli_error(capsys, run_dir, *overrides) == expected
     assert not (tmp_path / "run").exists()  # nothing was started, nothing written
-    fault_record("bad inputs", "model.path missing / not a checkpoint; a tokenizer without a chat template "
-                 "under a chat env; an empty train split; env.name naming no module / no class / no TokenEnv", None,
+    fault_record("bad inputs", "model.path or teacher.path missing / not a checkpoint; a tokenizer without a "
+                 "chat template under a chat env; an empty train split; env.name naming no module / no class / "
+                 "no TokenEnv", None,
                  "nothing starts: one line `error: ...` naming the input, exit code 2")
 
 

@@ -74,7 +74,8 @@ def test_saved_bytes_per_token_layer_are_what_autograd_keeps(family):
 
 
 def test_plan_of_4b_on_one_gpu_colocated_with_sleep_and_offload(shapes):
-    c = cuda_config(shapes["4b"], "generator.weight_sync=messages", "trainer.ranks=1", "trainer.offload_optimizer=true", "generator.replicas=1",
+    c = cuda_config(shapes["4b"], "generator.weight_sync=messages",
+                    "trainer.ranks=1", "trainer.offload_optimizer=true", "generator.replicas=1",
                     "generator.gpu_memory_utilization=0.3", "generator.max_model_len=8192", "generator.sleep=true",
                     "controller.colocate=true", 'controller.mode="sync"', "batcher.row_tokens=8192",
                     "batcher.rows_per_microbatch=1")
@@ -155,7 +156,8 @@ def test_the_32b_config_fits_eight_80gb_gpus(tmp_path):
 
 def test_a_run_that_cannot_fit_fails_in_one_line_naming_the_keys(shapes):
     # The GPU demo's config at the 4B shape: trainer and vLLM resident together on an H200.
-    c = cuda_config(shapes["4b"], "generator.weight_sync=messages", "trainer.ranks=1", "generator.replicas=1", "generator.gpu_memory_utilization=0.3",
+    c = cuda_config(shapes["4b"], "generator.weight_sync=messages",
+                    "trainer.ranks=1", "generator.replicas=1", "generator.gpu_memory_utilization=0.3",
                     "controller.colocate=true", "batcher.row_tokens=16384", "batcher.rows_per_microbatch=1")
     with pytest.raises(ConfigError) as error:
         plan(c, load_args(c.model.path), gpu_gib=139.8).check()
@@ -177,7 +179,8 @@ def test_a_run_that_cannot_fit_fails_in_one_line_naming_the_keys(shapes):
 
 def test_plan_command_prints_the_table_and_refuses_what_cannot_fit(shapes, capsys):
     base = ["--plan", f'model.path="{shapes["4b"]}"', 'model.dtype="bfloat16"', 'controller.device="cuda"',
-            'generator.engine="vllm"', "generator.weight_sync=messages", "trainer.ranks=1", "generator.replicas=1",
+            'generator.engine="vllm"', "generator.weight_sync=messages",
+                    "trainer.ranks=1", "generator.replicas=1",
             "generator.gpu_memory_utilization=0.3", "controller.colocate=true", "controller.gpu_memory_gib=139.8",
             "batcher.row_tokens=16384", "batcher.rows_per_microbatch=1"]
     assert train.main([*base, "generator.sleep=true", "trainer.offload_optimizer=true"]) == 0
@@ -219,7 +222,8 @@ def test_the_controller_refuses_a_run_that_cannot_fit_before_spawning(shapes, tm
 def test_a_share_too_big_beside_the_trainers_resident_memory_is_refused_with_the_largest_that_fits(shapes):
     # The 4B shape fully fine-tuned, colocated in turns on an H200: between steps the trainer keeps
     # fp32 weights and AdamW's moments (12 bytes a parameter) beside vLLM's share.
-    c = cuda_config(shapes["4b"], "generator.weight_sync=messages", "trainer.ranks=1", "generator.replicas=1", "generator.gpu_memory_utilization=0.7",
+    c = cuda_config(shapes["4b"], "generator.weight_sync=messages",
+                    "trainer.ranks=1", "generator.replicas=1", "generator.gpu_memory_utilization=0.7",
                     "generator.sleep=true", "controller.colocate=true", 'controller.mode="sync"',
                     "trainer.activation_checkpointing=true", "batcher.row_tokens=16384",
                     "batcher.rows_per_microbatch=1")

@@ -8,9 +8,9 @@ For each size, the full weights (rank 0 in the table) and then the adapters of e
 decoder layer's q/k/v/o/gate/up/down linears, model.lora's default targets) go by weight sync's
 two paths. The broadcast's data path (`weight_sync_data_path.measure`: the trainer's packing into
 the bf16 send buffer, `WeightSender.send`, the replica's `BufferReceiver.receive`, checksums and
-the verdict), two processes on one GPU (`--gpus 2`: one GPU each): a run whose trainer and replica
-are separate. Messages (`messages_s`): a one-GPU run's, trainer and replica colocated. The device
-copy is one `copy_` of a buffer of the same bytes on that GPU, timed the same way. merge: with
+the verdict), trainer and replica on a GPU each (`--gpus 2`; on CPU over gloo): a run whose
+trainer and replica are separate; not on one GPU, where NCCL cannot put both ranks. Messages
+(`messages_s`): a one-GPU run's, trainer and replica colocated. The device copy is one `copy_` of a buffer of the same bytes on that GPU, timed the same way. merge: with
 LoRA, a vLLM replica's load after the receive (`rlactors.lora.replica.load_adapters`: W + (alpha/r)
 B A from the kept base into every adapted linear, the batch-invariant matmul), on the GPU.
 Medians over --iters (--message-iters) after one warm-up. Adds rows to
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["1.7b", "8b"], help="rlactors.models.tiny sizes (qwen3)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--gpus", type=int, choices=(1, 2), default=1,
-                        help="1: sender and receiver share one GPU (a one-GPU run); 2: one each")
+                        help="1: sender and receiver share one GPU (a one-GPU run: messages only); 2: one each")
     parser.add_argument("--iters", type=int, default=9)
     parser.add_argument("--message-iters", type=int, default=2,
                         help="timed syncs by messages (each full 8B one moves 16 GB through the host twice)")
@@ -134,24 +134,27 @@ def main() -> None:
         ids = [g.strip() for g in visible.split(",")] if visible else [str(i) for i in range(torch.cuda.device_count())]
         if len(ids) < args.gpus:
             raise SystemExit(f"error: --gpus {args.gpus} but {len(ids)} GPU(s) visible")
-        gpus = ids[:2] if args.gpus == 2 else [ids[0], ids[0]]
+        gpus = ids[:2]
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     chunk_mib = CHUNK_BYTES >> 20
     for size in args.sizes:
         for rank in [0, *args.ranks]:
             shapes = synced_shapes(size, rank)
-            timings = measure({"device": args.device, "size": size, "chunk_mib": [chunk_mib], "iters": args.iters,
-                               "profile": None, "gpus": gpus, "shapes": shapes})[chunk_mib]
             num_bytes = PackedLayout.of((n, torch.empty(s, dtype=torch.bfloat16, device="meta"))
                                         for n, s in shapes.items()).total_bytes
-            sends = timings["send_s"]
-            send = statistics.median(sends)
             copy = device_copy_s(num_bytes, device, args.iters)
+            broadcast = ["n/a"] * 3  # one GPU: NCCL cannot put two ranks on it
+            if len(set(gpus)) == 2 or not cuda:
+                timings = measure({"device": args.device, "size": size, "chunk_mib": [chunk_mib], "iters": args.iters,
+                                   "profile": None, "gpus": gpus, "shapes": shapes})[chunk_mib]
+                sends = timings["send_s"]
+                send = statistics.median(sends)
+                broadcast = [f"{send * 1e3:.2f} ({min(sends) * 1e3:.2f}-{max(sends) * 1e3:.2f})",
+                             f"{statistics.median(timings['receive_verify_s']) * 1e3:.2f}", f"{send / copy:.1f}x"]
             messages = messages_s(shapes, device, args.message_iters)
             row = [size, str(rank) if rank else "full weights", f"{num_bytes / 1e6:.2f}", str(args.gpus if cuda else 0),
-                   f"{send * 1e3:.2f} ({min(sends) * 1e3:.2f}-{max(sends) * 1e3:.2f})",
-                   f"{statistics.median(timings['receive_verify_s']) * 1e3:.2f}", f"{copy * 1e3:.3f}",
-                   f"{send / copy:.1f}x", f"{merge_s(size, rank, device, args.iters) * 1e3:.2f}" if rank else "n/a",
+                   *broadcast[:2], f"{copy * 1e3:.3f}", broadcast[2],
+                   f"{merge_s(size, rank, device, args.iters) * 1e3:.2f}" if rank else "n/a",
                    f"{messages * 1e3:.1f}", f"{messages / copy:.0f}x"]
             append_row(RESULTS / "lora_weight_sync.md", TITLE, COLUMNS, row, device=args.device)
             print(" | ".join(row), flush=True)

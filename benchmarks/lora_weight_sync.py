@@ -10,7 +10,8 @@ two paths. The broadcast's data path (`weight_sync_data_path.measure`: the train
 the bf16 send buffer, `WeightSender.send`, the replica's `BufferReceiver.receive`, checksums and
 the verdict), trainer and replica on a GPU each (`--gpus 2`; on CPU over gloo): a run whose
 trainer and replica are separate; not on one GPU, where NCCL cannot put both ranks. Messages
-(`messages_s`): a one-GPU run's, trainer and replica colocated. The device copy is one `copy_` of a buffer of the same bytes on that GPU, timed the same way. merge: with
+(`messages_s`): a one-GPU run's, trainer and replica colocated. The device copy is one `copy_` of
+a buffer of the same bytes on that GPU, timed the same way. merge: with
 LoRA, a vLLM replica's load after the receive (`rlactors.lora.replica.load_adapters`: W + (alpha/r)
 B A from the kept base into every adapted linear, the batch-invariant matmul), on the GPU.
 Medians over --iters (--message-iters) after one warm-up. Adds rows to

@@ -1,31 +1,17 @@
 """True on-policy with vLLM: our model inside vLLM, and the trainer's copies of vLLM's two kernels.
 
-vLLM runs ``VLLMCausalLM``, our own decoder (``rlactors.models``) converted to batch-invariant
-modules (``rlactors.on_policy.modules``) and registered as an out-of-tree architecture: vLLM
-supplies the scheduler, the paged KV cache, CUDA graphs and sampling, while every op that shapes a
-logprob is ours and is the op the trainer runs forward (the batch-invariant Triton kernels of
-``rlactors.on_policy.ops``), except two that vLLM owns:
-
-- attention, in vLLM's KV cache through its FlashAttention backend. In batch-invariant mode
-  (``VLLM_BATCH_INVARIANT=1``) that calls FlashAttention with one split and no ahead-of-time
-  schedule, so a query's keys are folded in fixed blocks from position 0 whatever the batch. The
-  trainer's ``PagedFlashAttention`` lays each packed document out in pages of the same size and
-  layout as vLLM's cache and makes the same call, so its prefill has the bits of vLLM's decode,
-  chunked prefill and prefix-cache hits. Heads of 64 dims or fewer run zero-padded to
-  ``attention_head_dim`` on both sides (why: its docstring).
-- the log-probability of the sampled token: vLLM's V2 model runner computes it from our logits
-  with a one-program-per-row Triton kernel (``compute_token_logprobs``); the trainer calls that
-  same function on the same logits (``vllm_token_logprobs``, the trainer model's
-  ``VLLMLogSoftmax``).
-
-A mixture of experts runs our ``SparseMoeBlock`` with the trainer's batch-invariant kernels too
-(router, softmax, stable top-k, each expert's rows with the bits of a matmul per expert, the
-weighted sum in order), so both sides route every token to the same experts. Here all experts go
-in one launch that reads their token counts on the GPU (``InvariantExperts``), so CUDA graphs hold
-the layer, as they hold the dense ones.
-
-Nothing in vLLM is patched: the engine only registers the architecture and configures vLLM
-(``TRUE_ON_POLICY_ENGINE_ARGS``). vLLM is imported lazily: this module imports on CPU-only machines.
+vLLM runs ``VLLMCausalLM``, our decoder (``rlactors.models``) converted to batch-invariant modules
+(``rlactors.on_policy.modules``) and registered as an out-of-tree architecture: vLLM supplies the
+scheduler, the paged KV cache, CUDA graphs and sampling, while every op that shapes a logprob is
+the op the trainer runs forward, except two that vLLM owns and the trainer calls as vLLM does:
+attention in vLLM's KV cache through FlashAttention with one split (``PagedFlashAttention`` lays
+each packed document out in pages like vLLM's cache), and the sampled token's logprob
+(``compute_token_logprobs``, the trainer's ``VLLMLogSoftmax``). A mixture of experts runs our
+``SparseMoeBlock`` with the batch-invariant kernels, all experts in one launch
+(``InvariantExperts``) so CUDA graphs hold the layer. Nothing in vLLM is patched: the engine
+registers the architecture and sets ``TRUE_ON_POLICY_ENGINE_ARGS``. vLLM names come through
+``rlactors.vllm_api``, lazily: this module imports on CPU-only machines. Why each choice holds:
+docs/true_on_policy.md and docs/ARCHITECTURE.md, "True on-policy".
 """
 
 from __future__ import annotations

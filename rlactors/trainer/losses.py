@@ -1,20 +1,14 @@
 """Policy-gradient losses (GRPO family, GSPO, CISPO) and SFT cross-entropy, per token with a loss mask.
 
-A loss returns one microbatch's share of the step loss: its token sum divided by a denominator
-that the controller fixes for the whole step (`LossNorm`). Summing the shares of every microbatch
-on every rank gives the step loss, and its gradient, however the step was split (a sequence, one
-packed document, never spans microbatches).
-
-Tokens enter a policy loss where `loss_mask` is set and the generator's logprob is finite; tokens
-with a NaN/inf generator logprob are left out of both the sum and `LossNorm.num_tokens`, and
-counted in the `nonfinite_logprob_tokens` metric. SFT ignores generator logprobs.
-
-GRPO, DAPO and Dr.GRPO share the PPO-clipped surrogate. GRPO and DAPO normalise per token over the
-step; DAPO is the asymmetric clip (`clip_high > clip_low`). Dr.GRPO divides by a constant instead.
+A loss returns one microbatch's share of the step loss: its token sum over a denominator the
+controller fixes for the whole step (`LossNorm`), so the shares of every microbatch on every rank
+sum to the step loss however the step was split. Tokens enter a policy loss where `loss_mask` is
+set and the generator's logprob is finite (the others are counted in `nonfinite_logprob_tokens`).
+GRPO, DAPO (asymmetric clip) and Dr.GRPO (a constant denominator) share the PPO-clipped surrogate;
 GSPO clips a sequence-level ratio and averages per sequence; CISPO weighs a REINFORCE term by a
 clipped, stop-gradient ratio. The mismatch corrections (truncated / masked IS, per token or per
-sequence) and the reference KL apply to every policy loss. docs/algorithms.md gives the formulas.
-Advantages arrive computed (with or without std normalisation: rlactors.rollout.advantages).
+sequence) and the reference KL apply to every policy loss. Advantages arrive computed
+(rlactors.rollout.advantages). The formulas: docs/algorithms.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """The router's side of weight sync: which replicas the weights go to, and what each one holds.
 
-The router (rlactors.actors.router) holds one `ReplicaWeights`; its weight endpoints call it. The
-replicas' states stay the router's: it names the replicas that are up or serving, and is told
-through two callbacks when a replica died on a push (`died`) and when one took a version
-(`received`: a restarted replica that awaited its first broadcast may serve from then on).
-
-- By messages, `update` sends a version's tensors to every serving replica at once and keeps them
+The router (rlactors.actors.router) holds one `ReplicaWeights`, which its weight endpoints call;
+the replicas' states stay the router's, told through `died` and `received`.
+- By messages, `update` sends a version's tensors to every serving replica and keeps them
   (`latest`), so that `bring_up` brings a restarted replica to that version before it serves.
-- By broadcast, a group's members are fixed when it is formed. `plan(up)` names the replicas up
-  now and whether they differ from the group's members (`stale`: one died, or a restarted one
-  waits), as of an `epoch`: the router calls `up_changed` whenever a replica comes up or goes
-  down, which counts the epoch on and tells the port given to `watch` at once, so that the push
-  knows without asking whether the group it formed (or found current) may have gone stale.
-  `join` has every TP worker of every planned member join the new group, member m's worker t as
-  rank 1 + m * tp + t (the trainer is rank 0); `receive` has the members still up receive a
-  broadcast (and names those whose group broke: a member died, so the push broadcasts
-  again to a new group); `dead_members` names those that died, which a broadcast waits for.
+- By broadcast, `plan(up)` names the replicas up now and whether the group's members are `stale`,
+  as of an `epoch` that `up_changed` counts on and tells `watch`; `join` has every TP worker of
+  every planned member join a new group; `receive` has the members still up receive a broadcast;
+  `dead_members` names those that died.
 - Through the trainer's shared buffer, `share` has every replica up check and load it.
-
-Each replica a push reaches either takes the version (its `version` is set), rejects the weights
-(an ActorError from a live engine: checksum, names or shapes; it keeps its version and the push
-raises naming it), by broadcast finds its group broken (`BroadcastBroken`: it lives, without the
-version), or fails otherwise, which means it died.
+A replica a push reaches takes the version, rejects the weights (the push raises naming it), finds
+its group broken (`BroadcastBroken`), or fails otherwise: it died. In full: docs/ARCHITECTURE.md,
+"Weight sync".
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """A replica's side of weight sync, beside its engine loop (rlactors.engines.async_engine).
 
-Weights come in two phases. Each new version is verified beside the running engine and the call
-returns; the engine loop loads it later, between steps (`due`, `load`): after a drain (in-flight
-requests finish on the old weights) or at once for a hot swap (in-flight requests go on with the
-new weights; each token carries its version). While a verified version waits for its load the
-loop admits nothing new (`waiting`), so every request sent after an update returns runs on that
-version or a newer one. A version that arrives before the previous one was loaded replaces it
-(newest wins): the trainer never waits for a drain, and a replica never loads weights that are
-already outdated.
-
-- By messages (`update_weights`) the tensors come with the call: their checksum, names and shapes
-  are checked, and the load is the engine's `load_weights`.
-- By broadcast (`join_weight_group`, `receive_weights`) they land in the engine's receive buffer
-  (`Engine.broadcast_receiver()`, rlactors.weight_sync.broadcast), where their checksum is
-  checked; the load copies them from there. The buffer holds one version: a version still waiting
-  for its load is overwritten by the next receive, a load in progress is waited for, and a receive
-  that fails its check after overwriting an accepted version makes that version's load fail, which
-  ends the engine loop (the replica can no longer serve what it accepted). A receive whose group
-  broke (a member died) leaves an overwritten version held, unloadable, until the push's next
-  broadcast (to a new group) replaces it.
+Weights come in two phases: each new version is verified beside the running engine and the call
+returns; the engine loop loads it later, between steps (`due`, `load`), after a drain or at once
+for a hot swap. While a verified version waits for its load the loop admits nothing new, so every
+request sent after an update runs on that version or a newer one; a version that arrives before
+the previous one was loaded replaces it (newest wins). By messages (`update_weights`) the tensors
+come with the call and load through the engine's `load_weights`; by broadcast (`join_weight_group`,
+`receive_weights`) they land in the engine's receive buffer (`Engine.broadcast_receiver()`), which
+holds one version; through the trainer's shared buffer (`load_shared`) they are checked
+and loaded from it before the call returns. What a failed receive leaves behind: docs/ARCHITECTURE.md,
+"Weight sync".
 """
 
 from __future__ import annotations

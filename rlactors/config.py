@@ -153,8 +153,10 @@ class GeneratorConfig(_Section):
     # "shared": trainer rank 0 packs into a buffer that the replicas on its host map (CUDA IPC on
     # GPU, shared memory on CPU); each push sends only (version, checksum).
     # "auto": broadcast for vLLM replicas on GPUs of their own (NCCL cannot join two ranks on one
-    # GPU), shared for one vLLM replica of one GPU colocated on trainer rank 0's, messages
-    # otherwise; resolved when the Config is made.
+    # GPU), shared for one vLLM replica of one GPU colocated in turns (generator.sleep) on trainer
+    # rank 0's, messages otherwise; resolved when the Config is made. (A shared push returns once
+    # the replica loaded it: free in turns, where the engine is idle; in async mode the trainer
+    # would wait for the replica's drain.)
     weight_sync: Literal["auto", "messages", "broadcast", "shared"] = "auto"
     # controller.colocate: the engines sleep (KV cache freed, vLLM's weights to host memory) while
     # the trainer steps, and wake for generation (rlactors.run.turns)
@@ -458,8 +460,8 @@ class Config:
             variant = "messages"
             if g.engine == "vllm" and not self.controller.colocate:
                 variant = "broadcast"
-            elif g.engine == "vllm" and g.replicas == 1 and g.tp == 1 and not self.model.lora.rank:
-                variant = "shared"  # colocated: the replica shares trainer rank 0's GPU
+            elif g.engine == "vllm" and g.sleep and g.replicas == 1 and g.tp == 1 and not self.model.lora.rank:
+                variant = "shared"  # colocated in turns: the replica shares trainer rank 0's GPU
             self.generator = dataclasses.replace(g, weight_sync=variant)
 
     def validate(self, available_gpus: int | None = None) -> None:

@@ -177,8 +177,10 @@ def test_weight_sync_auto_is_resolved_when_the_config_loads():
     vllm = ["controller.device=cuda", "generator.engine=vllm", "trainer.ranks=1", "generator.replicas=1"]
     own_gpus = load_config(overrides=vllm, available_gpus=2)
     assert own_gpus.generator.weight_sync == "broadcast"
-    assert load_config(overrides=[*vllm, "controller.colocate=true"], available_gpus=1).generator.weight_sync == \
-        "shared"
+    colocated = [*vllm, "controller.colocate=true"]
+    assert load_config(overrides=colocated, available_gpus=1).generator.weight_sync == "messages"
+    in_turns = [*colocated, "generator.sleep=true", 'controller.mode="sync"']
+    assert load_config(overrides=in_turns, available_gpus=1).generator.weight_sync == "shared"
     assert load_config().generator.weight_sync == "messages"  # native replicas
     assert load_config(overrides=["generator.weight_sync=broadcast"]).generator.weight_sync == "broadcast"
     # A run's config.toml holds the resolved value, so a resume with the same settings sees no change.
@@ -401,7 +403,8 @@ def test_lora_with_vllm_loads_at_tp_1_and_is_refused_at_tp_2():
 
 
 def test_shared_weight_sync_is_auto_for_one_vllm_replica_on_trainer_rank_0s_gpu_and_checked_at_load():
-    colocated = ["controller.device=cuda", "generator.engine=vllm", "controller.colocate=true", "trainer.ranks=2"]
+    colocated = ["controller.device=cuda", "generator.engine=vllm", "controller.colocate=true", "trainer.ranks=2",
+                 "generator.sleep=true", 'controller.mode="sync"']
     assert load_config(overrides=[*colocated, "generator.replicas=1"], available_gpus=2).generator.weight_sync == \
         "shared"
     # Replica 1 would share trainer rank 1's GPU, not rank 0's, where the buffer is; TP 2 loads in other processes.

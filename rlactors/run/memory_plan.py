@@ -340,7 +340,8 @@ class MemoryPlan:
                      ("teacher: CUDA context", self.teacher.context),
                      ("teacher: on trainer rank 0's GPU, in every phase", self.teacher.total)]
         for name, (trainer, generator) in self.phases().items():
-            rows.append((f"GPU in phase '{name}' (trainer + generator)", trainer + generator))
+            rows.append((f"GPU in phase '{name}' (trainer{', teacher' if self.teacher else ''} + generator)",
+                         trainer + generator))
         if self.host_bytes:
             rows.append(("host memory per GPU (offloaded moments, sleeping weights)", self.host_bytes))
         width = max(len(name) for name, _ in rows)

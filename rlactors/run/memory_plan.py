@@ -46,7 +46,7 @@ COMPILED_ACTIVATION_SHARE = 0.70
 LOGPROB_CHUNK_BYTES = 2 + 4 + 4 + 4
 
 
-def saved_bytes_per_token_layer(args: ModelArgs, dtype_bytes: int = 2) -> int:
+def saved_bytes_per_token_layer(args: ModelArgs, dtype_bytes: int = 2, lora: LoraConfig | None = None) -> int:
     """The bytes one eager decoder layer saves for backward per token (what autograd keeps), with
     a FlashAttention-style attention that saves q, k, v, its output and an fp32 logsumexp per head.
 
@@ -54,17 +54,27 @@ def saved_bytes_per_token_layer(args: ModelArgs, dtype_bytes: int = 2) -> int:
     (for the weight's gradient) and its output (the next matmul's input): two norms of `hidden`,
     and in Qwen3 a q/k norm per head, whose output RoPE does not keep (it multiplies by
     constants). Attention keeps rotated q and k, v, its output and the logsumexp; the MLP keeps
-    gate, silu(gate), up and their product (down's input)."""
+    gate, silu(gate), up and their product (down's input). With `lora` (rank > 0) all but the
+    adapters is frozen: no norm keeps its normalized input, a matmul's input is kept only when an
+    adapted linear reads it, and each adapted linear's B keeps A's r outputs."""
     h, i = args.hidden_size, args.intermediate_size
     q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
     heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
     b = dtype_bytes
-    norms = 2 * ((4 + 2 * b) * h + 4)
+    targets = set(lora.target_modules) if lora is not None and lora.rank else None
+
+    def read(*linears: str) -> int:  # 1 when a trainable weight needs these linears' input
+        return int(targets is None or bool(targets.intersection(linears)))
+
+    normalized = read()  # the norms' weights train
+    norms = ((4 + b * normalized + b * read("q_proj", "k_proj", "v_proj")) * h + 4
+             + (4 + b * normalized + b * read("gate_proj", "up_proj")) * h + 4)
     if args.family.qk_norm:  # no output kept: fp32 copy, rsqrt, normalized input
-        norms += (4 + b) * (q + kv) + 4 * (heads + kv_heads)
+        norms += (4 + b * normalized) * (q + kv) + 4 * (heads + kv_heads)
     attention = b * (2 * q + 2 * kv) + 4 * heads
-    mlp = 4 * b * i
-    return norms + attention + mlp
+    mlp = (3 + read("down_proj")) * b * i
+    adapters = b * lora.rank * len(targets) if targets else 0
+    return norms + attention + mlp + adapters
 
 
 @functools.cache
@@ -405,7 +415,7 @@ def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
     ranks = t.ranks
     params, root, layer, largest_root = _param_counts(args)
     lora = config.model.lora
-    adapters, adapters_layer, _, adapted = _lora_counts(args, lora)
+    adapters, adapters_layer, _, _ = _lora_counts(args, lora)
     mixed = t.mixed_precision  # on CUDA: bf16 compute over fp32 masters
     compute_bytes = 2 if mixed else 4
     trained = adapters or params
@@ -416,7 +426,7 @@ def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
     copies = compute_bytes * (root + 2 * (layer + adapters_layer)) if (mixed or ranks > 1) else 0.0
     tokens = b.rows_per_microbatch * b.row_tokens
     # LoRA's B keeps its input, A's r outputs, per adapted linear (A's input is kept already).
-    per_layer = saved_bytes_per_token_layer(args, compute_bytes) + compute_bytes * lora.rank * adapted
+    per_layer = saved_bytes_per_token_layer(args, compute_bytes, lora)
     if t.compile_layers and not config.model.true_on_policy:
         per_layer *= COMPILED_ACTIVATION_SHARE
     layers = args.num_hidden_layers

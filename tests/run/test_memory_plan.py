@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from rlactors import train
-from rlactors.config import ConfigError, load_config
+from rlactors.config import LORA_TARGETS, ConfigError, LoraConfig, load_config
+from rlactors.lora.adapters import to_lora
 from rlactors.models.checkpoint import checkpoint_shapes, load_args
 from rlactors.models.decoder import DecoderLayer
 from rlactors.models.tiny import make_tiny_checkpoint, size_args
@@ -56,7 +57,24 @@ class _FlashLike(torch.autograd.Function):
 def test_saved_bytes_per_token_layer_are_what_autograd_keeps(family):
     args = size_args("small", 1000, family=family)
     layer = DecoderLayer(args, 0).to(torch.bfloat16)
-    tokens = 16
+    assert kept_bytes(layer, args, tokens=16) == 16 * saved_bytes_per_token_layer(args)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("targets", [LORA_TARGETS, ("q_proj", "v_proj"), ("o_proj", "down_proj"), ("gate_proj",)])
+def test_saved_bytes_per_token_layer_under_lora_are_what_autograd_keeps(family, targets):
+    # The trainer's LoRA layer under mixed precision: a frozen bf16 base, the adapters cast to bf16.
+    args = size_args("small", 1000, family=family)
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleList([DecoderLayer(args, 0)])
+    lora = LoraConfig(rank=4, target_modules=targets)
+    to_lora(holder, lora, torch.bfloat16)
+    layer = holder.layers[0].to(torch.bfloat16)
+    assert kept_bytes(layer, args, tokens=16) == 16 * saved_bytes_per_token_layer(args, 2, lora)
+
+
+def kept_bytes(layer, args, tokens):
+    """The bytes autograd saves for backward in `layer`'s forward of `tokens` bf16 tokens."""
     x = torch.randn(tokens, args.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     cos, sin = torch.randn(2, tokens, args.head_dim, dtype=torch.bfloat16)
     # Parameters and RoPE's tables (one per forward, not per layer) are not activations.
@@ -70,7 +88,7 @@ def test_saved_bytes_per_token_layer_are_what_autograd_keeps(family):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x, cos[:, None].squeeze(1), sin, lambda i, q, k, v: _FlashLike.apply(q, k, v))
-    assert sum(kept.values()) == tokens * saved_bytes_per_token_layer(args)
+    return sum(kept.values())
 
 
 def test_plan_of_4b_on_one_gpu_colocated_with_sleep_and_offload(shapes):
@@ -334,8 +352,11 @@ def test_lora_counts_the_frozen_base_the_adapters_and_the_replicas_base_copy(sha
     assert t.optimizer == 8 * layer_adapters and t.optimizer_resident == 0  # offloaded: one layer's
     assert t.frozen_base == 2 * params  # bf16, no master
     assert t.compute_copies == 2 * (root + 2 * (layer + layer_adapters))
-    # B keeps A's 16 outputs per adapted linear and token.
-    assert t.activations == pytest.approx(8192 * 36 * (170_280 + 2 * 16 * 7) * 0.70)
+    # Frozen norms keep no normalized input (bf16, two of hidden, the q/k norms'); B keeps A's 16
+    # outputs per adapted linear and token.
+    lora_layer = 170_280 - 2 * (2 * h + q + kv) + 2 * 16 * 7
+    assert lora_layer == 150_024
+    assert t.activations == pytest.approx(8192 * 36 * lora_layer * 0.70)
     assert (t.sync_buffer, t.sync_gather) == (0, 2 * adapters)  # the bf16 adapters, gathered in one chunk
     assert t.resident == 4 * adapters + 2 * params + GIB
     g = p.generator

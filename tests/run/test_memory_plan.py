@@ -19,7 +19,7 @@ from rlactors.models.checkpoint import checkpoint_shapes, load_args
 from rlactors.models.decoder import DecoderLayer
 from rlactors.models.tiny import make_tiny_checkpoint, size_args
 from rlactors.run.controller import Controller
-from rlactors.run.memory_plan import GIB, gpu_gib, plan, saved_bytes_per_token_layer, sync_memory
+from rlactors.run.memory_plan import GIB, generator_memory, gpu_gib, plan, saved_bytes_per_token_layer, sync_memory
 
 V = 151936  # Qwen3's vocabulary
 ROOT = Path(__file__).resolve().parents[2]
@@ -331,6 +331,14 @@ def test_the_teacher_is_counted_on_the_trainers_first_gpu(tmp_path):
     assert p.largest_share() == math.floor(100 * (139.8 * GIB - t.resident - total - g.beyond) / (139.8 * GIB)) / 100
     assert "teacher: on trainer rank 0's GPU, in every phase" in p.table()
     assert plan(c, load_args(student)).teacher == teacher_bytes  # its shape read from teacher.path
+    with pytest.raises(ConfigError) as error:
+        plan(c, load_args(student), gpu_gib=16).check()
+    assert str(error.value) == (
+        "memory plan: 22.0 GiB needed per GPU of 16.0 while vLLM generates: generator.gpu_memory_utilization = 0.3 "
+        "(4.8 GiB, 2.4 beyond it) is too big beside the trainer and teacher's 14.8 GiB kept between steps: set "
+        "trainer.offload_optimizer = true or more trainer.ranks; 32.1 GiB needed per GPU of 16.0 (training: trainer "
+        "and teacher 30.1 + vllm 2.0): set trainer.offload_optimizer = true, trainer.activation_checkpointing = true, "
+        "more trainer.ranks or lower batcher.rows_per_microbatch or batcher.row_tokens")
 
 
 def test_lora_counts_the_frozen_base_the_adapters_and_the_replicas_base_copy(shapes):
@@ -367,3 +375,8 @@ def test_lora_counts_the_frozen_base_the_adapters_and_the_replicas_base_copy(sha
     table = p.table()
     assert "trainer: LoRA's frozen base, bf16" in table and "trainer: LoRA rank 16 adapters' fp32 gradients" in table
     assert sync_memory(c, p.args) == (0, 2 * adapters)
+    # The native engine keeps the same base copy, and its adapters in model.dtype, beside its weights.
+    native = generator_memory(dataclasses.replace(c, generator=dataclasses.replace(c.generator, engine="native")),
+                              p.args, gpu_bytes=None)
+    assert native.lora_base == 2 * (adapted + adapters)
+    assert native.share == native.asleep == 2 * params + native.kv_cache + 2 * (adapted + adapters) + GIB

@@ -279,13 +279,18 @@ def qwen3_eager_bytes(hidden, intermediate, heads, kv_heads, head_dim=128):
             + 8 * intermediate)
 
 
+def plan_of_4b_in_turns_on_80gb(shapes, *overrides):
+    """The 4B shape on one 80 GB GPU, colocated with sleep and offload, 8192 tokens a microbatch."""
+    c = cuda_config(shapes["4b"], *overrides, "generator.weight_sync=messages", "trainer.ranks=1",
+                    "trainer.offload_optimizer=true", "generator.replicas=1", "generator.gpu_memory_utilization=0.3",
+                    "generator.max_model_len=8192", "generator.sleep=true", "controller.colocate=true",
+                    'controller.mode="sync"', "batcher.row_tokens=8192", "batcher.rows_per_microbatch=1")
+    return plan(c, load_args(c.model.path), gpu_gib=80)
+
+
 def test_the_reference_policy_is_counted_on_each_trainer_rank(shapes):
-    c = cuda_config(shapes["4b"], "generator.weight_sync=messages", "loss.kl_coef=0.1",
-                    "trainer.ranks=1", "trainer.offload_optimizer=true", "generator.replicas=1",
-                    "generator.gpu_memory_utilization=0.3", "generator.max_model_len=8192", "generator.sleep=true",
-                    "controller.colocate=true", 'controller.mode="sync"', "batcher.row_tokens=8192",
-                    "batcher.rows_per_microbatch=1")
-    p = plan(c, load_args(c.model.path), gpu_gib=80)
+    p = plan_of_4b_in_turns_on_80gb(shapes, "loss.kl_coef=0.1")
+    c = p.config
     without = plan(dataclasses.replace(c, loss=dataclasses.replace(c.loss, kl_coef=0.0)), p.args, gpu_gib=80)
     params, eager = 4_022_468_096, qwen3_eager_bytes(2560, 9728, 32, 8)
     assert eager == 170_280
@@ -342,12 +347,8 @@ def test_the_teacher_is_counted_on_the_trainers_first_gpu(tmp_path):
 
 
 def test_lora_counts_the_frozen_base_the_adapters_and_the_replicas_base_copy(shapes):
-    c = cuda_config(shapes["4b"], "model.lora.rank=16", "generator.weight_sync=messages",
-                    "trainer.ranks=1", "trainer.offload_optimizer=true", "generator.replicas=1",
-                    "generator.gpu_memory_utilization=0.3", "generator.max_model_len=8192", "generator.sleep=true",
-                    "controller.colocate=true", 'controller.mode="sync"', "batcher.row_tokens=8192",
-                    "batcher.rows_per_microbatch=1")
-    p = plan(c, load_args(c.model.path), gpu_gib=80)
+    p = plan_of_4b_in_turns_on_80gb(shapes, "model.lora.rank=16")
+    c = p.config
     # By hand, Qwen3-4B with rank 16 on all seven linears: A [r, in] and B [out, r] each.
     q, kv, h, i = 4096, 1024, 2560, 9728
     layer_adapters = 16 * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))

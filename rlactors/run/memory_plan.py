@@ -93,24 +93,22 @@ def _param_counts(args: ModelArgs) -> tuple[int, int, int, int]:
     return root + sum(layers), root, max(layers), largest
 
 
-def _lora_counts(args: ModelArgs, lora: LoraConfig) -> tuple[int, int, int, int]:
+def _lora_counts(args: ModelArgs, lora: LoraConfig) -> tuple[int, int, int]:
     """(the adapters' parameters, the largest decoder layer's, the adapted linears' base
-    parameters, the most adapted linears in a layer) of `lora` on the plain decoder of `args`;
-    zeros without LoRA."""
+    parameters) of `lora` on the plain decoder of `args`; zeros without LoRA."""
     from rlactors.models.checkpoint import model_shapes
 
     if not lora.rank:
-        return 0, 0, 0, 0
-    layers, linears = [0] * args.num_hidden_layers, [0] * args.num_hidden_layers
+        return 0, 0, 0
+    layers = [0] * args.num_hidden_layers
     base = 0
     for name, shape in model_shapes(args).items():
         parts = name.split(".")
         if name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in lora.target_modules \
                 and ".experts." not in name:
             layers[int(parts[2])] += lora.rank * (shape[0] + shape[1])  # A [r, in] and B [out, r]
-            linears[int(parts[2])] += 1
             base += math.prod(shape)
-    return sum(layers), max(layers), base, max(linears)
+    return sum(layers), max(layers), base
 
 
 def frozen_forward_bytes(args: ModelArgs, dtype_bytes: int, ranks: int, tokens: int, chunk_tokens: int) -> float:
@@ -173,7 +171,7 @@ class GeneratorMemory:
     kv_tokens: int
     asleep: float  # what stays while it sleeps (vLLM level 1: the CUDA context)
     beyond: float = 0.0  # vLLM awake beyond its share (`vllm_beyond_share`), in `share`
-    lora_base: float = 0.0  # with model.lora: the adapted linears' base, kept to merge from, in `share`
+    lora_base: float = 0.0  # with model.lora: its copy of the adapted linears' base (native: and adapters)
 
 
 @dataclass(frozen=True)
@@ -336,10 +334,11 @@ class MemoryPlan:
                                      if g.engine == "vllm" else ""), g.share),
         ]
         if g.engine == "vllm":
-            rows.append(("vllm: of which beyond its share (context, pools, its profile's overshoot, LoRA's base)",
-                         g.beyond))
+            rows.append(("vllm: of which beyond its share (context, pools, its profile's overshoot"
+                         + (", LoRA's base copy)" if g.lora_base else ")"), g.beyond))
         if g.lora_base:
-            rows.append((f"{g.engine}: of which the adapted linears' base, kept to merge LoRA from", g.lora_base))
+            rows.append((f"{g.engine}: of which its copy of the adapted linears' base, to merge LoRA from"
+                         + (", and the adapters" if g.engine == "native" else ""), g.lora_base))
         if self.sleeps:
             rows.append((f"{g.engine}: asleep", g.asleep))
         if self.teacher:
@@ -415,7 +414,7 @@ def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
     ranks = t.ranks
     params, root, layer, largest_root = _param_counts(args)
     lora = config.model.lora
-    adapters, adapters_layer, _, _ = _lora_counts(args, lora)
+    adapters, adapters_layer, _ = _lora_counts(args, lora)
     mixed = t.mixed_precision  # on CUDA: bf16 compute over fp32 masters
     compute_bytes = 2 if mixed else 4
     trained = adapters or params
@@ -425,7 +424,6 @@ def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
     on_gpu = 8 * largest_group / ranks if t.offload_optimizer else moments
     copies = compute_bytes * (root + 2 * (layer + adapters_layer)) if (mixed or ranks > 1) else 0.0
     tokens = b.rows_per_microbatch * b.row_tokens
-    # LoRA's B keeps its input, A's r outputs, per adapted linear (A's input is kept already).
     per_layer = saved_bytes_per_token_layer(args, compute_bytes, lora)
     if t.compile_layers and not config.model.true_on_policy:
         per_layer *= COMPILED_ACTIVATION_SHARE
@@ -484,7 +482,7 @@ def generator_memory(config: Config, args: ModelArgs, gpu_bytes: float | None) -
     params = _param_counts(args)[0]
     weights = dtype_bytes * params / g.tp
     per_token = kv_bytes_per_token(args, dtype_bytes) / g.tp
-    adapters, _, adapted, _ = _lora_counts(args, m.lora)
+    adapters, _, adapted = _lora_counts(args, m.lora)
     if g.engine == "native":  # with LoRA, each adapted linear's base copy and its adapters
         kv = g.kv_cache_tokens * per_token
         lora = dtype_bytes * (adapted + adapters) / g.tp

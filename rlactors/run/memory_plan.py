@@ -3,13 +3,13 @@
 Pure arithmetic, before anything spawns (`python -m rlactors.train --config F --plan` prints it;
 `Controller.start` refuses a run that cannot fit, in one line naming the keys to change).
 
-Per trainer rank (FSDP2): fp32 master weights, gradients and AdamW moments (offloaded: one group's
-during the step), gathered bf16 compute copies, a microbatch's activations, the LM head's chunk,
-the weight sync's buffer (`sync_memory`) and the process's CUDA context. Per vLLM replica GPU: its
-`gpu_memory_utilization` share plus what it holds beyond it (`vllm_beyond_share`). Colocated with
-`generator.sleep` the GPU is held in turns (rlactors.run.turns): training (vLLM asleep), syncing
-(vLLM's weights awake, the trainer gathering the policy) and generation (vLLM awake beside what the
-trainer keeps between steps); the plan is the largest phase. docs/model_sizes.md has the formulas.
+Per trainer rank (FSDP2): fp32 master weights, gradients and AdamW moments of what trains (with
+`model.lora` the adapters, beside the frozen base), compute copies, activations, the LM head's
+chunk, the weight sync's buffer, the frozen reference policy (`loss.kl_coef`) and the CUDA
+context; on each trainer host's first GPU, the teacher's proc (`teacher.path`). Per vLLM replica
+GPU: its `gpu_memory_utilization` share plus what it holds beyond it. Colocated with
+`generator.sleep` the GPU is held in turns (rlactors.run.turns): training, syncing and generation;
+the plan is the largest phase. docs/model_sizes.md has the formulas.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import os
 import subprocess
 from dataclasses import dataclass
 
-from rlactors.config import Config, ConfigError
-from rlactors.models.args import ModelArgs
+from rlactors.config import Config, ConfigError, LoraConfig
+from rlactors.models.args import DTYPES, ModelArgs
 
 GIB = 2**30
 # Every trainer process beside its tensors: the CUDA context, cuBLAS and NCCL workspaces, allocator
@@ -46,7 +46,7 @@ COMPILED_ACTIVATION_SHARE = 0.70
 LOGPROB_CHUNK_BYTES = 2 + 4 + 4 + 4
 
 
-def saved_bytes_per_token_layer(args: ModelArgs, dtype_bytes: int = 2) -> int:
+def saved_bytes_per_token_layer(args: ModelArgs, dtype_bytes: int = 2, lora: LoraConfig | None = None) -> int:
     """The bytes one eager decoder layer saves for backward per token (what autograd keeps), with
     a FlashAttention-style attention that saves q, k, v, its output and an fp32 logsumexp per head.
 
@@ -54,17 +54,27 @@ def saved_bytes_per_token_layer(args: ModelArgs, dtype_bytes: int = 2) -> int:
     (for the weight's gradient) and its output (the next matmul's input): two norms of `hidden`,
     and in Qwen3 a q/k norm per head, whose output RoPE does not keep (it multiplies by
     constants). Attention keeps rotated q and k, v, its output and the logsumexp; the MLP keeps
-    gate, silu(gate), up and their product (down's input)."""
+    gate, silu(gate), up and their product (down's input). With `lora` (rank > 0) all but the
+    adapters is frozen: no norm keeps its normalized input, a matmul's input is kept only when an
+    adapted linear reads it, and each adapted linear's B keeps A's r outputs."""
     h, i = args.hidden_size, args.intermediate_size
     q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
     heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
     b = dtype_bytes
-    norms = 2 * ((4 + 2 * b) * h + 4)
+    targets = set(lora.target_modules) if lora is not None and lora.rank else None
+
+    def read(*linears: str) -> int:  # 1 when a trainable weight needs these linears' input
+        return int(targets is None or bool(targets.intersection(linears)))
+
+    normalized = read()  # the norms' weights train
+    norms = ((4 + b * normalized + b * read("q_proj", "k_proj", "v_proj")) * h + 4
+             + (4 + b * normalized + b * read("gate_proj", "up_proj")) * h + 4)
     if args.family.qk_norm:  # no output kept: fp32 copy, rsqrt, normalized input
-        norms += (4 + b) * (q + kv) + 4 * (heads + kv_heads)
+        norms += (4 + b * normalized) * (q + kv) + 4 * (heads + kv_heads)
     attention = b * (2 * q + 2 * kv) + 4 * heads
-    mlp = 4 * b * i
-    return norms + attention + mlp
+    mlp = (3 + read("down_proj")) * b * i
+    adapters = b * lora.rank * len(targets) if targets else 0
+    return norms + attention + mlp + adapters
 
 
 @functools.cache
@@ -83,6 +93,37 @@ def _param_counts(args: ModelArgs) -> tuple[int, int, int, int]:
     return root + sum(layers), root, max(layers), largest
 
 
+def _lora_counts(args: ModelArgs, lora: LoraConfig) -> tuple[int, int, int]:
+    """(the adapters' parameters, the largest decoder layer's, the adapted linears' base
+    parameters) of `lora` on the plain decoder of `args`; zeros without LoRA."""
+    from rlactors.models.checkpoint import model_shapes
+
+    if not lora.rank:
+        return 0, 0, 0
+    layers = [0] * args.num_hidden_layers
+    base = 0
+    for name, shape in model_shapes(args).items():
+        parts = name.split(".")
+        if name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in lora.target_modules \
+                and ".experts." not in name:
+            layers[int(parts[2])] += lora.rank * (shape[0] + shape[1])  # A [r, in] and B [out, r]
+            base += math.prod(shape)
+    return sum(layers), max(layers), base
+
+
+def frozen_forward_bytes(args: ModelArgs, dtype_bytes: int, ranks: int, tokens: int, chunk_tokens: int) -> float:
+    """The working set of a no-grad forward of a frozen copy sharded over `ranks` (the reference
+    policy, the teacher) on a microbatch of `tokens`, beside its weights: the gathered root unit
+    and two layers (over ranks), one layer's intermediates (at most what it would save for
+    backward), the final hidden states, per-token logprobs and one LM-head chunk."""
+    _, root, largest_layer, _ = _param_counts(args)
+    copies = dtype_bytes * (root + 2 * largest_layer) if ranks > 1 else 0
+    layer = tokens * saved_bytes_per_token_layer(args, dtype_bytes)
+    chunk = min(chunk_tokens, tokens) * args.vocab_size * LOGPROB_CHUNK_BYTES
+    head = tokens * (dtype_bytes * args.hidden_size + 4) + chunk
+    return copies + layer + head
+
+
 @dataclass(frozen=True)
 class TrainerMemory:
     """Bytes on one trainer GPU at the peak of a step (the last microbatch's backward)."""
@@ -97,18 +138,26 @@ class TrainerMemory:
     sync_buffer: float = 0.0  # the weight sync's packed policy, kept on rank 0 (`sync_memory`)
     sync_gather: float = 0.0  # the policy gathered on rank 0 while it is sent, then freed
     context: float = CUDA_CONTEXT_GIB * GIB
+    frozen_base: float = 0.0  # with model.lora: the base's shard, in the compute dtype, no master
+    reference: float = 0.0  # the reference policy's shard (loss.kl_coef), in model.dtype
+    reference_forward: float = 0.0  # its forward's working set, before the policy's forward
+    reference_logprobs: float = 0.0  # its fp32 logprobs of the microbatch, kept for the loss
 
     @property
     def peak(self) -> float:
-        return (self.master_weights + self.gradients + self.optimizer + self.compute_copies + self.activations
-                + self.logprob_head + self.sync_buffer + self.context)
+        """The last microbatch's backward, or the reference's forward before it if that is larger;
+        both beside the weights, gradients, moments and the reference's logprobs."""
+        policy = self.compute_copies + self.activations + self.logprob_head + self.reference_logprobs
+        return (self.master_weights + self.frozen_base + self.reference + self.gradients + self.optimizer
+                + self.sync_buffer + self.context + max(policy, self.reference_forward))
 
     @property
     def resident(self) -> float:
-        """What stays while the engines generate: master weights, the moments unless offloaded,
-        the sync's buffer (the gradients are freed by the step, the activations by backward, the
-        gathered policy by the turn that wakes the KV cache)."""
-        return self.master_weights + self.optimizer_resident + self.sync_buffer + self.context
+        """What stays while the engines generate: master weights (and a frozen base), the moments
+        unless offloaded, the reference, the sync's buffer (the gradients are freed by the step,
+        the activations by backward, the gathered policy by the turn that wakes the KV cache)."""
+        return (self.master_weights + self.frozen_base + self.reference + self.optimizer_resident + self.sync_buffer
+                + self.context)
 
 
 @dataclass(frozen=True)
@@ -122,6 +171,22 @@ class GeneratorMemory:
     kv_tokens: int
     asleep: float  # what stays while it sleeps (vLLM level 1: the CUDA context)
     beyond: float = 0.0  # vLLM awake beyond its share (`vllm_beyond_share`), in `share`
+    lora_base: float = 0.0  # with model.lora: its copy of the adapted linears' base (native: and adapters)
+
+
+@dataclass(frozen=True)
+class TeacherMemory:
+    """Bytes of the teacher's proc (`teacher.path`) on its trainer host's first GPU: its shard
+    (over the trainer hosts, in model.dtype) and its scoring forward's working set, which its
+    allocator keeps cached in every phase."""
+
+    weights: float
+    scoring: float
+    context: float = CUDA_CONTEXT_GIB * GIB
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.scoring + self.context
 
 
 @dataclass(frozen=True)
@@ -131,6 +196,7 @@ class MemoryPlan:
     trainer: TrainerMemory
     generator: GeneratorMemory
     gpu_bytes: float | None  # one GPU's memory; None: unknown (no check)
+    teacher: TeacherMemory | None = None
 
     @property
     def colocated(self) -> bool:
@@ -144,14 +210,16 @@ class MemoryPlan:
         """Per GPU, (trainer, generator) bytes in each phase that holds the GPU. Colocated with
         sleep: the trainer's step, the weight sync (vLLM's weights awake, the trainer gathering)
         and generation; colocated without: both at their peak at once; apart: the trainer's GPUs
-        and the generators' GPUs."""
+        and the generators' GPUs. The trainer's part counts the teacher's proc beside rank 0."""
         t, g = self.trainer, self.generator
+        teacher = self.teacher.total if self.teacher else 0.0
         if self.sleeps:
-            return {"training": (t.peak, g.asleep), "syncing": (t.resident + t.sync_gather, g.asleep + g.weights),
-                    "generation": (t.resident, g.share)}
+            return {"training": (t.peak + teacher, g.asleep),
+                    "syncing": (t.resident + t.sync_gather + teacher, g.asleep + g.weights),
+                    "generation": (t.resident + teacher, g.share)}
         if self.colocated:
-            return {"both": (t.peak, g.share)}
-        return {"trainer GPUs": (t.peak, 0.0), "generator GPUs": (0.0, g.share)}
+            return {"both": (t.peak + teacher, g.share)}
+        return {"trainer GPUs": (t.peak + teacher, 0.0), "generator GPUs": (0.0, g.share)}
 
     @property
     def needed(self) -> tuple[str, float, float]:
@@ -172,7 +240,7 @@ class MemoryPlan:
         fits beside what the trainer holds while it generates (its resident memory with sleep,
         else its step peak), with `margin_gib` to spare; 0 when nothing is left."""
         t, g = self.trainer, self.generator
-        trainer = t.resident if self.sleeps else t.peak
+        trainer = (t.resident if self.sleeps else t.peak) + (self.teacher.total if self.teacher else 0.0)
         left = self.gpu_bytes - trainer - g.beyond - margin_gib * GIB
         return max(0.0, math.floor(100 * left / self.gpu_bytes) / 100)
 
@@ -182,6 +250,7 @@ class MemoryPlan:
         if self.gpu_bytes is None:
             return []
         c, g = self.config, self.generator
+        who = "trainer and teacher" if self.teacher else "trainer"
         found = []
         phases = self.phases()
         share = c.generator.gpu_memory_utilization
@@ -190,7 +259,7 @@ class MemoryPlan:
             most = self.largest_share()
             found.append(f"{_gib(trainer + generator)} GiB needed per GPU of {_gib(self.gpu_bytes)} while vLLM "
                          f"generates: generator.gpu_memory_utilization = {share:g} ({_gib(generator - g.beyond)} GiB, "
-                         f"{_gib(g.beyond)} beyond it) is too big beside the trainer's {_gib(trainer)} GiB kept "
+                         f"{_gib(g.beyond)} beyond it) is too big beside the {who}'s {_gib(trainer)} GiB kept "
                          f"between steps: set " + (f"generator.gpu_memory_utilization <= {most:g} or " if most else "")
                          + self._fixes(resident_only=True))
         name, (trainer, generator) = max(phases.items(), key=lambda phase: sum(phase[1]))
@@ -198,7 +267,7 @@ class MemoryPlan:
             fixes = (f"the weight sync by {c.generator.weight_sync} gathers {_gib(self.trainer.sync_gather)} GiB on "
                      "trainer rank 0's GPU: set controller.colocate = false or raise generator.tp"
                      if name == "syncing" else "set " + self._fixes())
-            found.append(f"{_gib(trainer + generator)} GiB needed per GPU of {_gib(self.gpu_bytes)} ({name}: trainer "
+            found.append(f"{_gib(trainer + generator)} GiB needed per GPU of {_gib(self.gpu_bytes)} ({name}: {who} "
                          f"{_gib(trainer)} + {g.engine} {_gib(generator)}): {fixes}")
         if g.engine == "vllm" and g.kv_tokens < c.generator.max_model_len:
             found.append(f"vLLM's share ({_gib(g.share - g.beyond)} GiB) leaves KV cache for {g.kv_tokens} tokens "
@@ -234,9 +303,11 @@ class MemoryPlan:
         c, t, g = self.config, self.trainer, self.generator
         ranks = c.trainer.ranks
         tokens = c.batcher.rows_per_microbatch * c.batcher.row_tokens
+        each = f" (1/{ranks} each)" if ranks > 1 else ""
+        lora = f"LoRA rank {c.model.lora.rank} adapters' " if c.model.lora.rank else ""
         rows = [
-            ("trainer: fp32 master weights" + (f" (1/{ranks} each)" if ranks > 1 else ""), t.master_weights),
-            ("trainer: fp32 gradients", t.gradients),
+            (f"trainer: {lora}fp32 master weights{each}", t.master_weights),
+            (f"trainer: {lora}fp32 gradients", t.gradients),
             ("trainer: AdamW moments on the GPU" + (" (offloaded: one group)" if c.trainer.offload_optimizer else ""),
              t.optimizer),
             ("trainer: gathered compute copies", t.compute_copies),
@@ -246,6 +317,15 @@ class MemoryPlan:
             (f"trainer: weight sync ({c.generator.weight_sync}) buffer kept on rank 0", t.sync_buffer),
             (f"trainer: weight sync ({c.generator.weight_sync}) gather on rank 0, while syncing", t.sync_gather),
             ("trainer: CUDA context and workspaces", t.context),
+        ]
+        if c.model.lora.rank:
+            rows.insert(1, (f"trainer: LoRA's frozen base, {'bf16' if c.trainer.mixed_precision else 'fp32'}{each}",
+                            t.frozen_base))
+        if t.reference:
+            rows += [(f"trainer: reference policy (loss.kl_coef), {c.model.dtype}{each}", t.reference),
+                     ("trainer: reference's forward, before the policy's", t.reference_forward),
+                     ("trainer: reference's logprobs, kept for the loss", t.reference_logprobs)]
+        rows += [
             ("trainer: step peak", t.peak),
             ("trainer: kept while generating", t.resident),
             (f"{g.engine}: weights" + (f" (1/{c.generator.tp} each)" if c.generator.tp > 1 else ""), g.weights),
@@ -254,11 +334,23 @@ class MemoryPlan:
                                      if g.engine == "vllm" else ""), g.share),
         ]
         if g.engine == "vllm":
-            rows.append(("vllm: of which beyond its share (context, pools, its profile's overshoot)", g.beyond))
+            rows.append(("vllm: of which beyond its share (context, pools, its profile's overshoot"
+                         + (", LoRA's base copy)" if g.lora_base else ")"), g.beyond))
+        if g.lora_base:
+            rows.append((f"{g.engine}: of which its copy of the adapted linears' base, to merge LoRA from"
+                         + (", and the adapters" if g.engine == "native" else ""), g.lora_base))
         if self.sleeps:
             rows.append((f"{g.engine}: asleep", g.asleep))
+        if self.teacher:
+            hosts = c.job.trainer_hosts
+            rows += [(f"teacher: weights, {c.model.dtype}" + (f" (1/{hosts} each)" if hosts > 1 else ""),
+                      self.teacher.weights),
+                     ("teacher: scoring forward, kept cached", self.teacher.scoring),
+                     ("teacher: CUDA context", self.teacher.context),
+                     ("teacher: on trainer rank 0's GPU, in every phase", self.teacher.total)]
         for name, (trainer, generator) in self.phases().items():
-            rows.append((f"GPU in phase '{name}' (trainer + generator)", trainer + generator))
+            rows.append((f"GPU in phase '{name}' (trainer{', teacher' if self.teacher else ''} + generator)",
+                         trainer + generator))
         if self.host_bytes:
             rows.append(("host memory per GPU (offloaded moments, sleeping weights)", self.host_bytes))
         width = max(len(name) for name, _ in rows)
@@ -296,23 +388,43 @@ def gpu_gib(config: Config) -> float | None:
 
 def plan(config: Config, args: ModelArgs, gpu_gib: float | None = None) -> MemoryPlan:
     """The plan of `config` for the model `args` (the checkpoint's config.json) on GPUs of
-    `gpu_gib` GiB (None: unknown, nothing is checked)."""
+    `gpu_gib` GiB (None: unknown, nothing is checked); with `teacher.path`, that checkpoint's
+    config.json gives the teacher's shape."""
     gpu_bytes = None if gpu_gib is None else gpu_gib * GIB
-    return MemoryPlan(config, args, trainer_memory(config, args), generator_memory(config, args, gpu_bytes), gpu_bytes)
+    return MemoryPlan(config, args, trainer_memory(config, args), generator_memory(config, args, gpu_bytes), gpu_bytes,
+                      teacher_memory(config) if config.teacher.path else None)
+
+
+def teacher_memory(config: Config) -> TeacherMemory:
+    """The teacher's proc: one a trainer host, its ranks sharding it (rlactors.actors.teacher),
+    scoring one microbatch at a time."""
+    from rlactors.models.checkpoint import load_args
+    from rlactors.trainer.reference import reference_bytes_per_rank
+
+    args, dtype, hosts = load_args(config.teacher.path), DTYPES[config.model.dtype], config.job.trainer_hosts
+    tokens = config.batcher.rows_per_microbatch * config.batcher.row_tokens
+    return TeacherMemory(reference_bytes_per_rank(args, dtype, hosts),
+                         frozen_forward_bytes(args, dtype.itemsize, hosts, tokens, config.trainer.logprob_chunk_tokens))
 
 
 def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
+    """One trainer rank's bytes. With `model.lora` only the adapters have fp32 masters, gradients
+    and moments; the base is frozen in the compute dtype (rlactors.lora.adapters.to_lora)."""
     t, b = config.trainer, config.batcher
     ranks = t.ranks
     params, root, layer, largest_root = _param_counts(args)
+    lora = config.model.lora
+    adapters, adapters_layer, _ = _lora_counts(args, lora)
     mixed = t.mixed_precision  # on CUDA: bf16 compute over fp32 masters
     compute_bytes = 2 if mixed else 4
+    trained = adapters or params
     # An offload group is a decoder layer or one tensor of the root unit (rlactors.trainer.offload).
-    moments = 8 * params / ranks
-    on_gpu = 8 * max(largest_root, layer) / ranks if t.offload_optimizer else moments
-    copies = compute_bytes * (root + 2 * layer) if (mixed or ranks > 1) else 0.0
+    moments = 8 * trained / ranks
+    largest_group = adapters_layer if adapters else max(largest_root, layer)
+    on_gpu = 8 * largest_group / ranks if t.offload_optimizer else moments
+    copies = compute_bytes * (root + 2 * (layer + adapters_layer)) if (mixed or ranks > 1) else 0.0
     tokens = b.rows_per_microbatch * b.row_tokens
-    per_layer = saved_bytes_per_token_layer(args, compute_bytes)
+    per_layer = saved_bytes_per_token_layer(args, compute_bytes, lora)
     if t.compile_layers and not config.model.true_on_policy:
         per_layer *= COMPILED_ACTIVATION_SHARE
     layers = args.num_hidden_layers
@@ -325,21 +437,32 @@ def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
     # and one chunk's logits at a time.
     head = tokens * (compute_bytes * args.hidden_size + 12) + chunk * args.vocab_size * LOGPROB_CHUNK_BYTES
     sync_buffer, sync_gather = sync_memory(config, args)
-    return TrainerMemory(master_weights=4 * params / ranks, gradients=4 * params / ranks, optimizer=on_gpu,
+    reference = {}
+    if config.loss.kl_coef > 0:
+        from rlactors.trainer.reference import reference_bytes_per_rank
+
+        dtype = DTYPES[config.model.dtype]
+        reference = dict(reference=reference_bytes_per_rank(args, dtype, ranks, t.expert_parallel),
+                         reference_forward=frozen_forward_bytes(args, dtype.itemsize, ranks, tokens,
+                                                                t.logprob_chunk_tokens),
+                         reference_logprobs=4 * tokens)
+    return TrainerMemory(master_weights=4 * trained / ranks, gradients=4 * trained / ranks, optimizer=on_gpu,
                          compute_copies=copies, activations=activations, logprob_head=head,
                          optimizer_resident=0.0 if t.offload_optimizer else moments, sync_buffer=sync_buffer,
-                         sync_gather=sync_gather)
+                         sync_gather=sync_gather, frozen_base=compute_bytes * params / ranks if adapters else 0.0,
+                         **reference)
 
 
 def sync_memory(config: Config, args: ModelArgs) -> tuple[float, float]:
-    """The weight sync's bytes on trainer rank 0: (kept, gathered while syncing), of the policy in
-    `model.dtype`. "broadcast" and "shared" keep it packed in one buffer (the replicas receive it
-    or map it by CUDA IPC). "messages" gathers it to host memory a chunk of rows at a time
-    (`PolicyTrainerCore.full_weights`): a staging chunk and, over ranks, every rank's slot of it."""
+    """The weight sync's bytes on trainer rank 0: (kept, gathered while syncing), of what it sends
+    (the policy, or with `model.lora` the adapters) in `model.dtype`. "broadcast" and "shared"
+    keep it packed in one buffer (the replicas receive it or map it by CUDA IPC). "messages"
+    gathers it to host memory a chunk of rows at a time (`PolicyTrainerCore.full_weights`): a
+    staging chunk and, over ranks, every rank's slot of it."""
     from rlactors.trainer.gather import GATHER_CHUNK_BYTES
 
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
-    policy, ranks = dtype_bytes * _param_counts(args)[0], config.trainer.ranks
+    synced = _lora_counts(args, config.model.lora)[0] or _param_counts(args)[0]
+    policy, ranks = DTYPES[config.model.dtype].itemsize * synced, config.trainer.ranks
     if config.generator.weight_sync in ("broadcast", "shared"):
         return policy, 0.0
     return 0.0, min(policy, GATHER_CHUNK_BYTES) * (2 + 1 / ranks if ranks > 1 else 1)
@@ -359,15 +482,19 @@ def generator_memory(config: Config, args: ModelArgs, gpu_bytes: float | None) -
     params = _param_counts(args)[0]
     weights = dtype_bytes * params / g.tp
     per_token = kv_bytes_per_token(args, dtype_bytes) / g.tp
-    if g.engine == "native":
+    adapters, _, adapted = _lora_counts(args, m.lora)
+    if g.engine == "native":  # with LoRA, each adapted linear's base copy and its adapters
         kv = g.kv_cache_tokens * per_token
-        return GeneratorMemory("native", weights + kv + CUDA_CONTEXT_GIB * GIB, weights, kv, g.kv_cache_tokens,
-                               asleep=weights + kv + CUDA_CONTEXT_GIB * GIB)
+        lora = dtype_bytes * (adapted + adapters) / g.tp
+        held = weights + kv + lora + CUDA_CONTEXT_GIB * GIB
+        return GeneratorMemory("native", held, weights, kv, g.kv_cache_tokens, asleep=held, lora_base=lora)
     share = g.gpu_memory_utilization * gpu_bytes if gpu_bytes is not None else weights + VLLM_RUNTIME_GIB * GIB
     kv = max(0.0, share - weights - VLLM_RUNTIME_GIB * GIB)
-    beyond = vllm_beyond_share(args, g.tp)
+    # With LoRA the replica's copy of the adapted rows is made outside vLLM's pools: it stays asleep.
+    lora = dtype_bytes * adapted / g.tp
+    beyond = vllm_beyond_share(args, g.tp) + lora
     return GeneratorMemory("vllm", share + beyond, weights, kv, int(kv // per_token),
-                           asleep=VLLM_OUTSIDE_SHARE_GIB * GIB, beyond=beyond)
+                           asleep=VLLM_OUTSIDE_SHARE_GIB * GIB + lora, beyond=beyond, lora_base=lora)
 
 
 def vllm_beyond_share(args: ModelArgs, tp: int) -> float:

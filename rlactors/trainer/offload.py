@@ -21,11 +21,11 @@ from torch.distributed.tensor import DTensor
 
 
 def layer_groups(model: nn.Module) -> list[list[nn.Parameter]]:
-    """The parameters of each decoder layer, then each of the others (embedding, LM head, final
-    norm) on its own, in model order."""
-    layers = [list(layer.parameters()) for layer in model.model.layers]
+    """The trainable parameters of each decoder layer, then each of the others (embedding, LM
+    head, final norm) on its own, in model order; with `model.lora`, a layer's adapters."""
+    layers = [[p for p in layer.parameters() if p.requires_grad] for layer in model.model.layers]
     in_layers = {id(p) for group in layers for p in group}
-    rest = [[p] for p in model.parameters() if id(p) not in in_layers]
+    rest = [[p] for p in model.parameters() if p.requires_grad and id(p) not in in_layers]
     return [group for group in (*layers, *rest) if group]
 
 

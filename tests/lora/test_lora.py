@@ -187,5 +187,18 @@ def test_trainer_trains_syncs_checkpoints_and_exports_the_adapters_only(tiny_ckp
     assert (peft_logits(hf_model(f"{tmp_path}/ckpt/step_00000002/hf"), parts) - ours).abs().max() <= 1e-5
 
 
+def test_lora_with_the_optimizer_offloaded_steps_bitwise_as_the_resident_one(tiny_ckpt, device):
+    config = LoraConfig(rank=4, alpha=8.0, target_modules=ALL_LINEARS)
+    plain = make_core(tiny_ckpt, device, true_on_policy=False, lora=config, lr=1e-2)
+    offloaded = make_core(tiny_ckpt, device, true_on_policy=False, lora=config, lr=1e-2, offload_optimizer=True)
+    assert len(offloaded._offload.groups) == offloaded.args.num_hidden_layers  # each layer's adapters
+    for seed in (1, 2):
+        assert train_step(offloaded, seed) == train_step(plain, seed)
+    adapters = adapter_parameters(plain.model)
+    assert all(torch.equal(p, adapters[n]) for n, p in adapter_parameters(offloaded.model).items())
+    assert not all(torch.equal(p, q) for p, q in zip(adapters.values(), adapter_parameters(
+        make_core(tiny_ckpt, device, true_on_policy=False, lora=config).model).values()))  # they trained
+
+
 def test_native_true_on_policy_with_lora_logprob_diff_is_zero(tiny_ckpt, device, tmp_path):
     assert_lora_true_on_policy_diff_is_zero(tiny_ckpt, device, tmp_path)

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from rlactors import train
-from rlactors.config import ConfigError, load_config
+from rlactors.config import LORA_TARGETS, ConfigError, LoraConfig, load_config
+from rlactors.lora.adapters import to_lora
 from rlactors.models.checkpoint import checkpoint_shapes, load_args
 from rlactors.models.decoder import DecoderLayer
 from rlactors.models.tiny import make_tiny_checkpoint, size_args
 from rlactors.run.controller import Controller
-from rlactors.run.memory_plan import GIB, gpu_gib, plan, saved_bytes_per_token_layer, sync_memory
+from rlactors.run.memory_plan import GIB, generator_memory, gpu_gib, plan, saved_bytes_per_token_layer, sync_memory
 
 V = 151936  # Qwen3's vocabulary
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +57,24 @@ class _FlashLike(torch.autograd.Function):
 def test_saved_bytes_per_token_layer_are_what_autograd_keeps(family):
     args = size_args("small", 1000, family=family)
     layer = DecoderLayer(args, 0).to(torch.bfloat16)
-    tokens = 16
+    assert kept_bytes(layer, args, tokens=16) == 16 * saved_bytes_per_token_layer(args)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("targets", [LORA_TARGETS, ("q_proj", "v_proj"), ("o_proj", "down_proj"), ("gate_proj",)])
+def test_saved_bytes_per_token_layer_under_lora_are_what_autograd_keeps(family, targets):
+    # The trainer's LoRA layer under mixed precision: a frozen bf16 base, the adapters cast to bf16.
+    args = size_args("small", 1000, family=family)
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleList([DecoderLayer(args, 0)])
+    lora = LoraConfig(rank=4, target_modules=targets)
+    to_lora(holder, lora, torch.bfloat16)
+    layer = holder.layers[0].to(torch.bfloat16)
+    assert kept_bytes(layer, args, tokens=16) == 16 * saved_bytes_per_token_layer(args, 2, lora)
+
+
+def kept_bytes(layer, args, tokens):
+    """The bytes autograd saves for backward in `layer`'s forward of `tokens` bf16 tokens."""
     x = torch.randn(tokens, args.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     cos, sin = torch.randn(2, tokens, args.head_dim, dtype=torch.bfloat16)
     # Parameters and RoPE's tables (one per forward, not per layer) are not activations.
@@ -70,7 +88,7 @@ def test_saved_bytes_per_token_layer_are_what_autograd_keeps(family):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x, cos[:, None].squeeze(1), sin, lambda i, q, k, v: _FlashLike.apply(q, k, v))
-    assert sum(kept.values()) == tokens * saved_bytes_per_token_layer(args)
+    return sum(kept.values())
 
 
 def test_plan_of_4b_on_one_gpu_colocated_with_sleep_and_offload(shapes):
@@ -252,3 +270,114 @@ def test_the_weight_syncs_buffer_on_trainer_rank_0(shapes, weight_sync, kept, ga
     assert sync_memory(c, load_args(c.model.path)) == (kept * params, gathered)
     t = plan(c, load_args(c.model.path)).trainer
     assert t.resident == 12 * params + kept * params + GIB and t.sync_gather == gathered
+
+
+def qwen3_eager_bytes(hidden, intermediate, heads, kv_heads, head_dim=128):
+    """Per token, the bf16 eager layer's saved bytes, by the formula in docs/model_sizes.md."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return (2 * (8 * hidden + 4) + (6 * (q + kv) + 4 * (heads + kv_heads)) + (2 * (2 * q + 2 * kv) + 4 * heads)
+            + 8 * intermediate)
+
+
+def plan_of_4b_in_turns_on_80gb(shapes, *overrides):
+    """The 4B shape on one 80 GB GPU, colocated with sleep and offload, 8192 tokens a microbatch."""
+    c = cuda_config(shapes["4b"], *overrides, "generator.weight_sync=messages", "trainer.ranks=1",
+                    "trainer.offload_optimizer=true", "generator.replicas=1", "generator.gpu_memory_utilization=0.3",
+                    "generator.max_model_len=8192", "generator.sleep=true", "controller.colocate=true",
+                    'controller.mode="sync"', "batcher.row_tokens=8192", "batcher.rows_per_microbatch=1")
+    return plan(c, load_args(c.model.path), gpu_gib=80)
+
+
+def test_the_reference_policy_is_counted_on_each_trainer_rank(shapes):
+    p = plan_of_4b_in_turns_on_80gb(shapes, "loss.kl_coef=0.1")
+    c = p.config
+    without = plan(dataclasses.replace(c, loss=dataclasses.replace(c.loss, kl_coef=0.0)), p.args, gpu_gib=80)
+    params, eager = 4_022_468_096, qwen3_eager_bytes(2560, 9728, 32, 8)
+    assert eager == 170_280
+    t = p.trainer
+    assert t.reference == 2 * params  # a frozen bf16 copy, one rank: all of it
+    # Its no-grad forward, before the policy's: one layer's intermediates, the final hidden states
+    # and logprobs, one LM-head chunk (one rank: nothing gathered).
+    assert t.reference_forward == 8192 * eager + 8192 * (2 * 2560 + 4) + 1024 * V * 14
+    assert t.reference_logprobs == 4 * 8192  # fp32, kept for the KL term
+    policy = t.compute_copies + t.activations + t.logprob_head + 4 * 8192
+    assert t.reference_forward < policy  # the policy's backward stays the peak
+    assert t.peak == pytest.approx(without.trainer.peak + 2 * params + 4 * 8192)
+    assert t.resident == without.trainer.resident + 2 * params == 4 * params + 2 * params + GIB
+    assert p.phases()["generation"] == (6 * params + GIB, 0.3 * 80 * GIB + p.generator.beyond)
+    assert p.largest_share() == math.floor(100 * (80 * GIB - 6 * params - GIB - p.generator.beyond) / (80 * GIB)) / 100
+    assert "trainer: reference policy (loss.kl_coef), bfloat16" in p.table()
+    assert without.trainer.reference == without.trainer.reference_forward == 0
+
+
+def test_the_teacher_is_counted_on_the_trainers_first_gpu(tmp_path):
+    student = make_tiny_checkpoint(tmp_path / "0.6b", size="0.6b", weights=False)
+    teacher = make_tiny_checkpoint(tmp_path / "1.7b", size="1.7b", weights=False)
+    c = cuda_config(student, f'teacher.path="{teacher}"', "generator.weight_sync=messages", "trainer.ranks=1",
+                    "generator.replicas=1", "generator.gpu_memory_utilization=0.3", "generator.sleep=true",
+                    "controller.colocate=true", 'controller.mode="sync"', "batcher.row_tokens=8192",
+                    "batcher.rows_per_microbatch=1")
+    p = plan(c, load_args(student), gpu_gib=139.8)
+    # By hand. Qwen3-1.7B: hidden 2048, intermediate 6144, 28 layers, 16 q / 8 kv heads of 128, tied.
+    layer = 2048 * 2048 + 2 * 2048 * 1024 + 2048 * 2048 + 2 * 128 + 3 * 2048 * 6144 + 2 * 2048
+    params = 28 * layer + V * 2048 + 2048
+    assert params == 1_720_574_976
+    eager = qwen3_eager_bytes(2048, 6144, 16, 8)
+    assert eager == 112_808
+    teacher_bytes = p.teacher
+    assert teacher_bytes.weights == 2 * params  # bf16 (model.dtype), one trainer host: all of it
+    assert teacher_bytes.scoring == 8192 * eager + 8192 * (2 * 2048 + 4) + 1024 * V * 14
+    total = 2 * params + teacher_bytes.scoring + GIB
+    assert teacher_bytes.total == total
+    t, g = p.trainer, p.generator
+    assert p.phases() == {"training": (t.peak + total, g.asleep),
+                          "syncing": (t.resident + t.sync_gather + total, g.asleep + g.weights),
+                          "generation": (t.resident + total, g.share)}
+    assert p.largest_share() == math.floor(100 * (139.8 * GIB - t.resident - total - g.beyond) / (139.8 * GIB)) / 100
+    assert "teacher: on trainer rank 0's GPU, in every phase" in p.table()
+    assert plan(c, load_args(student)).teacher == teacher_bytes  # its shape read from teacher.path
+    with pytest.raises(ConfigError) as error:
+        plan(c, load_args(student), gpu_gib=16).check()
+    assert str(error.value) == (
+        "memory plan: 22.0 GiB needed per GPU of 16.0 while vLLM generates: generator.gpu_memory_utilization = 0.3 "
+        "(4.8 GiB, 2.4 beyond it) is too big beside the trainer and teacher's 14.8 GiB kept between steps: set "
+        "trainer.offload_optimizer = true or more trainer.ranks; 32.1 GiB needed per GPU of 16.0 (training: trainer "
+        "and teacher 30.1 + vllm 2.0): set trainer.offload_optimizer = true, trainer.activation_checkpointing = true, "
+        "more trainer.ranks or lower batcher.rows_per_microbatch or batcher.row_tokens")
+
+
+def test_lora_counts_the_frozen_base_the_adapters_and_the_replicas_base_copy(shapes):
+    p = plan_of_4b_in_turns_on_80gb(shapes, "model.lora.rank=16")
+    c = p.config
+    # By hand, Qwen3-4B with rank 16 on all seven linears: A [r, in] and B [out, r] each.
+    q, kv, h, i = 4096, 1024, 2560, 9728
+    layer_adapters = 16 * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
+    adapters = 36 * layer_adapters
+    assert (layer_adapters, adapters) == (917_504, 33_030_144)
+    adapted = 36 * (h * q + 2 * h * kv + q * h + 3 * h * i)  # the adapted linears' base
+    layer, root, params = 100_930_816, V * 2560 + 2560, 4_022_468_096
+    t = p.trainer
+    assert t.master_weights == t.gradients == 4 * adapters  # fp32, the adapters alone
+    assert t.optimizer == 8 * layer_adapters and t.optimizer_resident == 0  # offloaded: one layer's
+    assert t.frozen_base == 2 * params  # bf16, no master
+    assert t.compute_copies == 2 * (root + 2 * (layer + layer_adapters))
+    # Frozen norms keep no normalized input (bf16, two of hidden, the q/k norms'); B keeps A's 16
+    # outputs per adapted linear and token.
+    lora_layer = 170_280 - 2 * (2 * h + q + kv) + 2 * 16 * 7
+    assert lora_layer == 150_024
+    assert t.activations == pytest.approx(8192 * 36 * lora_layer * 0.70)
+    assert (t.sync_buffer, t.sync_gather) == (0, 2 * adapters)  # the bf16 adapters, gathered in one chunk
+    assert t.resident == 4 * adapters + 2 * params + GIB
+    g = p.generator
+    beyond = 2 * GIB + 14 * 36 * 2560**2 + 2 * adapted  # the replica's bf16 copy of the adapted rows
+    assert g.lora_base == 2 * adapted and g.beyond == beyond and g.share == 0.3 * 80 * GIB + beyond
+    assert g.asleep == 2 * GIB + 2 * adapted  # made outside vLLM's pools: it stays while asleep
+    assert p.phases()["syncing"] == (t.resident + 2 * adapters, g.asleep + 2 * params)
+    table = p.table()
+    assert "trainer: LoRA's frozen base, bf16" in table and "trainer: LoRA rank 16 adapters' fp32 gradients" in table
+    assert sync_memory(c, p.args) == (0, 2 * adapters)
+    # The native engine keeps the same base copy, and its adapters in model.dtype, beside its weights.
+    native = generator_memory(dataclasses.replace(c, generator=dataclasses.replace(c.generator, engine="native")),
+                              p.args, gpu_bytes=None)
+    assert native.lora_base == 2 * (adapted + adapters)
+    assert native.share == native.asleep == 2 * params + native.kv_cache + 2 * (adapted + adapters) + GIB

@@ -65,9 +65,9 @@ def trainer_and_generator_logprobs(core: PolicyTrainerCore, episodes: list[Episo
 
 
 def make_core(ckpt, device, true_on_policy: bool, dtype: str = "float32",
-              lora: LoraConfig | None = None) -> PolicyTrainerCore:
+              lora: LoraConfig | None = None, **trainer) -> PolicyTrainerCore:
     model = ModelConfig(path=str(ckpt), true_on_policy=true_on_policy, dtype=dtype, lora=lora or LoraConfig())
-    return PolicyTrainerCore(model, TrainerConfig(ranks=1, logprob_chunk_tokens=100), device,
+    return PolicyTrainerCore(model, TrainerConfig(**{"ranks": 1, "logprob_chunk_tokens": 100, **trainer}), device,
                              sides(true_on_policy, "native", device).trainer)
 
 

@@ -5,7 +5,11 @@ import pytest
 import torch
 from torch import nn
 
-from rlactors.trainer.offload import OffloadedStep, copy_to
+from rlactors.config import LoraConfig
+from rlactors.lora.adapters import adapter_parameters, to_lora
+from rlactors.models.decoder import DecoderForCausalLM
+from rlactors.models.tiny import size_args
+from rlactors.trainer.offload import OffloadedStep, copy_to, layer_groups
 
 
 def stepped_adamw(seed=0):
@@ -48,3 +52,15 @@ def test_groups_must_hold_each_parameter_once():
     for groups in ([params[:2]], [params, params[:1]]):
         with pytest.raises(ValueError, match="must hold each of the optimizer's parameters exactly once"):
             OffloadedStep(optimizer, groups, torch.device("cpu"))
+
+
+def test_under_lora_the_groups_are_each_layers_adapters():
+    model = DecoderForCausalLM(size_args("tiny", 100))
+    to_lora(model, LoraConfig(rank=2), torch.float32)
+    groups = layer_groups(model)
+    adapters = adapter_parameters(model)
+    assert [{id(p) for p in group} for group in groups] == [
+        {id(p) for name, p in adapters.items() if name.startswith(f"model.layers.{i}.")}
+        for i in range(len(model.model.layers))]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    OffloadedStep(optimizer, groups, torch.device("cpu"))  # the frozen base is in no group

@@ -112,8 +112,8 @@ def tool_policy_ckpt(tiny_ckpt, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def short_run(tmp_path_factory) -> tuple[Path, list[dict[str, float]]]:
     """One uninterrupted short run on this host (support.demo_runs, the default sync mode and
-    weights by messages): its run dir and step metrics, the reference of the whole-run tests that
-    only read them."""
+    weights by messages, checkpointed at every step): its run dir and step metrics, the reference
+    of the whole-run tests that only read them (or resume a copy of its dir)."""
     import asyncio
 
     from support.demo_runs import WARM_CHECKPOINT, short_run_overrides
@@ -122,4 +122,5 @@ def short_run(tmp_path_factory) -> tuple[Path, list[dict[str, float]]]:
     from rlactors.run.controller import Controller
 
     run_dir = tmp_path_factory.mktemp("short_run")
-    return run_dir, asyncio.run(Controller(load_config(None, short_run_overrides(WARM_CHECKPOINT, run_dir))).run())
+    overrides = short_run_overrides(WARM_CHECKPOINT, run_dir, "controller.checkpoint_every=1")
+    return run_dir, asyncio.run(Controller(load_config(None, overrides)).run())

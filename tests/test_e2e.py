@@ -4,6 +4,7 @@ run of support.demo_runs, whose reference run the `short_run` fixture shares wit
 import asyncio
 import json
 import math
+import shutil
 
 import pytest
 from support.demo_runs import WARM_CHECKPOINT, short_run_overrides
@@ -14,6 +15,7 @@ from rlactors.models import load_tokenizer
 from rlactors.rollout.types import Rollout, RolloutGroup, RolloutStatus, Turn
 from rlactors.run.controller import Controller
 from rlactors.run.metrics import read_metrics, sample_records
+from rlactors.trainer.checkpoint import checkpoint_dir
 
 
 def _config(ckpt, run_dir, *extra):
@@ -121,8 +123,11 @@ def test_weights_by_broadcast_train_like_weights_by_messages(tmp_path, short_run
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, short_run):
+    # The shared run as a run stopped after step 2 leaves it: step 3's checkpoint not written
+    # (--resume drops step 3's records).
     interrupted = tmp_path / "interrupted"
-    _run(_config(WARM_CHECKPOINT, interrupted, "controller.steps=2"))
+    shutil.copytree(short_run[0], interrupted)
+    shutil.rmtree(checkpoint_dir(interrupted / "checkpoints", 3))
     resumed = _run(_config(WARM_CHECKPOINT, interrupted), resume=True)
     assert len(resumed) == 1
     for key in ("loss/loss", "rollout/reward_mean", "loss/tokens", "train/grad_norm"):

@@ -28,6 +28,7 @@ from rlactors.vllm_api import worker_model
 from rlactors.weight_sync.checksum import ChecksumMismatch, RunningChecksum, unsigned
 from rlactors.weight_sync.copy_plan import CopyPlan
 from rlactors.weight_sync.packed import Chunk, PackedLayout
+from rlactors.weight_sync.shared import rebuild_on
 
 GLOO_TIMEOUT = datetime.timedelta(minutes=5)  # a rendezvous or broadcast that waits longer fails
 
@@ -111,10 +112,8 @@ def borrow_buffer(group: Any, device: torch.device) -> torch.Tensor | None:
     host, offer = group.group.recv_obj(src=1)
     borrowed = None
     if offer is not None and host == socket.gethostname():
-        rebuild, args = offer
         try:
-            # Mapped into this process's own device, whatever index the receiver's process gave its GPU.
-            borrowed = rebuild(*args[:6], device.index, *args[7:])
+            borrowed = rebuild_on(offer, device.index)
         except RuntimeError:
             borrowed = None
     group.group.send_obj(borrowed is not None, dst=1)

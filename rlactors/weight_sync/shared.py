@@ -85,8 +85,7 @@ def map_buffer(handle: SharedHandle) -> torch.Tensor:
         raise RuntimeError(f"the trainer's weight buffer is on host {handle.host}, this replica on "
                            f"{socket.gethostname()}: shared weight sync needs one host")
     if handle.cuda is not None:
-        rebuild, args = handle.cuda
-        return rebuild(*args[:6], torch.cuda.current_device(), *args[7:])
+        return rebuild_on(handle.cuda, torch.cuda.current_device())
     size = max(handle.layout.total_bytes, 1)
     fd = os.open(f"/proc/{handle.pid}/fd/{handle.fd}", os.O_RDWR)  # writable: torch maps no read-only buffer
     try:
@@ -94,6 +93,13 @@ def map_buffer(handle: SharedHandle) -> torch.Tensor:
     finally:
         os.close(fd)  # the mapping keeps the memory
     return torch.frombuffer(mapped, dtype=torch.uint8)[:handle.layout.total_bytes]
+
+
+def rebuild_on(reduced: tuple[Any, tuple], device_index: int) -> torch.Tensor:
+    """A CUDA tensor of another process (torch's `reduce_tensor` of it) mapped by CUDA IPC onto
+    this process's `device_index`, whatever index the owner's CUDA_VISIBLE_DEVICES gave the GPU."""
+    rebuild, args = reduced
+    return rebuild(*args[:6], device_index, *args[7:])
 
 
 @contextlib.contextmanager

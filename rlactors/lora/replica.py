@@ -25,10 +25,10 @@ def is_adapter(name: str) -> bool:
     return any(f".{a}." in name for a in ADAPTER_NAMES)
 
 
-def weight_rows(model: torch.nn.Module, linear: str) -> torch.Tensor:
+def weight_rows(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], linear: str) -> torch.Tensor:
     """The tensor (a view) holding the weight of the HF linear `linear`
-    (``model.layers.0.self_attn.q_proj``) in `model`; ValueError if the model has none."""
-    params = dict(model.named_parameters())
+    (``model.layers.0.self_attn.q_proj``) in `model`, whose `named_parameters` are `params`;
+    ValueError if the model has none."""
     if f"{linear}.weight" in params:
         return params[f"{linear}.weight"].data
     parent, _, leaf = linear.rpartition(".")
@@ -48,7 +48,8 @@ class AdapterMerge:
     """The adapted linears of one model: where each one's weight lives and its frozen base."""
 
     def __init__(self, model: torch.nn.Module, linears: Iterable[str]):
-        self.targets = {name: weight_rows(model, name) for name in linears}
+        params = dict(model.named_parameters())
+        self.targets = {name: weight_rows(model, params, name) for name in linears}
         self.bases = {name: rows.clone() for name, rows in self.targets.items()}
 
     @torch.no_grad()

@@ -10,8 +10,9 @@ kept under --ckpt-root for the next case). Each rollout is one turn of exactly -
 (random weights never stop early) and earns a random reward (the parity of its tokens' sum). A
 step trains on about 131k tokens (8 x 16384, as trainer_throughput.py measures MFU): the prompts
 per step follow the rollout length. The memory knobs are the first set the memory plan says fits
-(none; activation checkpointing; the optimizer offloaded; both), and vLLM gets the largest share
-the plan leaves (MARGIN_GIB spare in every phase; or --gpu-memory-utilization).
+(none; activation checkpointing; the optimizer offloaded; both), and vLLM gets the share whose KV
+cache (sized by the plan) holds a step's rollouts at once, or the largest the plan
+leaves with MARGIN_GIB spare in every phase when that is less (or --gpu-memory-utilization).
 
 `--cells SIZE:TOKENS[:STEPS][:onpolicy] ...` runs cases one after another, each in its own process
 within what is left of --budget-s; a case that ends without its row (killed at the budget, or
@@ -46,7 +47,7 @@ from rlactors.config import Config, load_config  # noqa: E402
 from rlactors.models.checkpoint import load_args  # noqa: E402
 from rlactors.models.tiny import kept_checkpoint  # noqa: E402
 from rlactors.rollout import Observation, StepResult, TokenEnv  # noqa: E402
-from rlactors.run.memory_plan import GIB, gpu_gib, plan  # noqa: E402
+from rlactors.run.memory_plan import GIB, VLLM_RUNTIME_GIB, gpu_gib, kv_bytes_per_token, plan  # noqa: E402
 
 PROMPT_TOKENS = 16
 MARGIN_GIB = 4.0  # left free in every phase of the plan: vLLM's share and the knobs are chosen so
@@ -94,8 +95,8 @@ def overrides(opts: argparse.Namespace, ckpt: Path, run_dir: Path, knobs: list[s
 
 def fitting_config(opts: argparse.Namespace, ckpt: Path, run_dir: Path) -> tuple[Config, list[str], Any]:
     """The config with the first set of memory knobs whose plan fits with MARGIN_GIB to spare (the
-    last tried when none does), vLLM given the largest share the plan leaves with that margin; its
-    knobs and plan."""
+    last tried when none does), vLLM given the share its rollouts need (`needed_share`) or the
+    largest the plan leaves with that margin, whichever is less; its knobs and plan."""
     offload, checkpointing = "trainer.offload_optimizer=true", "trainer.activation_checkpointing=true"
     tries = [[offload], [offload, checkpointing]] if opts.offload else \
         [[], [checkpointing], [offload], [offload, checkpointing]]
@@ -106,7 +107,8 @@ def fitting_config(opts: argparse.Namespace, ckpt: Path, run_dir: Path) -> tuple
         if not opts.dry_run:
             share = opts.gpu_memory_utilization
             if share is None:
-                share = min(0.85, plan(config, args, gpu).largest_share(MARGIN_GIB))
+                memory = plan(config, args, gpu)
+                share = min(0.85, needed_share(memory), memory.largest_share(MARGIN_GIB))
             knobs = [*knobs, f"generator.gpu_memory_utilization={max(share, 0.01):g}"]
             config = load_config(None, overrides(opts, ckpt, run_dir, knobs), available_gpus=1)
         memory = plan(config, args, gpu)
@@ -115,21 +117,35 @@ def fitting_config(opts: argparse.Namespace, ckpt: Path, run_dir: Path) -> tuple
     return config, knobs, memory
 
 
+def needed_share(memory: Any) -> float:
+    """The gpu_memory_utilization (to 0.01 above) whose KV cache holds every rollout of a step
+    at once (at most `generator.max_num_seqs`, of `generator.max_model_len` tokens) beside
+    vLLM's weights and runtime: a larger cache serves them no faster."""
+    c = memory.config
+    g, rollouts = c.generator, c.rollout.prompts_per_step * c.rollout.group_size
+    kv = min(g.max_num_seqs, rollouts) * g.max_model_len * kv_bytes_per_token(memory.args) / g.tp
+    return math.ceil(100 * (memory.generator.weights + VLLM_RUNTIME_GIB * GIB + kv) / memory.gpu_bytes) / 100
+
+
 class GpuMemoryPoll:
     """The most memory the first visible GPU held while running, as nvidia-smi reports it (all
-    processes)."""
+    processes), and each process's share at that moment (`at_peak`, as nvidia-smi lists them)."""
 
     def __init__(self, every_s: float = 0.5):
-        self.every_s, self.peak_mib, self._stop = every_s, 0.0, threading.Event()
+        self.every_s, self.peak_mib, self.at_peak, self._stop = every_s, 0.0, "", threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        gpu = ["-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]]
         while not self._stop.is_set():
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i",
-                                  os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]],
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", *gpu],
                                  capture_output=True, text=True)
-            if out.returncode == 0 and out.stdout.strip():
-                self.peak_mib = max(self.peak_mib, float(out.stdout.split()[0]))
+            if out.returncode == 0 and out.stdout.strip() and float(out.stdout.split()[0]) > self.peak_mib:
+                self.peak_mib = float(out.stdout.split()[0])
+                apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader",
+                                       *gpu], capture_output=True, text=True)
+                self.at_peak = "; ".join(f"{line.strip()} ({process_name(line.split(',')[0].strip())})"
+                                         for line in apps.stdout.splitlines() if line.strip())
             self._stop.wait(self.every_s)
 
     def __enter__(self) -> GpuMemoryPoll:
@@ -139,6 +155,14 @@ class GpuMemoryPoll:
     def __exit__(self, *_: Any) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def process_name(pid: str) -> str:
+    """The start of a process's command line, or "?" where this process cannot see it."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80].strip() or "?"
+    except OSError:
+        return "?"
 
 
 def run(config: Config) -> tuple[list[dict[str, float]], str]:
@@ -189,6 +213,11 @@ def run_case(opts: argparse.Namespace) -> int:
         else:
             history, ended = run(config)
         print(f"ran {len(history)} steps in {time.perf_counter() - start:.0f} s: {ended}", flush=True)
+        if poll is not None:
+            print(f"GPU peak {poll.peak_mib:.0f} MiB; by process then: {poll.at_peak or 'not listed'}", flush=True)
+        for step, metrics in enumerate(history, 1):
+            print(f"step {step}: trainer peak {metrics.get('memory/trainer_peak_gib', 0):.1f} GiB, held while "
+                  f"generating {metrics.get('memory/trainer_held_gib', 0):.1f} GiB", flush=True)
     _, trainer, generator = memory.needed
     last = history[-1] if history else {}
     cells = {"step": "-", "tokens": "-", "mfu": "-", "generation": "-"}

@@ -1,6 +1,7 @@
 """benchmarks/colocated_scale.py: every case that `gpu_benchmarks.py scale` and `scale-on-policy`
 run builds a valid config whose memory plan fits one H200, with the knobs it needs."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -20,10 +21,16 @@ def shapes(tmp_path_factory):
     return {size: make_tiny_checkpoint(root / size, size=size, weights=False) for size in ("1.7b", "4b", "8b")}
 
 
-# size: (the knobs the plan needs with 4 GiB to spare, vLLM's share of the GPU); the weights go
-# by the shared buffer (one replica on the trainer's GPU), which rank 0 keeps beside its state
-EXPECTED = {"1.7b": ([], 0.77), "4b": (["trainer.activation_checkpointing=true"], 0.55),
-            "8b": (["trainer.offload_optimizer=true", "trainer.activation_checkpointing=true"], 0.56)}
+# size: the knobs the plan needs with 4 GiB to spare; the weights go by the shared buffer (one
+# replica on the trainer's GPU), which rank 0 keeps beside its state
+EXPECTED = {"1.7b": [], "4b": ["trainer.activation_checkpointing=true"],
+            "8b": ["trainer.offload_optimizer=true", "trainer.activation_checkpointing=true"]}
+# vLLM's share, by hand: its bf16 weights, 2 GiB of runtime and a KV cache (K and V of 36 layers
+# (1.7B: 28) x 8 heads x 128 in bf16 a token) for a step's rollouts at once, up to 64 of them
+# (less than the largest share the plan leaves with 4 GiB to spare, in every cell)
+SHARES = {"1.7b:2048": 0.13, "4b:2048": 0.19, "4b:2048:5:onpolicy": 0.19, "8b:2048:5:onpolicy": 0.24,
+          "1.7b:8192": 0.09, "4b:8192": 0.14, "8b:2048": 0.24, "8b:8192": 0.19, "1.7b:16384": 0.14,
+          "4b:16384": 0.2, "8b:16384": 0.26}
 
 
 @pytest.mark.parametrize("mode", ["scale", "scale-on-policy"])
@@ -36,8 +43,11 @@ def test_every_cell_fits_one_h200_with_the_knobs_it_needs(mode, shapes, tmp_path
         opts = colocated_scale.parser().parse_args(colocated_scale.parse_cell(cell))
         config, knobs, memory = colocated_scale.fitting_config(opts, shapes[opts.size], tmp_path)
         assert memory.problems() == [], cell
-        needed, share = EXPECTED[opts.size]
-        assert knobs == [*needed, f"generator.gpu_memory_utilization={share}"], cell
+        gib, rollouts = 2**30, config.rollout.prompts_per_step * config.rollout.group_size
+        kv_token = 2 * (28 if opts.size == "1.7b" else 36) * 8 * 128 * 2
+        share = (memory.generator.weights + 2 * gib + min(64, rollouts) * (opts.rollout_tokens + 16) * kv_token)
+        assert SHARES[cell] == math.ceil(100 * share / (139.8 * gib)) / 100, cell
+        assert knobs == [*EXPECTED[opts.size], f"generator.gpu_memory_utilization={SHARES[cell]}"], cell
         assert (config.generator.sleep, config.controller.colocate, config.controller.mode) == (True, True, "sync")
         assert config.generator.weight_sync == "shared"
         assert config.rollout.max_tokens_per_turn == opts.rollout_tokens

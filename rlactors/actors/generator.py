@@ -24,9 +24,10 @@ from rlactors.types import Completion, SamplingParams
 class Generator(Actor):
     """Serves `generate` on one engine built from a GeneratorConfig and a ModelConfig."""
 
-    def __init__(self, generator_config: GeneratorConfig, model_config: ModelConfig, replica: int = 0):
+    def __init__(self, generator_config: GeneratorConfig, model_config: ModelConfig, replica: int = 0,
+                 kv_cache_bytes: int | None = None):
         self.replica = replica
-        self.engine = AsyncEngine(create_engine(generator_config, model_config),
+        self.engine = AsyncEngine(create_engine(generator_config, model_config, kv_cache_bytes),
                                   default_update_mode=generator_config.update_mode)
 
     @concurrent_endpoint

@@ -117,7 +117,7 @@ class _Replica:
 class GeneratorRouter(Actor):
     def __init__(self, generator_config: GeneratorConfig, model_config: ModelConfig,
                  gpu_ids: Sequence[Sequence[int]] | None = None, hosts: Any = None,
-                 unresponsive_timeout_s: float = UNRESPONSIVE_TIMEOUT_S):
+                 unresponsive_timeout_s: float = UNRESPONSIVE_TIMEOUT_S, kv_cache_bytes: int | None = None):
         g = generator_config
         self.hosts = hosts if hosts is not None else this_host()
         self.replicas_per_host = g.replicas // num_hosts(self.hosts)  # they split evenly (Config.validate)
@@ -127,6 +127,7 @@ class GeneratorRouter(Actor):
                                  f"generator.replicas={g.replicas} replicas, got {gpu_ids}")
         self.generator_config = generator_config
         self.model_config = model_config
+        self.kv_cache_bytes = kv_cache_bytes
         self.gpu_ids = [list(ids) for ids in gpu_ids] if gpu_ids is not None else None
         self.picker = ReplicaPicker()
         self.watcher = ProcWatcher(unresponsive_timeout_s)
@@ -149,7 +150,7 @@ class GeneratorRouter(Actor):
             bootstrap = default_bootstrap_cmd().with_env(env)
         host = host_of(self.hosts, index // self.replicas_per_host)
         procs = host.spawn_procs(per_host={"gpus": 1}, bootstrap_command=bootstrap)
-        actor = procs.spawn(name, Generator, self.generator_config, self.model_config, index)
+        actor = procs.spawn(name, Generator, self.generator_config, self.model_config, index, self.kv_cache_bytes)
         return _Replica(index, name, procs, actor, restarted)
 
     async def _ensure_started(self) -> None:

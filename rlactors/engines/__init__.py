@@ -6,8 +6,10 @@ from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.base import Engine
 
 
-def create_engine(generator_config: GeneratorConfig, model_config: ModelConfig) -> Engine:
-    """The engine named by `generator_config.engine`, loaded from `model_config.path`.
+def create_engine(generator_config: GeneratorConfig, model_config: ModelConfig,
+                  kv_cache_bytes: int | None = None) -> Engine:
+    """The engine named by `generator_config.engine`, loaded from `model_config.path`; vLLM's KV
+    cache of `kv_cache_bytes` per GPU when given (else sized by vLLM's profile).
 
     vLLM is imported only here, when asked for, so CPU installs never need it.
     """
@@ -18,7 +20,7 @@ def create_engine(generator_config: GeneratorConfig, model_config: ModelConfig) 
     if generator_config.engine == "vllm":
         from rlactors.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine.from_config(generator_config, model_config)
+        return VLLMEngine.from_config(generator_config, model_config, kv_cache_bytes=kv_cache_bytes)
     raise ValueError(f"generator.engine must be 'native' or 'vllm', got {generator_config.engine!r}")
 
 

@@ -143,11 +143,13 @@ class VLLMEngine(Engine):
 
     @classmethod
     def from_config(cls, generator_config: GeneratorConfig, model_config: ModelConfig,
-                    load_format: str = "auto") -> VLLMEngine:
+                    load_format: str = "auto", kv_cache_bytes: int | None = None) -> VLLMEngine:
         """A vLLM engine for `model_config.path`. In `model_config.true_on_policy` mode vLLM runs
         our own model with the trainer's kernels (`rlactors.on_policy.sides`). `load_format`:
         vLLM's; "dummy" serves random weights from a dir of config and tokenizer only (speed
-        measurements at shapes whose weights do not fit the disk)."""
+        measurements at shapes whose weights do not fit the disk). `kv_cache_bytes`: the KV cache
+        per GPU (the memory plan's, for replicas that sleep), else what vLLM's profile leaves in
+        its gpu_memory_utilization share."""
         from rlactors.models.checkpoint import load_args
         from rlactors.on_policy.sides import sides
 
@@ -185,6 +187,7 @@ class VLLMEngine(Engine):
             disable_custom_all_reduce=not custom_all_reduce_works(g.tp),
             load_format=load_format,
             enable_sleep_mode=g.sleep,
+            kv_cache_memory_bytes=kv_cache_bytes,
             **mode_args,
         )
         lora = model_config.lora

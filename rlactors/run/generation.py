@@ -25,8 +25,21 @@ def spawn_router(config: Config, hosts: Any = None) -> tuple[Any, Any]:
     replica_gpus = gpu_layout(config)[1] if config.controller.device == "cuda" else None
     procs = this_host().spawn_procs(per_host={"procs": 1})
     router = procs.spawn("router", GeneratorRouter, config.generator, config.model, replica_gpus, hosts,
-                         config.controller.unresponsive_timeout_s)
+                         config.controller.unresponsive_timeout_s, kv_cache_bytes=planned_kv_cache(config))
     return procs, router
+
+
+def planned_kv_cache(config: Config) -> int | None:
+    """The KV cache bytes the memory plan gives each GPU of a vLLM replica that sleeps
+    (`generator.sleep`), where the GPU's size is known; None: vLLM sizes its own."""
+    from rlactors.models.checkpoint import load_args
+    from rlactors.run.memory_plan import gpu_gib, vllm_kv_cache_bytes
+
+    g = config.generator
+    if g.engine != "vllm" or not g.sleep or config.controller.device != "cuda":
+        return None
+    gpu = gpu_gib(config)
+    return None if gpu is None else vllm_kv_cache_bytes(config, load_args(config.model.path), gpu * 2**30)
 
 
 def replicas_lost(stats: dict[str, Any], restart_dead: bool) -> str | None:

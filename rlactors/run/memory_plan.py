@@ -33,9 +33,11 @@ VLLM_RUNTIME_GIB = 2.0
 # What a vLLM process holds outside its gpu_memory_utilization share, awake or asleep (level 1):
 # CUDA context, NCCL, allocator pools (notes/colocated_scale.md).
 VLLM_OUTSIDE_SHARE_GIB = 2.0
-# vLLM 0.26 (sleep mode) sized its KV cache past its share minus its weights: by 2.74 GiB at the 4B
-# shape and 7.67 at 8B (its profile under-counts; its CUDA graphs took 0.06 GiB). Fitted per TP rank
-# as these bytes x layers x hidden_size^2 (3.07 and 7.88 GiB there).
+# vLLM 0.26 colocated with a trainer sized its KV cache past its share minus its weights: by 2.74
+# GiB at the 4B shape and 7.67 at 8B, and by 9.2 at 8B in a later run (its profile counts the GPU's
+# used memory, so a trainer that frees memory while vLLM starts grows vLLM's cache). Fitted per TP
+# rank as these bytes x layers x hidden_size^2 (3.07 and 7.88 GiB there). With `generator.sleep`
+# the plan sizes the cache instead (`vllm_kv_cache_bytes`) and no overshoot is counted.
 VLLM_OVERSHOOT_BYTES_PER_LAYER_HIDDEN2 = 14
 # Compiled layers (`trainer.compile_layers`, CUDA) save this share of the eager layer's bytes:
 # the compiler recomputes the norms' fp32 copies and the activations' elementwise products instead
@@ -478,9 +480,8 @@ def generator_memory(config: Config, args: ModelArgs, gpu_bytes: float | None) -
     runtime, with no KV cache, the least it needs); the native engine its weights and its
     `generator.kv_cache_tokens`."""
     g, m = config.generator, config.model
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
-    params = _param_counts(args)[0]
-    weights = dtype_bytes * params / g.tp
+    dtype_bytes = DTYPES[m.dtype].itemsize
+    weights = _replica_weights(args, dtype_bytes, g.tp)
     per_token = kv_bytes_per_token(args, dtype_bytes) / g.tp
     adapters, _, adapted = _lora_counts(args, m.lora)
     if g.engine == "native":  # with LoRA, each adapted linear's base copy and its adapters
@@ -492,13 +493,30 @@ def generator_memory(config: Config, args: ModelArgs, gpu_bytes: float | None) -
     kv = max(0.0, share - weights - VLLM_RUNTIME_GIB * GIB)
     # With LoRA the replica's copy of the adapted rows is made outside vLLM's pools: it stays asleep.
     lora = dtype_bytes * adapted / g.tp
-    beyond = vllm_beyond_share(args, g.tp) + lora
+    beyond = vllm_beyond_share(args, g.tp, planned_kv_cache=g.sleep) + lora
     return GeneratorMemory("vllm", share + beyond, weights, kv, int(kv // per_token),
                            asleep=VLLM_OUTSIDE_SHARE_GIB * GIB + lora, beyond=beyond, lora_base=lora)
 
 
-def vllm_beyond_share(args: ModelArgs, tp: int) -> float:
+def _replica_weights(args: ModelArgs, dtype_bytes: int, tp: int) -> float:
+    """A replica's weights on each of its GPUs."""
+    return dtype_bytes * _param_counts(args)[0] / tp
+
+
+def vllm_kv_cache_bytes(config: Config, args: ModelArgs, gpu_bytes: float) -> int:
+    """The KV cache each GPU of a vLLM replica allocates when the plan sizes it (`generator.sleep`:
+    replicas colocated in turns): its gpu_memory_utilization share of a GPU of `gpu_bytes` less its
+    weights and runtime. vLLM's own sizing profiles the GPU's used memory while it starts, and a
+    colocated trainer changing its memory meanwhile moves that size by gigabytes."""
+    g = config.generator
+    weights = _replica_weights(args, DTYPES[config.model.dtype].itemsize, g.tp)
+    return int(max(0.0, g.gpu_memory_utilization * gpu_bytes - weights - VLLM_RUNTIME_GIB * GIB))
+
+
+def vllm_beyond_share(args: ModelArgs, tp: int, planned_kv_cache: bool = False) -> float:
     """What an awake vLLM replica holds on each GPU beyond its gpu_memory_utilization share: its
-    process's context and pools, and the KV cache its profile sizes past the share."""
-    overshoot = VLLM_OVERSHOOT_BYTES_PER_LAYER_HIDDEN2 * args.num_hidden_layers * args.hidden_size**2 / tp
+    process's context and pools, and unless the plan sizes its KV cache (`planned_kv_cache`),
+    the cache its profile sizes past the share."""
+    overshoot = 0.0 if planned_kv_cache else \
+        VLLM_OVERSHOOT_BYTES_PER_LAYER_HIDDEN2 * args.num_hidden_layers * args.hidden_size**2 / tp
     return VLLM_OUTSIDE_SHARE_GIB * GIB + overshoot

@@ -39,8 +39,9 @@ class NoTurns:
 
 class Turns(NoTurns):
     """The turns of `trainer` (a PolicyTrainer mesh) and `router` (the GeneratorRouter) on shared
-    GPUs. Each returns metrics: the seconds it took, and the trainer's peak allocated memory since
-    the last one (`memory/trainer_peak_gib`, on CUDA)."""
+    GPUs. Each returns metrics: the seconds it took, the trainer's peak allocated memory over its
+    step (`memory/trainer_peak_gib`) and what its allocator holds while the engines generate
+    (`memory/trainer_held_gib`; both 0 on CPU)."""
 
     def __init__(self, trainer: Any, router: Any):
         self.trainer, self.router = trainer, router
@@ -59,9 +60,11 @@ class Turns(NoTurns):
 
     async def generating(self) -> dict[str, float]:
         start = time.perf_counter()
-        await self.trainer.release_memory.call()  # its peak since `syncing`: the sync's, not the step's
+        # its peak since `syncing` is the sync's, not the step's; what it holds stays through generation
+        released = first_value(await self.trainer.release_memory.call())
         await self.router.wake_up.call_one(["kv_cache"])
-        return {"turns/wake_kv_cache_s": time.perf_counter() - start}
+        return {"turns/wake_kv_cache_s": time.perf_counter() - start,
+                "memory/trainer_held_gib": released["held_gib"]}
 
 
 @dataclass

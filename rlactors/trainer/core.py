@@ -372,13 +372,13 @@ class PolicyTrainerCore:
     def release_memory(self) -> dict[str, float]:
         """Gives the GPU memory this rank's allocator caches but no tensor uses back to the device,
         for the engines that wake on it; returns the peak this rank allocated since the last call
-        (`peak_allocated_gib`; 0 on CPU)."""
+        (`peak_allocated_gib`) and what its allocator still holds after (`held_gib`; 0 on CPU)."""
         if self.device.type != "cuda":
-            return {"peak_allocated_gib": 0.0}
+            return {"peak_allocated_gib": 0.0, "held_gib": 0.0}
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30
         torch.cuda.reset_peak_memory_stats(self.device)
         torch.cuda.empty_cache()
-        return {"peak_allocated_gib": peak}
+        return {"peak_allocated_gib": peak, "held_gib": torch.cuda.memory_reserved(self.device) / 2**30}
 
     # ------------------------------------------------------------------------------------------
     # Weights: HF load, checkpoints, sync

@@ -19,7 +19,15 @@ from rlactors.models.checkpoint import checkpoint_shapes, load_args
 from rlactors.models.decoder import DecoderLayer
 from rlactors.models.tiny import make_tiny_checkpoint, size_args
 from rlactors.run.controller import Controller
-from rlactors.run.memory_plan import GIB, generator_memory, gpu_gib, plan, saved_bytes_per_token_layer, sync_memory
+from rlactors.run.memory_plan import (
+    GIB,
+    generator_memory,
+    gpu_gib,
+    plan,
+    saved_bytes_per_token_layer,
+    sync_memory,
+    vllm_kv_cache_bytes,
+)
 
 V = 151936  # Qwen3's vocabulary
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,15 +128,16 @@ def test_plan_of_4b_on_one_gpu_colocated_with_sleep_and_offload(shapes):
     assert t.peak == pytest.approx(peak)
     g = p.generator
     share = 0.3 * 80 * GIB
-    beyond = 2 * GIB + 14 * 36 * 2560**2  # context and pools; the KV cache vLLM's profile sizes past its share
+    beyond = 2 * GIB  # context and pools; asleep in turns, its KV cache is the plan's (no overshoot)
     assert g.weights == 2 * params and g.beyond == beyond and g.share == share + beyond and g.asleep == 2 * GIB
     assert g.kv_tokens == int((share - 2 * params - 2 * GIB) // (2 * 36 * 8 * 128 * 2))
+    assert vllm_kv_cache_bytes(c, p.args, 80 * GIB) == int(share - 2 * params - 2 * GIB) == g.kv_cache
     phases = p.phases()
     assert phases["training"] == (pytest.approx(peak), 2 * GIB)
     assert phases["syncing"] == (4 * params + GIB + GIB / 2, 2 * GIB + 2 * params)
     assert phases["generation"] == (4 * params + GIB, share + beyond)
     assert sum(phases["training"]) / GIB == pytest.approx(71.8, abs=0.05)
-    assert p.largest_share() == math.floor(100 * (80 * GIB - 4 * params - GIB - beyond) / (80 * GIB)) / 100 == 0.73
+    assert p.largest_share() == math.floor(100 * (80 * GIB - 4 * params - GIB - beyond) / (80 * GIB)) / 100 == 0.77
     assert p.host_bytes == 8 * params + 2 * params  # the offloaded moments, vLLM's weights asleep
     assert p.problems() == []
 
@@ -166,10 +175,10 @@ def test_the_32b_config_fits_eight_80gb_gpus(tmp_path):
     p = plan(c, load_args(checkpoint), gpu_gib(c))
     assert p.gpu_bytes == 79.6 * GIB
     phases = {name: round(sum(bytes) / GIB, 1) for name, bytes in p.phases().items()}
-    assert phases == {"training": 55.2, "syncing": 49.8, "generation": 73.0} and p.problems() == []
+    assert phases == {"training": 55.2, "syncing": 49.8, "generation": 62.0} and p.problems() == []
     # The sync by messages stages a 512 MiB chunk on rank 0's GPU, and gathers every rank's slot of it.
     assert p.trainer.sync_gather == 512 * 2**20 * (2 + 1 / 8)
-    assert p.largest_share() == 0.63 and p.config.generator.gpu_memory_utilization == 0.55
+    assert p.largest_share() == 0.77 and p.config.generator.gpu_memory_utilization == 0.55
 
 
 def test_a_run_that_cannot_fit_fails_in_one_line_naming_the_keys(shapes):
@@ -249,13 +258,13 @@ def test_a_share_too_big_beside_the_trainers_resident_memory_is_refused_with_the
     resident = 12 * 4_022_468_096 + GIB
     assert p.trainer.resident == resident
     largest = math.floor(100 * (139.8 * GIB - resident - p.generator.beyond) / (139.8 * GIB)) / 100
-    assert p.largest_share() == largest == 0.63 and p.largest_share(margin_gib=4) == 0.6
+    assert p.largest_share() == largest == 0.65 and p.largest_share(margin_gib=4) == 0.62
     with pytest.raises(ConfigError) as error:
         p.check()
     assert str(error.value) == (
-        "memory plan: 148.9 GiB needed per GPU of 139.8 while vLLM generates: generator.gpu_memory_utilization = 0.7 "
-        "(97.9 GiB, 5.1 beyond it) is too big beside the trainer's 46.0 GiB kept between steps: set "
-        "generator.gpu_memory_utilization <= 0.63 or trainer.offload_optimizer = true or more trainer.ranks")
+        "memory plan: 145.8 GiB needed per GPU of 139.8 while vLLM generates: generator.gpu_memory_utilization = 0.7 "
+        "(97.9 GiB, 2.0 beyond it) is too big beside the trainer's 46.0 GiB kept between steps: set "
+        "generator.gpu_memory_utilization <= 0.65 or trainer.offload_optimizer = true or more trainer.ranks")
     assert plan(dataclasses.replace(c, generator=dataclasses.replace(c.generator, gpu_memory_utilization=0.63)),
                 load_args(c.model.path), gpu_gib=139.8).problems() == []
 
@@ -339,8 +348,8 @@ def test_the_teacher_is_counted_on_the_trainers_first_gpu(tmp_path):
     with pytest.raises(ConfigError) as error:
         plan(c, load_args(student), gpu_gib=16).check()
     assert str(error.value) == (
-        "memory plan: 22.0 GiB needed per GPU of 16.0 while vLLM generates: generator.gpu_memory_utilization = 0.3 "
-        "(4.8 GiB, 2.4 beyond it) is too big beside the trainer and teacher's 14.8 GiB kept between steps: set "
+        "memory plan: 21.6 GiB needed per GPU of 16.0 while vLLM generates: generator.gpu_memory_utilization = 0.3 "
+        "(4.8 GiB, 2.0 beyond it) is too big beside the trainer and teacher's 14.8 GiB kept between steps: set "
         "trainer.offload_optimizer = true or more trainer.ranks; 32.1 GiB needed per GPU of 16.0 (training: trainer "
         "and teacher 30.1 + vllm 2.0): set trainer.offload_optimizer = true, trainer.activation_checkpointing = true, "
         "more trainer.ranks or lower batcher.rows_per_microbatch or batcher.row_tokens")
@@ -369,7 +378,7 @@ def test_lora_counts_the_frozen_base_the_adapters_and_the_replicas_base_copy(sha
     assert (t.sync_buffer, t.sync_gather) == (0, 2 * adapters)  # the bf16 adapters, gathered in one chunk
     assert t.resident == 4 * adapters + 2 * params + GIB
     g = p.generator
-    beyond = 2 * GIB + 14 * 36 * 2560**2 + 2 * adapted  # the replica's bf16 copy of the adapted rows
+    beyond = 2 * GIB + 2 * adapted  # the replica's bf16 copy of the adapted rows (in turns: no overshoot)
     assert g.lora_base == 2 * adapted and g.beyond == beyond and g.share == 0.3 * 80 * GIB + beyond
     assert g.asleep == 2 * GIB + 2 * adapted  # made outside vLLM's pools: it stays while asleep
     assert p.phases()["syncing"] == (t.resident + 2 * adapters, g.asleep + 2 * params)
@@ -381,3 +390,16 @@ def test_lora_counts_the_frozen_base_the_adapters_and_the_replicas_base_copy(sha
                               p.args, gpu_bytes=None)
     assert native.lora_base == 2 * (adapted + adapters)
     assert native.share == native.asleep == 2 * params + native.kv_cache + 2 * (adapted + adapters) + GIB
+
+
+def test_replicas_in_turns_get_the_plans_kv_cache_and_others_size_their_own(shapes):
+    from rlactors.run.generation import planned_kv_cache
+
+    turns = ["trainer.ranks=1", "generator.replicas=1", "generator.gpu_memory_utilization=0.3", "generator.sleep=true",
+             "controller.colocate=true", 'controller.mode="sync"', "controller.gpu_memory_gib=80"]
+    c = cuda_config(shapes["4b"], *turns)
+    # the share less the bf16 weights of Qwen3-4B's 4,022,468,096 parameters and 2 GiB of runtime
+    assert planned_kv_cache(c) == int(0.3 * 80 * GIB - 2 * 4_022_468_096 - 2 * GIB) == 15_577_383_936
+    assert planned_kv_cache(cuda_config(shapes["4b"], *turns[:3], "controller.colocate=true",
+                                        "controller.gpu_memory_gib=80")) is None  # awake throughout: vLLM's own
+    assert planned_kv_cache(load_config(None, [f'model.path="{shapes["4b"]}"', *turns[:-1]])) is None  # CPU

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from support.trainer_inputs import cat, one_rank_process_group, rows
+from torch.distributed.tensor import DTensor
 
 from rlactors.config import ConfigError, LossConfig, ModelConfig, TeacherConfig, TrainerConfig
 from rlactors.models.args import FAMILIES
@@ -285,6 +286,13 @@ def test_offloaded_optimizer_steps_bitwise_as_the_resident_one_and_reloads(tiny_
     assert offloaded._offload is not None and len(offloaded._offload.groups) == 6
     for mb in (cat(rows(12)), cat(rows(13))):
         assert step(offloaded, [mb]) == step(plain, [mb])
+    # Between steps the moments wait as plain local shards: a DTensor around a host tensor would
+    # have been moved back onto its mesh's device (the GPU) by DTensor.from_local.
+    waiting = [v for state in offloaded.optimizer.state.values() for v in state.values()]
+    assert len(waiting) == 3 * len(list(offloaded.model.parameters()))
+    assert not any(isinstance(v, DTensor) for v in waiting)
+    assert all(isinstance(v, DTensor) for state in plain.optimizer.state.values() for k, v in state.items()
+               if k != "step")
 
     def assert_as_plain():
         assert_weights_close(offloaded.full_weights(torch.float32), plain.full_weights(torch.float32), atol=0)
@@ -502,6 +510,22 @@ def test_cuda_bf16_compiled_step_tracks_the_fp32_cpu_step(family, family_ckpt, d
     moved = cpu.full_weights(torch.float32)
     for name, tensor in cuda.full_weights(torch.float32).items():
         assert (tensor - moved[name]).abs().float().mean() < 2e-3, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_offloaded_moments_leave_the_gpu_between_steps(tiny_ckpt, device):
+    cuda = torch.device("cuda", 0)
+    core = make_core(tiny_ckpt, cuda, offload_optimizer=True)
+    weights = sum(p.to_local().numel() * 4 for p in core.model.parameters())  # fp32 shards
+    held = weights + sum(b.numel() * b.element_size() for b in core.model.buffers())
+    step(core, [cat(rows(17))])
+    torch.cuda.synchronize()
+    waiting = [v for state in core.optimizer.state.values() for v in state.values()]
+    assert all(v.device.type == "cpu" and v.is_pinned() for v in waiting)
+    torch.cuda.empty_cache()
+    # on the GPU: the weights and buffers, not AdamW's two moments (2 x the weights)
+    assert weights <= torch.cuda.memory_allocated(cuda) < held + weights
 
 
 def test_the_policy_sent_in_chunks_arrives_bit_for_bit_and_verified(tiny_ckpt, device):

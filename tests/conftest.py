@@ -66,39 +66,48 @@ def gpu_memory_given_back(request):
     """On a GPU machine: each module leaves every GPU with the free memory it found (engines in
     this process closed, engine and actor processes exited, the caching allocator emptied), so
     a later test (a vLLM engine that asks for a share of the card) finds the card as a fresh
-    process would. Processes exit a little after they are told to: wait up to 30 s for them."""
+    process would. Processes exit a little after they are told to: wait up to 30 s for them.
+    What other processes, there before the module started, took or gave back meanwhile (another
+    job on the same GPU) is not the module's."""
     if not torch.cuda.is_available():
         yield
         return
-    before = _free_gpu_bytes()
+    before, others = _free_gpu_bytes(), _gpu_processes()
+    others.pop(os.getpid(), None)
     yield
     deadline = time.monotonic() + 30
     while True:
-        held = [b - a for b, a in zip(before, _free_gpu_bytes())]
+        now = _gpu_processes()
+        theirs = sum(now.get(pid, (0, ""))[0] - mib for pid, (mib, _) in others.items()) * 2**20
+        held = [b - a - theirs for b, a in zip(before, _free_gpu_bytes())]
         if max(held) <= GPU_MEMORY_KEPT_BYTES or time.monotonic() > deadline:
             break
         time.sleep(1)
     assert max(held) <= GPU_MEMORY_KEPT_BYTES, (
         f"{request.module.__name__} kept GPU memory: " + ", ".join(f"GPU {d}: {h / 2**30:.2f} GiB" for d, h in
                                                                    enumerate(held) if h > GPU_MEMORY_KEPT_BYTES)
-        + f"; processes on the GPUs (this one is {os.getpid()}): {_gpu_processes()}")
+        + f"; processes on the GPUs (this one is {os.getpid()}): "
+        + ("; ".join(f"{pid} {mib} MiB {command!r}" for pid, (mib, command) in now.items()) or "none listed"))
 
 
-def _gpu_processes() -> str:
-    """Who holds GPU memory, as nvidia-smi lists it: pid, MiB, command line."""
+def _gpu_processes() -> dict[int, tuple[int, str]]:
+    """Who holds GPU memory, as nvidia-smi lists it (all GPUs summed): pid -> (MiB, command line)."""
     import subprocess
 
     listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                             capture_output=True, text=True).stdout
-    found = []
+    found: dict[int, tuple[int, str]] = {}
     for line in listed.splitlines():
-        pid, mib = (part.strip() for part in line.split(","))
+        try:
+            pid, mib = (int(part.strip()) for part in line.split(","))
+        except ValueError:  # "[N/A]" where the driver does not tell
+            continue
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
         except OSError:
             command = "?"
-        found.append(f"{pid} {mib} MiB {command!r}")
-    return "; ".join(found) or "none listed"
+        found[pid] = (found.get(pid, (0, ""))[0] + mib, command)
+    return found
 
 
 @pytest.fixture(scope="session")

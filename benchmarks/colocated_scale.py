@@ -245,13 +245,14 @@ def run_case(opts: argparse.Namespace) -> int:
 
 
 def setup(opts: argparse.Namespace, config: Config, knobs: list[str]) -> list[str]:
-    """The knobs column: the memory knobs set, vLLM's share, the rollouts a step, the mode, --set."""
+    """The knobs column: the memory knobs set, vLLM's share, the rollouts a step, the mode, --set,
+    the weight sync's path."""
     names = [k.split("=")[0] for k in knobs if k.endswith("true")]
     names.append(f"gpu_memory_utilization {config.generator.gpu_memory_utilization:g}")
     names.append(f"{config.rollout.prompts_per_step * config.rollout.group_size} rollouts a step")
     if opts.true_on_policy:
         names.append("true on-policy")
-    return names + list(opts.set)
+    return [*names, *opts.set, f"weights by {config.generator.weight_sync}"]
 
 
 def parse_cell(text: str) -> list[str]:

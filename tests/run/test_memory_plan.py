@@ -403,3 +403,29 @@ def test_replicas_in_turns_get_the_plans_kv_cache_and_others_size_their_own(shap
     assert planned_kv_cache(cuda_config(shapes["4b"], *turns[:3], "controller.colocate=true",
                                         "controller.gpu_memory_gib=80")) is None  # awake throughout: vLLM's own
     assert planned_kv_cache(load_config(None, [f'model.path="{shapes["4b"]}"', *turns[:-1]])) is None  # CPU
+
+
+def test_the_docs_table_of_8b_14b_and_32b_plans_is_what_the_plan_says(tmp_path):
+    """docs/model_sizes.md's rows: configs/qwen3_32b_8gpu.toml with the model, the GPU count (a
+    trainer rank and a replica of one GPU each, but 32B's own layout) and each row's overrides."""
+    doc = (ROOT / "docs" / "model_sizes.md").read_text()
+    table = doc[doc.index("| model | GPUs | overrides |"):].split("\n\n")[0].splitlines()[2:]
+    checkpoints = {}
+    for line in table:
+        model, gpus, overrides, *_ = (cell.strip() for cell in line.strip("|").split("|"))
+        size = model.removeprefix("Qwen3-").lower()
+        if size not in checkpoints:
+            checkpoints[size] = make_tiny_checkpoint(tmp_path / size, size=size, weights=False)
+        layout = [] if size == "32b" else [f"trainer.ranks={gpus}", f"generator.replicas={gpus}", "generator.tp=1"]
+        given = [] if overrides == "(the file as is)" else overrides.split()
+        c = load_config(ROOT / "configs" / "qwen3_32b_8gpu.toml",
+                        [f'model.path="{checkpoints[size]}"', *layout, *given], available_gpus=8)
+        p = plan(c, load_args(checkpoints[size]), gpu_gib(c))
+        phases = p.phases()
+        spare = p.gpu_bytes - max(sum(phase) for phase in phases.values())
+        fits = "no" if p.problems() else "yes" + (f" ({spare / GIB:.1f} GiB spare: tight)" if spare < 4 * GIB else "")
+        cells = [model, gpus, overrides, f"{p.trainer.peak / GIB:.1f}", f"{p.trainer.resident / GIB:.1f}",
+                 f"{p.generator.share / GIB:.1f}", " / ".join(f"{n} {sum(b) / GIB:.1f}" for n, b in phases.items()),
+                 fits, f"{p.largest_share():g}"]
+        assert line == "| " + " | ".join(cells) + " |"
+    assert len(table) == 13

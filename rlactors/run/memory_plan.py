@@ -33,11 +33,11 @@ VLLM_RUNTIME_GIB = 2.0
 # What a vLLM process holds outside its gpu_memory_utilization share, awake or asleep (level 1):
 # CUDA context, NCCL, allocator pools (notes/colocated_scale.md).
 VLLM_OUTSIDE_SHARE_GIB = 2.0
-# vLLM 0.26 colocated with a trainer sized its KV cache past its share minus its weights: by 2.74
-# GiB at the 4B shape and 7.67 at 8B, and by 9.2 at 8B in a later run (its profile counts the GPU's
-# used memory, so a trainer that frees memory while vLLM starts grows vLLM's cache). Fitted per TP
-# rank as these bytes x layers x hidden_size^2 (3.07 and 7.88 GiB there). With `generator.sleep`
-# the plan sizes the cache instead (`vllm_kv_cache_bytes`) and no overshoot is counted.
+# vLLM colocated with a trainer sizes its KV cache past its share minus its weights: its profile
+# counts the whole GPU's used memory, so a trainer that frees memory while vLLM starts grows vLLM's
+# cache. Fitted per TP rank as these bytes x layers x hidden_size^2 to the 4B and 8B shapes
+# (notes/colocated_scale.md). With `generator.sleep` the plan sizes the cache instead
+# (`vllm_kv_cache_bytes`) and counts no overshoot.
 VLLM_OVERSHOOT_BYTES_PER_LAYER_HIDDEN2 = 14
 # Compiled layers (`trainer.compile_layers`, CUDA) save this share of the eager layer's bytes:
 # the compiler recomputes the norms' fp32 copies and the activations' elementwise products instead

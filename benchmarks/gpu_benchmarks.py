@@ -164,9 +164,9 @@ def moe(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
 SCALE = [PY, "benchmarks/colocated_scale.py"]
 # Issue #59's cells, most wanted first: the MFU pair (1.7B and 4B, default mode), the true on-policy
 # 5-step runs (4B fully fine-tuned, 8B with its optimizer offloaded: the plan picks the knobs), then
-# the longer rollouts. A cell makes its checkpoint once (4B ~1 min, 8B ~2), starts vLLM (~1 min),
-# then each step generates ~131k tokens and syncs the weights by messages (4B: about a minute):
-# 12 minutes run the first cells; the rest get a row saying they did not start.
+# the longer rollouts. A cell makes its checkpoint once (4B ~45 s, 8B ~75 s on an H200 machine's
+# CPUs), starts vLLM (~1 min), then each step generates ~131k tokens and syncs the weights through
+# the shared buffer: 12 minutes run the first cells; the rest are listed as not started.
 SCALE_CELLS = ["1.7b:2048", "4b:2048", "4b:2048:5:onpolicy", "8b:2048:5:onpolicy", "1.7b:8192", "4b:8192",
                "8b:2048", "8b:8192", "1.7b:16384", "4b:16384", "8b:16384"]
 SCALE_BUDGET_S = 720

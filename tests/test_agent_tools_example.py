@@ -2,13 +2,14 @@
 `openai` agent trains through it (sync and async mode), evaluation runs through it, and in true
 on-policy mode the trainer scores exactly what the engine sampled (loss/logprob_diff/max 0)."""
 
+import argparse
 import asyncio
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from rlactors_examples.agent_tools.env import calculate
+from rlactors_examples.agent_tools.env import AgentToolsConfig, CalculatorAgent, calculate
 
 from rlactors.config import load_config
 from rlactors.evaluate import main as evaluate_main
@@ -116,3 +117,60 @@ def test_the_gpu_warm_starts_gathered_batch_trains_as_the_packed_rows(tmp_path, 
     torch.testing.assert_close(flat[0], rows[0], **tolerance)
     for a, b in zip(flat[2], rows[2]):
         torch.testing.assert_close(a, b, **tolerance)
+
+
+def test_the_accuracy_stop_checks_every_n_steps_and_stops_at_the_first_check_at_the_threshold():
+    from rlactors_examples.agent_tools.warm_start import stop_at
+
+    checked = []
+    accuracies = iter([0.1, 0.29, 0.3, 0.9])
+    stop = stop_at(0.3, 5, lambda step: checked.append(step) or next(accuracies))
+    assert next(step for step in range(1, 30) if stop(step)) == 15
+    assert checked == [5, 10, 15]
+
+
+def test_the_warm_start_stops_at_its_first_check_at_the_threshold_with_that_steps_checkpoint(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """The checks score greedy agent episodes on the last train problems, which the demonstrations
+    leave out; the warm start stops at the first check at the threshold and writes that step's
+    weights, the same as a run of that many steps whose checks do not stop it."""
+    from rlactors_examples.agent_tools import warm_start
+
+    from rlactors.models import load_tokenizer
+
+    scored = []
+    real = warm_start.agent_accuracy
+    monkeypatch.setattr(warm_start, "agent_accuracy",
+                        lambda model, tokenizer, config, problems: scored.append(problems) or
+                        real(model, tokenizer, config, problems))
+    common = ["--batch-size", "2", "--check-every", "3", "--check-problems", "4",
+              "--config", str(ROOT / "configs/agent_tools_cpu.toml")]
+    monkeypatch.chdir(ROOT)
+    warm_start.main([str(tmp_path / "stopped"), "--steps", "9", "--until-accuracy", "0", *common])
+    out = capsys.readouterr().out
+    assert "check at step 3: accuracy 0.000 on 4 held-out train problems" in out and "(3 steps)" in out, out
+    warm_start.main([str(tmp_path / "full"), "--steps", "3", "--until-accuracy", "1", *common])
+    out = capsys.readouterr().out
+    assert "check at step 3: accuracy 0.000" in out and "(3 steps)" in out, out
+    assert (tmp_path / "stopped/model.safetensors").read_bytes() == (tmp_path / "full/model.safetensors").read_bytes()
+
+    tokenizer = load_tokenizer(tmp_path / "full")
+    train = CalculatorAgent(AgentToolsConfig(), tokenizer)
+    assert scored == [train.dataset("train")[-4:]] * 2
+    assert not {p["question"] for p in scored[0]} & {p["question"] for p in train.dataset("eval")}
+    args = argparse.Namespace(until_accuracy=0.5, check_problems=4, variants=0, seed=0)
+    demonstrated = [tokenizer.decode(e.token_ids) for e in warm_start.demonstrations(tokenizer, args)]
+    assert not any(p["question"] in text for p in scored[0] for text in demonstrated)
+    every_problem = warm_start.demonstrations(tokenizer, argparse.Namespace(**{**vars(args), "until_accuracy": None}))
+    assert scored[0][0]["question"] in tokenizer.decode(every_problem[-4].token_ids)
+
+
+def test_the_warm_start_refuses_a_bad_accuracy_or_a_held_out_slice_without_demonstrations(tmp_path, capsys):
+    from rlactors_examples.agent_tools.warm_start import main
+
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--until-accuracy", "1.5"])
+    assert "--until-accuracy: must be between 0 and 1, got 1.5" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--check-problems 500: the train split has only 500 problems"):
+        main([str(tmp_path / "out"), "--until-accuracy", "0.5", "--check-problems", "500"])
+    assert not (tmp_path / "out").exists()

@@ -9,12 +9,15 @@ result): one calculator call per step of the reference solution (`5 * 15`, then 
 the format and to copy numbers from the question only in part, so its answers are sometimes right:
 RL has something to improve. `--variants N` puts N renumbered copies of each problem in its place,
 worked by the same teacher: a longer warm start then learns to copy numbers rather than recite
-the 500 problems' answers, and the RL run's problems keep numbers it has not seen. The run is
-deterministic: the same arguments give the same checkpoint,
+the 500 problems' answers. `--until-accuracy A` stops it at the first check, every
+`--check-every` steps, whose greedy accuracy over whole agent episodes (`--config`'s env and
+limits, through a gateway) on the last `--check-problems` train problems, left out of the
+demonstrations, is at least A: room for RL to improve. The run is deterministic: the same
+arguments give the same checkpoint,
 
     python examples/agent_tools/warm_start.py examples/agent_tools/warm_checkpoint
-    python examples/agent_tools/warm_start.py runs/agent_tools_warm_gpu --size small --steps 3000 \
-        --batch-size 64 --variants 16 --device cuda    # configs/agent_tools_1gpu.toml's policy
+    python examples/agent_tools/warm_start.py runs/agent_tools_warm_gpu --size small --steps 1500 \
+        --batch-size 64 --variants 16 --until-accuracy 0.3 --check-every 25 --device cuda
 """
 
 from __future__ import annotations

@@ -174,3 +174,20 @@ def test_the_warm_start_refuses_a_bad_accuracy_or_a_held_out_slice_without_demon
     with pytest.raises(SystemExit, match="--check-problems 500: the train split has only 500 problems"):
         main([str(tmp_path / "out"), "--until-accuracy", "0.5", "--check-problems", "500"])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_checks_accuracy_does_not_depend_on_which_episodes_share_the_engine():
+    """Four train problems played together score as each played alone: the committed CPU warm start
+    answers exactly one of them right (the one-step problem), whatever else the engine batches."""
+    from rlactors_examples.agent_tools.warm_start import agent_accuracy, held_out_problems
+
+    from rlactors.models import from_pretrained, load_tokenizer
+
+    checkpoint, config = ROOT / "examples/agent_tools/warm_checkpoint", ROOT / "configs/agent_tools_cpu.toml"
+    tokenizer = load_tokenizer(checkpoint)
+    model = from_pretrained(checkpoint, dtype=torch.float32)
+    problems = held_out_problems(tokenizer, 17)[:4]
+    alone = [agent_accuracy(model, tokenizer, config, [p])["eval/reward/correct_mean"] for p in problems]
+    assert alone == [1.0, 0.0, 0.0, 0.0], (alone, problems)
+    together = agent_accuracy(model, tokenizer, config, problems)
+    assert together["eval/reward/correct_mean"] == 0.25 and together["eval/status/completed"] == 4

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from rlactors_examples.agent_tools.env import CALCULATOR, SYSTEM, AgentToolsConfig, CalculatorAgent, calculate
 from rlactors_examples.alphabet_sort.warm_start import sft_episode, warm_start_main
 
@@ -41,6 +42,7 @@ from rlactors.config import (
     EvalConfig,
     GatewayConfig,
     GeneratorConfig,
+    ModelConfig,
     RolloutConfig,
     build_dataclass,
     read_toml,
@@ -134,20 +136,21 @@ def held_out_problems(tokenizer, count: int) -> list[dict[str, Any]]:
 def agent_accuracy(model, tokenizer, run_config: Path, problems: list[dict[str, Any]]) -> dict[str, float]:
     """The greedy `eval/*` metrics of `model` as the agent on `problems`: whole episodes of the env
     of `run_config` through a gateway, under its [rollout] limits, played as the run's evaluation
-    plays them, by a native engine in this process on a copy of the model. The copy runs
-    batch-invariant kernels: a reply does not depend on which episodes share an engine step, so
-    the same weights always score the same."""
+    plays them, by a native engine in this process on a copy of the model in the run's
+    model.dtype. The copy runs batch-invariant kernels: a reply does not depend on which episodes
+    share an engine step, so the same weights always score the same."""
     toml = read_toml(run_config)
     env_config = build_dataclass(EnvConfig, toml.get("env", {}), "env")
     rollout = build_dataclass(RolloutConfig, toml.get("rollout", {}), "rollout")
     gateway_config = build_dataclass(GatewayConfig, {**toml.get("gateway", {}), "host": "127.0.0.1", "port": 0},
                                      "gateway")
+    dtype = getattr(torch, build_dataclass(ModelConfig, {**toml.get("model", {}), "path": "."}, "model").dtype)
     max_model_len = rollout.max_total_tokens
     sizes = GeneratorConfig(max_num_seqs=len(problems), kv_cache_tokens=len(problems) * max_model_len,
                             max_model_len=max_model_len)
 
     async def play() -> dict[str, float]:
-        engine = AsyncEngine(NativeEngine(copy.deepcopy(model), sizes, true_on_policy=True))
+        engine = AsyncEngine(NativeEngine(copy.deepcopy(model).to(dtype), sizes, true_on_policy=True))
         env = load_env(env_config, tokenizer)
         gateway = await serve_agent_env(env, gateway_config, rollout.max_tokens_per_turn, tokenizer)
 

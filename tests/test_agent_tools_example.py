@@ -165,8 +165,9 @@ def test_the_warm_start_stops_at_its_first_check_at_the_threshold_with_that_step
     assert scored[0][0]["question"] in tokenizer.decode(every_problem[-4].token_ids)
 
 
-def test_the_warm_start_refuses_a_bad_accuracy_or_a_held_out_slice_without_demonstrations(tmp_path, capsys):
-    from rlactors_examples.agent_tools.warm_start import main
+def test_the_warm_start_refuses_a_bad_accuracy_a_held_out_slice_without_demonstrations_or_a_bad_config(tmp_path,
+                                                                                                       capsys):
+    from rlactors_examples.agent_tools.warm_start import main, stop_at_accuracy
 
     with pytest.raises(SystemExit):
         main([str(tmp_path), "--until-accuracy", "1.5"])
@@ -174,16 +175,23 @@ def test_the_warm_start_refuses_a_bad_accuracy_or_a_held_out_slice_without_demon
     with pytest.raises(SystemExit, match="--check-problems 500: the train split has only 500 problems"):
         main([str(tmp_path / "out"), "--until-accuracy", "0.5", "--check-problems", "500"])
     assert not (tmp_path / "out").exists()
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[rollout]\nmax_turns = "three"\n')
+    for config, message in [(bad, "rollout.max_turns"), (tmp_path / "none.toml", "config file not found")]:
+        args = argparse.Namespace(until_accuracy=0.5, config=config, check_problems=4, check_every=1)
+        with pytest.raises(SystemExit, match=f"--config {config}: .*{message}"):
+            stop_at_accuracy(None, None, args)
 
 
 def test_a_checks_accuracy_does_not_depend_on_which_episodes_share_the_engine():
     """Four train problems played together score as each played alone: the committed CPU warm start
     answers exactly one of them right (the one-step problem), whatever else the engine batches."""
-    from rlactors_examples.agent_tools.warm_start import agent_accuracy, held_out_problems
+    from rlactors_examples.agent_tools.warm_start import Episodes, agent_accuracy, held_out_problems
 
     from rlactors.models import from_pretrained, load_tokenizer
 
-    checkpoint, config = ROOT / "examples/agent_tools/warm_checkpoint", ROOT / "configs/agent_tools_cpu.toml"
+    checkpoint = ROOT / "examples/agent_tools/warm_checkpoint"
+    config = Episodes.of(ROOT / "configs/agent_tools_cpu.toml")
     tokenizer = load_tokenizer(checkpoint)
     model = from_pretrained(checkpoint, dtype=torch.float32)
     problems = held_out_problems(tokenizer, 17)[:4]

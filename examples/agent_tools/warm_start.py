@@ -30,6 +30,7 @@ import random
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from rlactors_examples.agent_tools.env import CALCULATOR, SYSTEM, AgentToolsConf
 from rlactors_examples.alphabet_sort.warm_start import sft_episode, warm_start_main
 
 from rlactors.config import (
+    ConfigError,
     EnvConfig,
     EvalConfig,
     GatewayConfig,
@@ -133,31 +135,47 @@ def held_out_problems(tokenizer, count: int) -> list[dict[str, Any]]:
     return CalculatorAgent(AgentToolsConfig(), tokenizer).dataset("train")[-count:]
 
 
-def agent_accuracy(model, tokenizer, run_config: Path, problems: list[dict[str, Any]]) -> dict[str, float]:
+@dataclass(frozen=True)
+class Episodes:
+    """What the checks' episodes follow, from a run config: its env, [rollout] limits, [gateway]
+    bounds (served on a free local port) and model.dtype."""
+
+    env: EnvConfig
+    rollout: RolloutConfig
+    gateway: GatewayConfig
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, run_config: Path) -> Episodes:
+        """Raises ConfigError, naming the key, for a config these sections cannot be read from."""
+        toml = read_toml(run_config)
+        model = build_dataclass(ModelConfig, {**toml.get("model", {}), "path": "."}, "model")
+        return cls(build_dataclass(EnvConfig, toml.get("env", {}), "env"),
+                   build_dataclass(RolloutConfig, toml.get("rollout", {}), "rollout"),
+                   build_dataclass(GatewayConfig, {**toml.get("gateway", {}), "host": "127.0.0.1", "port": 0},
+                                   "gateway"),
+                   getattr(torch, model.dtype))
+
+
+def agent_accuracy(model, tokenizer, episodes: Episodes, problems: list[dict[str, Any]]) -> dict[str, float]:
     """The greedy `eval/*` metrics of `model` as the agent on `problems`: whole episodes of the env
-    of `run_config` through a gateway, under its [rollout] limits, played as the run's evaluation
-    plays them, by a native engine in this process on a copy of the model in the run's
-    model.dtype. The copy runs batch-invariant kernels: a reply does not depend on which episodes
-    share an engine step, so the same weights always score the same."""
-    toml = read_toml(run_config)
-    env_config = build_dataclass(EnvConfig, toml.get("env", {}), "env")
-    rollout = build_dataclass(RolloutConfig, toml.get("rollout", {}), "rollout")
-    gateway_config = build_dataclass(GatewayConfig, {**toml.get("gateway", {}), "host": "127.0.0.1", "port": 0},
-                                     "gateway")
-    dtype = getattr(torch, build_dataclass(ModelConfig, {**toml.get("model", {}), "path": "."}, "model").dtype)
-    max_model_len = rollout.max_total_tokens
+    through a gateway, under the rollout limits, played as the run's evaluation plays them, by a
+    native engine in this process on a copy of the model in `episodes.dtype`. The copy runs
+    batch-invariant kernels: a reply does not depend on which episodes share an engine step, so
+    the same weights always score the same."""
+    max_model_len = episodes.rollout.max_total_tokens
     sizes = GeneratorConfig(max_num_seqs=len(problems), kv_cache_tokens=len(problems) * max_model_len,
                             max_model_len=max_model_len)
 
     async def play() -> dict[str, float]:
-        engine = AsyncEngine(NativeEngine(copy.deepcopy(model).to(dtype), sizes, true_on_policy=True))
-        env = load_env(env_config, tokenizer)
-        gateway = await serve_agent_env(env, gateway_config, rollout.max_tokens_per_turn, tokenizer)
+        engine = AsyncEngine(NativeEngine(copy.deepcopy(model).to(episodes.dtype), sizes, true_on_policy=True))
+        env = load_env(episodes.env, tokenizer)
+        gateway = await serve_agent_env(env, episodes.gateway, episodes.rollout.max_tokens_per_turn, tokenizer)
 
         async def generate(prompt_token_ids, sampling, request_id, session_id=None):
             return await engine.generate(prompt_token_ids, sampling, request_id)
         try:
-            return await Evaluator(env, generate, rollout, EvalConfig(), problems).evaluate(0, 0)
+            return await Evaluator(env, generate, episodes.rollout, EvalConfig(), problems).evaluate(0, 0)
         finally:
             await gateway.stop()
             await engine.close()
@@ -175,11 +193,15 @@ def stop_at_accuracy(model, tokenizer, args: argparse.Namespace) -> Callable[[in
     its accuracy would not be the policy's."""
     if args.until_accuracy is None:
         return None
+    try:
+        episodes = Episodes.of(args.config)
+    except ConfigError as e:
+        raise SystemExit(f"error: --config {args.config}: {e}") from None
     problems = held_out_problems(tokenizer, args.check_problems)
 
     def accuracy(step: int) -> float:
         start = time.monotonic()
-        metrics = agent_accuracy(model, tokenizer, args.config, problems)
+        metrics = agent_accuracy(model, tokenizer, episodes, problems)
         errors = {k: v for k, v in metrics.items() if k.startswith("eval/status/error") and v}
         if errors:
             raise RuntimeError(f"accuracy check at step {step}: episodes ended in error: {errors}")
@@ -214,7 +236,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-problems", type=positive, default=100,
                         help="the last this many train problems: held out of the demonstrations, scored by the checks")
     parser.add_argument("--config", type=Path, default=Path("configs/agent_tools_1gpu.toml"),
-                        help="the run config whose [env], [rollout] and [gateway] the checks' episodes follow")
+                        help="the run config whose env, [rollout], [gateway] and model.dtype the checks' episodes "
+                             "follow")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -210,12 +210,15 @@ def learning_curve(gpus: int, true_on_policy: bool) -> list[tuple[str, list[str]
 
 
 # The agent example on one GPU (configs/agent_tools_1gpu.toml), each part's limit in seconds.
-# Expected: the warm start ~1.5 min (3000 steps of ~15-30 ms, bound by kernel launches and fp32
-# attention scores in memory, not by matmul FLOPs, at the small shape; and tokenizing ~7000
-# demonstrations); the run ~4 min (vLLM's start, 60 sync steps of 256 rollouts of up to 3 turns
-# through the gateway at ~2-3 s, 7 evaluations); the gateway ~3.5 min (208 s on one H100, vLLM's
-# start included).
-AGENT_WARM_START = (240, ["--size", "small", "--steps", "3000", "--batch-size", "64", "--variants", "16"])
+# The warm start stops at its first check (every 25 SFT steps) whose greedy accuracy on 100
+# held-out train problems is >= 0.3: warmed to the end it answers every problem, leaving GRPO
+# nothing to improve. Expected: the warm start ~2-4 min (tokenizing ~6400 demonstrations; SFT
+# steps of ~15-30 ms, the accuracy reached around step 500-800; each check ~5-10 s of greedy
+# episodes on the native engine, the first with Triton's compiles); the run ~5 min (vLLM's start,
+# 50 sync steps of 256 rollouts of up to 3 turns through the gateway at ~4 s, 6 evaluations); the
+# gateway ~3.5 min (208 s on one H100, vLLM's start included).
+AGENT_WARM_START = (420, ["--size", "small", "--steps", "1500", "--batch-size", "64", "--variants", "16",
+                          "--until-accuracy", "0.3", "--check-every", "25"])
 AGENT_RUN_S = 360
 GATEWAY_S = 300
 
@@ -224,8 +227,8 @@ def agent(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
     """Issue #62 on one GPU: the calculator agent's GPU warm start, its true on-policy run through
     the gateway (colocated vLLM) with the learning curve (held-out eval at step 0 and the end,
     `loss/logprob_diff/max` over every step) into agent_tools_1gpu_learning.md, then the gateway
-    against direct router calls on a vLLM replica (gateway_overhead.md). About 9 minutes, at most
-    16 (the limits above)."""
+    against direct router calls on a vLLM replica (gateway_overhead.md). About 11 minutes, at most
+    18 (the limits above)."""
     run_dir = (Path(tempfile.gettempdir()) / f"rlactors_agent_{time.strftime('%Y%m%d_%H%M%S')}"
                / "agent_tools_1gpu")  # the curve's heading names the dir
     name = "agent_tools_1gpu_learning"

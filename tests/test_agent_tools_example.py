@@ -2,13 +2,14 @@
 `openai` agent trains through it (sync and async mode), evaluation runs through it, and in true
 on-policy mode the trainer scores exactly what the engine sampled (loss/logprob_diff/max 0)."""
 
+import argparse
 import asyncio
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from rlactors_examples.agent_tools.env import calculate
+from rlactors_examples.agent_tools.env import AgentToolsConfig, CalculatorAgent, calculate
 
 from rlactors.config import load_config
 from rlactors.evaluate import main as evaluate_main
@@ -116,3 +117,85 @@ def test_the_gpu_warm_starts_gathered_batch_trains_as_the_packed_rows(tmp_path, 
     torch.testing.assert_close(flat[0], rows[0], **tolerance)
     for a, b in zip(flat[2], rows[2]):
         torch.testing.assert_close(a, b, **tolerance)
+
+
+def test_the_accuracy_stop_checks_every_n_steps_and_stops_at_the_first_check_at_the_threshold():
+    from rlactors_examples.agent_tools.warm_start import stop_at
+
+    checked = []
+    accuracies = iter([0.1, 0.29, 0.3, 0.9])
+    stop = stop_at(0.3, 5, lambda step: checked.append(step) or next(accuracies))
+    assert next(step for step in range(1, 30) if stop(step)) == 15
+    assert checked == [5, 10, 15]
+
+
+def test_the_warm_start_stops_at_its_first_check_at_the_threshold_with_that_steps_checkpoint(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """The checks score greedy agent episodes on the last train problems, which the demonstrations
+    leave out; the warm start stops at the first check at the threshold and writes that step's
+    weights, the same as a run of that many steps whose checks do not stop it."""
+    from rlactors_examples.agent_tools import warm_start
+
+    from rlactors.models import load_tokenizer
+
+    scored = []
+    real = warm_start.agent_accuracy
+    monkeypatch.setattr(warm_start, "agent_accuracy",
+                        lambda model, tokenizer, config, problems: scored.append(problems) or
+                        real(model, tokenizer, config, problems))
+    common = ["--batch-size", "2", "--check-every", "3", "--check-problems", "4",
+              "--config", str(ROOT / "configs/agent_tools_cpu.toml")]
+    monkeypatch.chdir(ROOT)
+    warm_start.main([str(tmp_path / "stopped"), "--steps", "9", "--until-accuracy", "0", *common])
+    out = capsys.readouterr().out
+    assert "check at step 3: accuracy 0.000 on 4 held-out train problems" in out and "(3 steps)" in out, out
+    warm_start.main([str(tmp_path / "full"), "--steps", "3", "--until-accuracy", "1", *common])
+    out = capsys.readouterr().out
+    assert "check at step 3: accuracy 0.000" in out and "(3 steps)" in out, out
+    assert (tmp_path / "stopped/model.safetensors").read_bytes() == (tmp_path / "full/model.safetensors").read_bytes()
+
+    tokenizer = load_tokenizer(tmp_path / "full")
+    train = CalculatorAgent(AgentToolsConfig(), tokenizer)
+    assert scored == [train.dataset("train")[-4:]] * 2
+    assert not {p["question"] for p in scored[0]} & {p["question"] for p in train.dataset("eval")}
+    args = argparse.Namespace(until_accuracy=0.5, check_problems=4, variants=0, seed=0)
+    demonstrated = [tokenizer.decode(e.token_ids) for e in warm_start.demonstrations(tokenizer, args)]
+    assert not any(p["question"] in text for p in scored[0] for text in demonstrated)
+    every_problem = warm_start.demonstrations(tokenizer, argparse.Namespace(**{**vars(args), "until_accuracy": None}))
+    assert scored[0][0]["question"] in tokenizer.decode(every_problem[-4].token_ids)
+
+
+def test_the_warm_start_refuses_a_bad_accuracy_a_held_out_slice_without_demonstrations_or_a_bad_config(tmp_path,
+                                                                                                       capsys):
+    from rlactors_examples.agent_tools.warm_start import main, stop_at_accuracy
+
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--until-accuracy", "1.5"])
+    assert "--until-accuracy: must be between 0 and 1, got 1.5" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--check-problems 500: the train split has only 500 problems"):
+        main([str(tmp_path / "out"), "--until-accuracy", "0.5", "--check-problems", "500"])
+    assert not (tmp_path / "out").exists()
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[rollout]\nmax_turns = "three"\n')
+    for config, message in [(bad, "rollout.max_turns"), (tmp_path / "none.toml", "config file not found")]:
+        args = argparse.Namespace(until_accuracy=0.5, config=config, check_problems=4, check_every=1)
+        with pytest.raises(SystemExit, match=f"--config {config}: .*{message}"):
+            stop_at_accuracy(None, None, args)
+
+
+def test_a_checks_accuracy_does_not_depend_on_which_episodes_share_the_engine():
+    """Four train problems played together score as each played alone: the committed CPU warm start
+    answers exactly one of them right (the one-step problem), whatever else the engine batches."""
+    from rlactors_examples.agent_tools.warm_start import Episodes, agent_accuracy, held_out_problems
+
+    from rlactors.models import from_pretrained, load_tokenizer
+
+    checkpoint = ROOT / "examples/agent_tools/warm_checkpoint"
+    config = Episodes.of(ROOT / "configs/agent_tools_cpu.toml")
+    tokenizer = load_tokenizer(checkpoint)
+    model = from_pretrained(checkpoint, dtype=torch.float32)
+    problems = held_out_problems(tokenizer, 17)[:4]
+    alone = [agent_accuracy(model, tokenizer, config, [p])["eval/reward/correct_mean"] for p in problems]
+    assert alone == [1.0, 0.0, 0.0, 0.0], (alone, problems)
+    together = agent_accuracy(model, tokenizer, config, problems)
+    assert together["eval/reward/correct_mean"] == 0.25 and together["eval/status/completed"] == 4

@@ -125,7 +125,10 @@ def gathered(episodes: list[Episode], device: torch.device) -> Callable[[list[in
     return batch
 
 
-def train(model, episodes: list[Episode], steps: int, batch_size: int, lr: float, seed: int) -> None:
+def train(model, episodes: list[Episode], steps: int, batch_size: int, lr: float, seed: int,
+          stop: Callable[[int], bool] | None = None) -> int:
+    """SFT of `model` on `episodes` for `steps` steps, or until `stop(step)`, asked after each
+    step, says so; returns the last step taken."""
     device = next(model.parameters()).device
     batches = packed_rows(episodes) if device.type == "cpu" else gathered(episodes, device)
     # On a GPU a whole batch's logits at once (a tiny vocabulary): fewer kernels a step.
@@ -152,13 +155,19 @@ def train(model, episodes: list[Episode], steps: int, batch_size: int, lr: float
         optimizer.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == steps:
             print(f"sft step {step:>4}/{steps}  loss {total:.4f}  {time.monotonic() - start:.0f}s", flush=True)
+        if stop is not None and stop(step):
+            return step
+    return steps
 
 
 def warm_start_main(doc: str, default_steps: int, demonstrations: Callable[[Any, argparse.Namespace], list[Episode]],
-                    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+                    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+                    stop_when: Callable[[Any, Any, argparse.Namespace], Callable[[int], bool] | None] | None = None,
+                    argv: list[str] | None = None) -> None:
     """The command line of a warm start of a tiny Qwen3, `OUT_DIR [--size --steps --batch-size
     --lr --seed --device]` and the example's own options (`add_arguments`): SFT on
-    `demonstrations(tokenizer, args)`; on the CPU on one thread (a reproducible checkpoint). It is
+    `demonstrations(tokenizer, args)`, stopped early where `stop_when(model, tokenizer, args)`
+    gives a `train` stop; on the CPU on one thread (a reproducible checkpoint). It is
     built in `OUT_DIR.partial` and its files moved into OUT_DIR when done: a run cut short leaves no
     checkpoint of random weights where a config expects a trained one."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,7 +180,7 @@ def warm_start_main(doc: str, default_steps: int, demonstrations: Callable[[Any,
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -185,13 +194,14 @@ def warm_start_main(doc: str, default_steps: int, demonstrations: Callable[[Any,
     model = from_pretrained(partial, dtype=torch.float32, device=args.device)
     episodes = demonstrations(tokenizer, args)
     print(f"{len(episodes)} demonstrations, {sum(len(e) for e in episodes)} tokens", flush=True)
-    train(model, episodes, args.steps, args.batch_size, args.lr, args.seed)
+    stop = None if stop_when is None else stop_when(model, tokenizer, args)
+    steps = train(model, episodes, args.steps, args.batch_size, args.lr, args.seed, stop)
     save_pretrained(model.cpu(), model.args, partial)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for path in partial.iterdir():
         path.replace(args.out_dir / path.name)
     partial.rmdir()
-    print(f"wrote {args.out_dir} in {time.monotonic() - start:.0f}s")
+    print(f"wrote {args.out_dir} ({steps} steps) in {time.monotonic() - start:.0f}s")
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ The cost is a copy of the state each way per step, over PCIe.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -85,10 +85,16 @@ class OffloadedStep:
             self._to_device(group)
 
     def _to_host(self, params: Sequence[nn.Parameter]) -> None:
+        self._replace_state(params, self._on_host)
+
+    def _to_device(self, params: Sequence[nn.Parameter]) -> None:
+        self._replace_state(params, self._on_device)
+
+    def _replace_state(self, params: Sequence[nn.Parameter], moved: Callable[[nn.Parameter, str, Any], Any]) -> None:
         state = self.optimizer.state
         for p in params:
             if p in state:
-                state[p] = {key: self._on_host(p, key, value) for key, value in state[p].items()}
+                state[p] = {key: moved(p, key, value) for key, value in state[p].items()}
 
     def _on_host(self, p: nn.Parameter, key: str, value: Any) -> Any:
         if isinstance(value, DTensor):
@@ -98,12 +104,6 @@ class OffloadedStep:
         if isinstance(value, torch.Tensor) and not _on(value, self.host):
             value = copy_to(value, self.host, pin=True)
         return value
-
-    def _to_device(self, params: Sequence[nn.Parameter]) -> None:
-        state = self.optimizer.state
-        for p in params:
-            if p in state:
-                state[p] = {key: self._on_device(p, key, value) for key, value in state[p].items()}
 
     def _on_device(self, p: nn.Parameter, key: str, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and not _on(value, self.device):

@@ -32,8 +32,9 @@ commit-stamped row is appended to benchmarks/results/gateway_overhead.md.
     python benchmarks/gateway_overhead.py --instant       # the controller's CPU per turn only
 
 With `--instant` no router runs: a generator that answers at once with a fixed completion stands in
-for it, and the figure is the controller process's CPU time per turn of each mode (median over the
-rounds): the gateway's and the harnesses' own cost, free of the replicas' share of the cores.
+for it, and the figures are the controller process's CPU time per turn of each mode (median over the
+rounds), the gateway's and the harnesses' own cost free of the replicas' share of the cores, and the
+turns' p50 latency (every session's turns queue on the one event loop, so it grows with that cost).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ COLUMNS = ("sessions x turns x max tokens", "rounds", *(f"{m} tok/s" for m in MO
            "controller CPU ms per turn (direct / HTTP / openai)")
 GPU_COLUMNS = ("replicas", *COLUMNS)  # a table of its own
 INSTANT_COLUMNS = ("sessions x turns x max tokens", "rounds", *(f"{m} CPU ms per turn" for m in MODES),
-                   "gateway (HTTP) - direct, ms")
+                   "gateway (HTTP) - direct, ms", "turn p50 ms (direct / HTTP / openai)")
 
 
 @dataclass
@@ -229,8 +230,9 @@ async def benchmark(args, scratch: Path) -> dict[str, object]:
             "cpu_ms_per_turn": {m: 1000 * cpu_seconds[m] / turns[m] for m in MODES}}
 
 
-async def instant(args) -> dict[str, float]:
-    """Controller CPU ms per turn of each mode (median over rounds), with an instant generator."""
+async def instant(args) -> tuple[dict[str, float], dict[str, float]]:
+    """Controller CPU ms per turn of each mode (median over rounds) and its turns' p50 latency in ms
+    (over the measured rounds), with an instant generator."""
     from rlactors.config import GatewayConfig, RolloutConfig
     from rlactors.gateway import Gateway
     from rlactors.models import load_tokenizer
@@ -250,7 +252,8 @@ async def instant(args) -> dict[str, float]:
                             step_timeout_s=600.0)
     gateway = Gateway(GatewayConfig(), tokenizer, rollout.max_tokens_per_turn)
     await gateway.start()
-    envs, http = make_envs(tokenizer, args.turns, {mode: [] for mode in MODES})
+    latencies: dict[str, list[float]] = {mode: [] for mode in MODES}
+    envs, http = make_envs(tokenizer, args.turns, latencies)
     for env in envs.values():
         env.gateway = gateway
     ms_per_turn: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -262,10 +265,13 @@ async def instant(args) -> dict[str, float]:
                 cpu = time.process_time() - cpu
                 if round_:
                     ms_per_turn[mode].append(1000 * cpu / sum(len(r.turns) for r in batch.groups[0].rollouts))
+                else:
+                    latencies[mode].clear()
     finally:
         await http.close()
         await gateway.stop()
-    return {mode: statistics.median(ms) for mode, ms in ms_per_turn.items()}
+    return ({mode: statistics.median(ms) for mode, ms in ms_per_turn.items()},
+            {mode: 1000 * _percentile(latencies[mode], 0.5) for mode in MODES})
 
 
 # Per device: sessions, turns, max tokens, replicas, rounds, max_model_len (the rollouts' max_total_tokens too).
@@ -283,16 +289,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, help="rounds of the three modes")
     parser.add_argument("--no-write", action="store_true", help="print the row without appending it")
     parser.add_argument("--instant", action="store_true",
-                        help="no router: an instant generator; report the controller's CPU per turn only")
+                        help="no router: an instant generator; report the controller's CPU and latency per turn only")
     args = parser.parse_args()
     names = ("sessions", "turns", "max_tokens", "replicas", "repeats", "max_model_len")
     for name, default in zip(names, DEFAULTS[args.device]):
         if getattr(args, name, None) is None:
             setattr(args, name, default)
     if args.instant:
-        cpu = asyncio.run(instant(args))
+        cpu, p50 = asyncio.run(instant(args))
         figures = [f"{args.sessions} x {args.turns} x {args.max_tokens}", args.repeats,
-                   *(f"{cpu[m]:.2f}" for m in MODES), f"{cpu['gateway (HTTP)'] - cpu['direct']:.2f}"]
+                   *(f"{cpu[m]:.2f}" for m in MODES), f"{cpu['gateway (HTTP)'] - cpu['direct']:.2f}",
+                   " / ".join(f"{p50[m]:.1f}" for m in MODES)]
         print(dict(zip(INSTANT_COLUMNS, figures)))
         if not args.no_write:
             append_row(RESULTS, "Controller CPU per turn with an instant generator (--instant)", INSTANT_COLUMNS,

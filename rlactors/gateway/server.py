@@ -267,7 +267,7 @@ class Gateway:
                     raise error from None
                 return await stream.fail(error)  # the client has tokens already: the stream ends with the error
             reply, finish_reason, logprobs = self._reply(chat, turn)
-            session.history.record(chat.messages, chat.tools, prompt, turn.token_ids, canonical_message(reply, 0))
+            history.record(chat.messages, chat.tools, new, prompt, turn.token_ids, canonical_message(reply, 0))
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(turn.token_ids),
                  "total_tokens": len(prompt) + len(turn.token_ids)}
         if stream is not None:

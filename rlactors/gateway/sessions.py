@@ -64,7 +64,12 @@ class TokenHistory:
         if self.messages is None or tools != self.tools:
             return None
         n = len(self.messages)
-        if len(messages) <= n or [match_key(m) for m in messages[:n]] != self.keys:
+        if len(messages) <= n:
+            return None
+        # Harnesses mostly send the history back as they got it: one comparison of the lists, and
+        # match_keys (JSON parsing) only for the messages that differ as sent.
+        if messages[:n] != self.messages and any(
+                sent != kept and match_key(sent) != key for sent, kept, key in zip(messages, self.messages, self.keys)):
             return None
         return messages[n:]
 
@@ -82,9 +87,12 @@ class TokenHistory:
                    for m in messages)
         return text + (len(json.dumps(tools)) if tools else 0)
 
-    def record(self, messages: list[Message], tools: list[dict[str, Any]] | None, prompt: list[int],
-               completion: list[int], reply: Message) -> None:
+    def record(self, messages: list[Message], tools: list[dict[str, Any]] | None, new: list[Message] | None,
+               prompt: list[int], completion: list[int], reply: Message) -> None:
+        """The turn of a request whose `extension` was `new` (None: a new branch): the earlier
+        messages' keys carry over, so a turn costs what its new messages do, not the whole history."""
+        carried = self.keys if new is not None else []
+        self.keys = [*carried, *(match_key(m) for m in messages[len(carried):]), match_key(reply)]
         self.messages = [*messages, reply]
-        self.keys = [match_key(m) for m in self.messages]
         self.tools = tools
         self.token_ids = [*prompt, *completion]

@@ -49,6 +49,15 @@ def tiny_ckpt_untied(family_ckpt) -> Path:
     return family_ckpt("qwen3", tie=False)
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_kept():
+    """A test that sets torch's thread count (a warm start's main does, for a reproducible
+    checkpoint) leaves the next test the count it found: the order of a sum's terms follows it."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 # What a module may keep on a GPU after its last test: the CUDA context's own allocations
 # (cuBLAS workspaces, kernel libraries loaded on first use: 1.3 GiB after the attention kernels on
 # an H100) but no engine (the smallest test engine takes several GiB), model or cached block.

@@ -111,7 +111,9 @@ def test_two_steps_match_plain_pytorch_however_microbatched(family, family_ckpt,
     nan_tokens = sum(int((mb.loss_mask & mb.generator_logprobs.isnan()).sum()) for mb in batch1)
     assert m1["nonfinite_logprob_tokens"] == nan_tokens > 0
     actual = core.full_weights(torch.float32)
-    assert_weights_close(actual, expected, atol=2e-5)
+    # AdamW moves each weight by up to the LR (1e-2) whatever its gradient's size, so an element
+    # whose gradient is near 0 moves on summation-order noise: 3.3e-5 at most over 1-8 threads.
+    assert_weights_close(actual, expected, atol=1e-4)
     moved = max((actual[n] - initial[n]).abs().max().item() for n in initial)
     assert moved > 1e-3  # the comparison above is far tighter than the update
 

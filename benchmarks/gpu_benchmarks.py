@@ -216,19 +216,19 @@ def learning_curve(gpus: int, true_on_policy: bool) -> list[tuple[str, list[str]
 # steps of ~15-30 ms, the accuracy reached around step 500-800; each check ~5-10 s of greedy
 # episodes on the native engine, the first with Triton's compiles); the run ~5 min (vLLM's start,
 # 50 sync steps of 256 rollouts of up to 3 turns through the gateway at ~4 s, 6 evaluations); the
-# gateway ~3.5 min (208 s on one H100, vLLM's start included).
+# gateway ~4 min (8 rounds of its three modes, ~15 s each on one H200, after vLLM's start).
 AGENT_WARM_START = (420, ["--size", "small", "--steps", "1500", "--batch-size", "64", "--variants", "16",
                           "--until-accuracy", "0.3", "--check-every", "25"])
 AGENT_RUN_S = 360
-GATEWAY_S = 300
+GATEWAY_S = 360
 
 
 def agent(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
     """Issue #62 on one GPU: the calculator agent's GPU warm start, its true on-policy run through
     the gateway (colocated vLLM) with the learning curve (held-out eval at step 0 and the end,
     `loss/logprob_diff/max` over every step) into agent_tools_1gpu_learning.md, then the gateway
-    against direct router calls on a vLLM replica (gateway_overhead.md). About 11 minutes, at most
-    18 (the limits above)."""
+    against direct router calls on a vLLM replica (gateway_overhead.md). About 12 minutes, at most
+    19 (the limits above)."""
     run_dir = (Path(tempfile.gettempdir()) / f"rlactors_agent_{time.strftime('%Y%m%d_%H%M%S')}"
                / "agent_tools_1gpu")  # the curve's heading names the dir
     name = "agent_tools_1gpu_learning"

@@ -47,7 +47,7 @@ from rlactors.config import Config, load_config  # noqa: E402
 from rlactors.models.checkpoint import load_args  # noqa: E402
 from rlactors.models.tiny import kept_checkpoint  # noqa: E402
 from rlactors.rollout import Observation, StepResult, TokenEnv  # noqa: E402
-from rlactors.run.memory_plan import GIB, VLLM_RUNTIME_GIB, gpu_gib, kv_bytes_per_token, plan  # noqa: E402
+from rlactors.run.memory_plan import GIB, gpu_gib, gpu_processes, plan  # noqa: E402
 
 PROMPT_TOKENS = 16
 MARGIN_GIB = 4.0  # left free in every phase of the plan: vLLM's share and the knobs are chosen so
@@ -118,13 +118,12 @@ def fitting_config(opts: argparse.Namespace, ckpt: Path, run_dir: Path) -> tuple
 
 
 def needed_share(memory: Any) -> float:
-    """The gpu_memory_utilization (to 0.01 above) whose KV cache holds every rollout of a step
-    at once (at most `generator.max_num_seqs`, of `generator.max_model_len` tokens) beside
-    vLLM's weights and runtime: a larger cache serves them no faster."""
+    """The gpu_memory_utilization whose KV cache holds every rollout of a step at once (at most
+    `generator.max_num_seqs`, of `generator.max_model_len` tokens): a larger cache serves them no
+    faster."""
     c = memory.config
-    g, rollouts = c.generator, c.rollout.prompts_per_step * c.rollout.group_size
-    kv = min(g.max_num_seqs, rollouts) * g.max_model_len * kv_bytes_per_token(memory.args) / g.tp
-    return math.ceil(100 * (memory.generator.weights + VLLM_RUNTIME_GIB * GIB + kv) / memory.gpu_bytes) / 100
+    rollouts = c.rollout.prompts_per_step * c.rollout.group_size
+    return memory.share_holding(min(c.generator.max_num_seqs, rollouts) * c.generator.max_model_len)
 
 
 class GpuMemoryPoll:
@@ -142,10 +141,8 @@ class GpuMemoryPoll:
                                  capture_output=True, text=True)
             if out.returncode == 0 and out.stdout.strip() and float(out.stdout.split()[0]) > self.peak_mib:
                 self.peak_mib = float(out.stdout.split()[0])
-                apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader",
-                                       *gpu], capture_output=True, text=True)
-                self.at_peak = "; ".join(f"{line.strip()} ({process_name(line.split(',')[0].strip())})"
-                                         for line in apps.stdout.splitlines() if line.strip())
+                self.at_peak = "; ".join(f"{pid}, {mib} MiB ({command[:80]})"
+                                         for pid, (mib, command) in gpu_processes(gpu[1]).items())
             self._stop.wait(self.every_s)
 
     def __enter__(self) -> GpuMemoryPoll:
@@ -155,14 +152,6 @@ class GpuMemoryPoll:
     def __exit__(self, *_: Any) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def process_name(pid: str) -> str:
-    """The start of a process's command line, or "?" where this process cannot see it."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80].strip() or "?"
-    except OSError:
-        return "?"
 
 
 def run(config: Config) -> tuple[list[dict[str, float]], str]:

@@ -19,6 +19,7 @@ use_fast_supervision(force=True)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from rlactors.models.tiny import make_tiny_checkpoint  # noqa: E402
+from rlactors.run.memory_plan import gpu_processes  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -81,12 +82,12 @@ def gpu_memory_given_back(request):
     if not torch.cuda.is_available():
         yield
         return
-    before, others = _free_gpu_bytes(), _gpu_processes()
+    before, others = _free_gpu_bytes(), gpu_processes()
     others.pop(os.getpid(), None)
     yield
     deadline = time.monotonic() + 30
     while True:
-        now = _gpu_processes()
+        now = gpu_processes()
         theirs = sum(now.get(pid, (0, ""))[0] - mib for pid, (mib, _) in others.items()) * 2**20
         held = [b - a - theirs for b, a in zip(before, _free_gpu_bytes())]
         if max(held) <= GPU_MEMORY_KEPT_BYTES or time.monotonic() > deadline:
@@ -97,26 +98,6 @@ def gpu_memory_given_back(request):
                                                                    enumerate(held) if h > GPU_MEMORY_KEPT_BYTES)
         + f"; processes on the GPUs (this one is {os.getpid()}): "
         + ("; ".join(f"{pid} {mib} MiB {command!r}" for pid, (mib, command) in now.items()) or "none listed"))
-
-
-def _gpu_processes() -> dict[int, tuple[int, str]]:
-    """Who holds GPU memory, as nvidia-smi lists it (all GPUs summed): pid -> (MiB, command line)."""
-    import subprocess
-
-    listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                            capture_output=True, text=True).stdout
-    found: dict[int, tuple[int, str]] = {}
-    for line in listed.splitlines():
-        try:
-            pid, mib = (int(part.strip()) for part in line.split(","))
-        except ValueError:  # "[N/A]" where the driver does not tell
-            continue
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-        except OSError:
-            command = "?"
-        found[pid] = (found.get(pid, (0, ""))[0] + mib, command)
-    return found
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ import math
 import os
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from rlactors.config import Config, ConfigError, LoraConfig
 from rlactors.models.args import DTYPES, ModelArgs
@@ -246,6 +247,13 @@ class MemoryPlan:
         left = self.gpu_bytes - trainer - g.beyond - margin_gib * GIB
         return max(0.0, math.floor(100 * left / self.gpu_bytes) / 100)
 
+    def share_holding(self, tokens: int) -> float:
+        """The `generator.gpu_memory_utilization` (to 0.01 above) whose vLLM KV cache holds `tokens`
+        beside its weights and runtime: the inverse of `vllm_kv_cache_bytes`."""
+        g = self.config.generator
+        kv = tokens * kv_bytes_per_token(self.args, DTYPES[self.config.model.dtype].itemsize) / g.tp
+        return math.ceil(100 * (self.generator.weights + VLLM_RUNTIME_GIB * GIB + kv) / self.gpu_bytes) / 100
+
     def problems(self) -> list[str]:
         """Why the run cannot fit this GPU, each with the keys to change; empty when it fits or
         the GPU's size is unknown."""
@@ -336,7 +344,8 @@ class MemoryPlan:
                                      if g.engine == "vllm" else ""), g.share),
         ]
         if g.engine == "vllm":
-            rows.append(("vllm: of which beyond its share (context, pools, its profile's overshoot"
+            rows.append(("vllm: of which beyond its share (context, pools"
+                         + ("" if c.generator.sleep else ", its profile's overshoot")
                          + (", LoRA's base copy)" if g.lora_base else ")"), g.beyond))
         if g.lora_base:
             rows.append((f"{g.engine}: of which its copy of the adapted linears' base, to merge LoRA from"
@@ -386,6 +395,30 @@ def gpu_gib(config: Config) -> float | None:
     if done.returncode != 0 or not done.stdout.strip():
         return None
     return float(done.stdout.split()[0]) / 1024  # MiB
+
+
+def gpu_processes(gpu: str | None = None) -> dict[int, tuple[int, str]]:
+    """Who holds memory on `gpu` (an nvidia-smi index; None: every GPU, summed per process), as
+    nvidia-smi lists them: pid -> (MiB, the start of its command line, "?" where this process
+    cannot read it); empty where nvidia-smi lists none or is missing."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits",
+                                 *(["-i", gpu] if gpu is not None else [])],
+                                capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    found: dict[int, tuple[int, str]] = {}
+    for line in listed.splitlines():
+        try:
+            pid, mib = (int(part.strip()) for part in line.split(","))
+        except ValueError:  # "[N/A]" where the driver does not tell
+            continue
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120].strip() or "?"
+        except OSError:
+            command = "?"
+        found[pid] = (found.get(pid, (0, ""))[0] + mib, command)
+    return found
 
 
 def plan(config: Config, args: ModelArgs, gpu_gib: float | None = None) -> MemoryPlan:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import dataclasses
 import json
 import random
 import re
@@ -39,12 +40,12 @@ from rlactors_examples.agent_tools.env import CALCULATOR, SYSTEM, AgentToolsConf
 from rlactors_examples.alphabet_sort.warm_start import sft_episode, warm_start_main
 
 from rlactors.config import (
+    Config,
     ConfigError,
     EnvConfig,
     EvalConfig,
     GatewayConfig,
     GeneratorConfig,
-    ModelConfig,
     RolloutConfig,
     build_dataclass,
     read_toml,
@@ -53,6 +54,7 @@ from rlactors.engines.async_engine import AsyncEngine
 from rlactors.engines.native import NativeEngine
 from rlactors.gateway import serve_agent_env
 from rlactors.models import extend_with_messages, render_messages
+from rlactors.models.args import DTYPES
 from rlactors.rollout.env import load_env
 from rlactors.rollout.types import Episode
 from rlactors.run.evaluation import Evaluator
@@ -147,14 +149,12 @@ class Episodes:
 
     @classmethod
     def of(cls, run_config: Path) -> Episodes:
-        """Raises ConfigError, naming the key, for a config these sections cannot be read from."""
-        toml = read_toml(run_config)
-        model = build_dataclass(ModelConfig, {**toml.get("model", {}), "path": "."}, "model")
-        return cls(build_dataclass(EnvConfig, toml.get("env", {}), "env"),
-                   build_dataclass(RolloutConfig, toml.get("rollout", {}), "rollout"),
-                   build_dataclass(GatewayConfig, {**toml.get("gateway", {}), "host": "127.0.0.1", "port": 0},
-                                   "gateway"),
-                   getattr(torch, model.dtype))
+        """Raises ConfigError, naming the key, for a config a run could not be built from (its
+        model.path aside: the warm start writes it)."""
+        tree = read_toml(run_config)
+        config = build_dataclass(Config, {**tree, "model": {**tree.get("model", {}), "path": "."}})
+        return cls(config.env, config.rollout, dataclasses.replace(config.gateway, host="127.0.0.1", port=0),
+                   DTYPES[config.model.dtype])
 
 
 def agent_accuracy(model, tokenizer, episodes: Episodes, problems: list[dict[str, Any]]) -> dict[str, float]:

@@ -203,7 +203,8 @@ class LogSoftmax(nn.Module):
     def compile_kernels(self) -> None:
         """torch.compile's ``at_targets``' and ``grad_logits``' kernels, fusing each chunk's
         upcast, exp, reductions and gradient into passes over its logits."""
-        self._at_targets, self._grad_logits = torch.compile(self._at_targets), torch.compile(self._grad_logits)
+        self._at_targets = torch.compile(logprobs_logsumexp_entropy)
+        self._grad_logits = torch.compile(logprob_grad_logits)
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.float().log_softmax(-1)

@@ -175,7 +175,7 @@ def logprobs_logsumexp_entropy(logits: torch.Tensor, targets: torch.Tensor,
     if not with_entropy:
         return target_logprobs, logsumexp, None
     logprobs = logits - logsumexp[:, None]
-    return target_logprobs, logsumexp, -(logprobs.exp() * logprobs).sum(-1)
+    return target_logprobs, logsumexp, -logprobs.exp().mul_(logprobs).sum(-1)
 
 
 def logprob_grad_logits(logits: torch.Tensor, logsumexp: torch.Tensor, targets: torch.Tensor,

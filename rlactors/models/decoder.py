@@ -336,10 +336,8 @@ class _TokenLogprobs(torch.autograd.Function):
             chunk_hidden = hidden[rows]
             # The default matmul, also in true on-policy mode: the gradient needs the forward's
             # logits only up to rounding, and cuBLAS is faster than the batch-invariant kernel.
-            logits = F.linear(chunk_hidden, weight)
-            grad_logits = ctx.model.log_softmax.grad_logits(logits, logsumexp[rows], targets[rows],
-                                                            grad_logprobs[rows])
-            del logits  # before the next chunk's are made
+            grad_logits = ctx.model.log_softmax.grad_logits(
+                F.linear(chunk_hidden, weight), logsumexp[rows], targets[rows], grad_logprobs[rows])
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:

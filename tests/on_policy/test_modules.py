@@ -89,3 +89,14 @@ def test_true_on_policy_head_values_come_from_the_generators_kernels_bit_for_bit
     assert torch.equal(logsumexp, logits.gather(-1, targets[:, None]).squeeze(-1) - expected)
     assert torch.equal(entropy, -(full.exp() * full).sum(-1))
     assert module.at_targets(logits, targets)[2] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_true_on_policy_logit_gradients_are_the_plain_ones_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(9, 500, generator=gen)).to(dtype)
+    targets = torch.randint(0, 500, (9,), generator=gen)
+    grad = torch.randn(9, generator=gen)
+    logsumexp = logits.float().logsumexp(-1)
+    expected = LogSoftmax().grad_logits(logits, logsumexp, targets, grad)
+    assert torch.equal(modules.InvariantLogSoftmax().grad_logits(logits.clone(), logsumexp, targets, grad), expected)

@@ -164,17 +164,62 @@ class DecoderModel(nn.Module):
         return self.norm(h)
 
 
+def logprobs_logsumexp_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                               with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(log p(targets[t]), logsumexp(logits[t]), entropy[t] or None)`` of ``logits [T, vocab]``,
+    in fp32 (fp64 logits stay fp64). Row reductions only: compiled, each reads the row in the
+    logits' dtype and upcasts it in registers."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logsumexp = logits.logsumexp(-1)
+    target_logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp
+    if not with_entropy:
+        return target_logprobs, logsumexp, None
+    logprobs = logits - logsumexp[:, None]
+    return target_logprobs, logsumexp, -logprobs.exp().mul_(logprobs).sum(-1)
+
+
+def logprob_grad_logits(logits: torch.Tensor, logsumexp: torch.Tensor, targets: torch.Tensor,
+                        grad: torch.Tensor) -> torch.Tensor:
+    """``grad[t] * (onehot(targets[t]) - softmax(logits[t]))``, the gradient of
+    ``grad . log p(targets)`` wrt ``logits``: computed in ``logsumexp``'s dtype, rounded once
+    into the logits'. One elementwise pass when compiled."""
+    probs = (logits - logsumexp[:, None]).exp_()  # the logits upcast by the fp32 logsumexp
+    is_target = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
+    return probs.neg_().add_(is_target).mul_(grad[:, None]).to(logits.dtype)
+
+
 class LogSoftmax(nn.Module):
-    """fp32 log-probabilities of ``logits [T, vocab]``: what the trainer and the engine use."""
+    """fp32 log-probabilities of ``logits [T, vocab]``: what the trainer and the engine use.
+
+    The trainer's head (``_TokenLogprobs``) calls ``at_targets`` and ``grad_logits`` chunk by
+    chunk; here they are ``logprobs_logsumexp_entropy`` and ``logprob_grad_logits``, eager unless
+    ``compile_kernels`` compiled them (CUDA: no fp32 ``[T, vocab]`` tensor is then written).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._at_targets, self._grad_logits = logprobs_logsumexp_entropy, logprob_grad_logits
+
+    def compile_kernels(self) -> None:
+        """torch.compile's ``at_targets``' and ``grad_logits``' kernels, fusing each chunk's
+        upcast, exp, reductions and gradient into passes over its logits."""
+        self._at_targets = torch.compile(logprobs_logsumexp_entropy)
+        self._grad_logits = torch.compile(logprob_grad_logits)
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.float().log_softmax(-1)
 
-    def at_targets(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(log p(targets[t]) [T], the full log-probabilities [T, vocab] or None)``: the latter
-        when computing the former made them."""
-        logprobs = self(logits)
-        return logprobs.gather(-1, targets[:, None]).squeeze(-1), logprobs
+    def at_targets(self, logits: torch.Tensor, targets: torch.Tensor,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(log p(targets[t]), logsumexp(logits[t]), entropy[t] if with_entropy else None)``,
+        each fp32 ``[T]``."""
+        return self._at_targets(logits, targets, with_entropy)
+
+    def grad_logits(self, logits: torch.Tensor, logsumexp: torch.Tensor, targets: torch.Tensor,
+                    grad: torch.Tensor) -> torch.Tensor:
+        """The gradient wrt ``logits`` of ``(grad * log p(targets)).sum()``, in the logits' dtype,
+        from ``at_targets``' ``logsumexp``."""
+        return self._grad_logits(logits, logsumexp, targets, grad)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -251,13 +296,14 @@ class _TokenLogprobs(torch.autograd.Function):
     """``model.log_softmax(model.logits(hidden))`` at the targets (and, if asked, the entropy),
     ``chunk_size`` tokens at a time; no ``[T, vocab]`` tensor outlives its chunk.
 
-    The log-probabilities are ``model.log_softmax``'s (a conversion may swap in other kernels).
-    ``weight`` is ``model.lm_head.weight``, the matrix ``model.logits`` multiplies by: it is an
-    input so that autograd hands its gradient to the parameter (the embedding too, when tied).
+    Each chunk's log-probabilities, logsumexp and entropy are ``model.log_softmax.at_targets``'
+    (a conversion may swap in other kernels). ``weight`` is ``model.lm_head.weight``, the matrix
+    ``model.logits`` multiplies by: it is an input so that autograd hands its gradient to the
+    parameter (the embedding too, when tied).
 
     Forward keeps each token's logsumexp, so backward recomputes a chunk's logits with one matmul
-    and gets the softmax from them with one exp, instead of replaying the log_softmax and the
-    entropy and differentiating through them:
+    and gets the softmax from them with one exp (``model.log_softmax.grad_logits``), instead of
+    replaying the log_softmax and the entropy and differentiating through them:
     ``d logp[y] / d logits = onehot(y) - softmax(logits)``, ``softmax = exp(logits - logsumexp)``.
     The entropy is a metric: not differentiable, so backward never touches it.
     """
@@ -267,18 +313,11 @@ class _TokenLogprobs(torch.autograd.Function):
         logprobs, logsumexp, entropy = [], [], []
         for start in range(0, max(hidden.shape[0], 1), chunk_size):  # one empty chunk when T == 0
             rows = slice(start, start + chunk_size)
-            logits = model.logits(hidden[rows])
-            target = targets[rows, None]
-            target_logprobs, chunk_logprobs = model.log_softmax.at_targets(logits, target[:, 0])
-            logprobs.append(target_logprobs)
-            # log_softmax = logits - logsumexp, so the target's entries give the logsumexp at
-            # O(T) cost, consistent with the log_softmax's own rounding (measured at Qwen3's
-            # vocab: exp(logits - logsumexp) is within 4e-6 relative of exp(log_softmax)).
-            logsumexp.append(logits.gather(-1, target).squeeze(-1) - target_logprobs)
-            if with_entropy:
-                if chunk_logprobs is None:
-                    chunk_logprobs = model.log_softmax(logits)
-                entropy.append(-(chunk_logprobs.exp() * chunk_logprobs).sum(-1))
+            chunk_logprobs, chunk_logsumexp, chunk_entropy = model.log_softmax.at_targets(
+                model.logits(hidden[rows]), targets[rows], with_entropy)
+            logprobs.append(chunk_logprobs)
+            logsumexp.append(chunk_logsumexp)
+            entropy.append(chunk_entropy)
         ctx.save_for_backward(hidden, weight, targets, torch.cat(logsumexp))
         ctx.model, ctx.chunk_size = model, chunk_size
         if not with_entropy:
@@ -294,15 +333,11 @@ class _TokenLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            chunk_hidden, grad = hidden[rows], grad_logprobs[rows, None]
+            chunk_hidden = hidden[rows]
             # The default matmul, also in true on-policy mode: the gradient needs the forward's
             # logits only up to rounding, and cuBLAS is faster than the batch-invariant kernel.
-            logits = F.linear(chunk_hidden, weight)
-            probs = (logits - logsumexp[rows, None]).exp_()  # fp32, like the log-probs
-            probs.scatter_add_(-1, targets[rows, None], torch.full_like(grad, -1.0))  # p - onehot(y)
-            # grad * (onehot(y) - p), rounded once into the logits' dtype as autograd through the
-            # log_softmax's .float() would; it overwrites the logits, which are done with.
-            grad_logits = torch.mul(probs, -grad, out=logits)
+            grad_logits = ctx.model.log_softmax.grad_logits(
+                F.linear(chunk_hidden, weight), logsumexp[rows], targets[rows], grad_logprobs[rows])
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:

@@ -182,8 +182,39 @@ class InvariantDecoderLayer(DecoderLayer):
 
 
 class InvariantLogSoftmax(LogSoftmax):
+    """Log-probabilities as the batch-invariant generator computes them: the full rows from
+    ``ops.log_softmax``, the targets' taken from them (``target_logprobs``), and the trainer's
+    logsumexp and entropy derived from those, eagerly (not by the plain class's fused kernels)."""
+
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         return ops.log_softmax(logits)
+
+    def target_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(log p(targets[t]) [T], the full log-probabilities [T, vocab] or None)``: the latter
+        when computing the former made them."""
+        logprobs = self(logits)
+        return logprobs.gather(-1, targets[:, None]).squeeze(-1), logprobs
+
+    def at_targets(self, logits: torch.Tensor, targets: torch.Tensor,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        target_logprobs, logprobs = self.target_logprobs(logits, targets)
+        # log_softmax = logits - logsumexp, so the target's entries give the logsumexp at O(T)
+        # cost, consistent with the log_softmax's own rounding (measured at Qwen3's vocab:
+        # exp(logits - logsumexp) is within 4e-6 relative of exp(log_softmax)).
+        logsumexp = logits.gather(-1, targets[:, None]).squeeze(-1) - target_logprobs
+        if not with_entropy:
+            return target_logprobs, logsumexp, None
+        if logprobs is None:
+            logprobs = self(logits)
+        return target_logprobs, logsumexp, -(logprobs.exp() * logprobs).sum(-1)
+
+    def grad_logits(self, logits: torch.Tensor, logsumexp: torch.Tensor, targets: torch.Tensor,
+                    grad: torch.Tensor) -> torch.Tensor:
+        """The plain class's gradient, bit for bit, in fewer eager passes (this mode runs eager):
+        it overwrites ``logits``, which the trainer's head discards."""
+        probs = (logits - logsumexp[:, None]).exp_()  # fp32: the logits upcast by the logsumexp
+        probs.scatter_add_(-1, targets[:, None], torch.full_like(grad[:, None], -1.0))  # p - onehot(y)
+        return torch.mul(probs, -grad[:, None], out=logits)
 
 
 SWAPS: dict[type[nn.Module], type[nn.Module]] = {

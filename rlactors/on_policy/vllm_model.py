@@ -179,7 +179,7 @@ class VLLMLogSoftmax(InvariantLogSoftmax):
     """The trainer's log-probabilities when vLLM generates: a target's from vLLM's own kernel
     (``vllm_token_logprobs``), the full ones (for the entropy) batch-invariant."""
 
-    def at_targets(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def target_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, None]:
         return vllm_token_logprobs(logits, targets), None
 
 

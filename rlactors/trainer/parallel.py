@@ -86,8 +86,9 @@ def build_sharded_model(
     over ranks, not averaged: the loss is already normalised by the step's global token count.
     With `mixed_precision`, parameters are all-gathered and computed in bf16 while the fp32
     shards stay the master weights and gradients are reduced in fp32. `compile_layers` compiles
-    each decoder layer (CUDA: the eager layer is bound by its elementwise kernels). `convert`
-    (true on-policy's module swap) is applied to the plain model first. With `expert_mesh`, the
+    each decoder layer and the LM head's log-softmax kernels (CUDA: eager, both are bound by their
+    elementwise passes). `convert` (true on-policy's module swap) is applied to the plain model
+    first. With `expert_mesh`, the
     experts are sharded by expert within each of its expert-parallel groups, outside FSDP
     (`rlactors.trainer.expert_parallel`).
     """
@@ -106,6 +107,8 @@ def build_sharded_model(
         if activation_checkpointing:
             checkpoint_activations(layer)
         fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=experts)
+    if compile_layers:
+        model.log_softmax.compile_kernels()
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=experts)
     for module in model.modules():
         if isinstance(module, FSDPModule):

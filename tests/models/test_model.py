@@ -311,16 +311,74 @@ def test_token_logprobs_gradients_equal_autograd_through_the_full_log_softmax(fi
             assert ((got[name] - grad).norm() / grad.norm()).item() < tolerance, name
 
 
-class Float64LogSoftmax(LogSoftmax):
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.log_softmax(-1)  # the model's runs in fp32
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [23, 0])
+def test_log_softmax_kernels_equal_autograd_through_the_fp32_log_softmax(dtype, num_tokens):
+    """The head's kernels against ``logits.float().log_softmax(-1)`` of the same logits: both upcast
+    before any arithmetic, so only the fp32 reductions' order differs. The softmax in the gradient
+    is exp(logits - logsumexp), so a logsumexp a few fp32 ulps off (of ~10) is ~1e-6 relative
+    there; in bf16 the gradients round those nearly equal values once, at most one ulp apart."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(num_tokens, 1000, generator=gen)).to(dtype).requires_grad_()
+    targets = torch.randint(0, 1000, (num_tokens,), generator=gen)
+    upstream = torch.randn(num_tokens, generator=gen)
+    full = logits.float().log_softmax(-1)
+    expected = full.gather(-1, targets[:, None]).squeeze(-1)
+    (expected * upstream).sum().backward()
+    kernels = LogSoftmax()
+    with torch.no_grad():
+        for with_entropy in (False, True):
+            logprobs, logsumexp, entropy = kernels.at_targets(logits, targets, with_entropy)
+            assert logprobs.dtype == logsumexp.dtype == torch.float32
+            torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-5)
+            torch.testing.assert_close(logsumexp, logits.float().logsumexp(-1), rtol=0, atol=1e-5)
+            if with_entropy:
+                torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1), rtol=0, atol=1e-5)
+            else:
+                assert entropy is None
+        grad = kernels.grad_logits(logits, logsumexp, targets, upstream)
+    assert grad.dtype == dtype
+    rtol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5  # bf16's ulp is 2^-8 to 2^-7 relative
+    torch.testing.assert_close(grad, logits.grad, rtol=rtol, atol=1e-7)
+
+
+def test_bfloat16_token_logprobs_and_gradients_match_autograd_through_the_full_log_softmax(tiny_ckpt_untied):
+    """The whole head in bf16, chunked or not, against autograd through one fp32 log_softmax of all
+    the logits. Both round each gradient into bf16 (2^-9 relative) and the chunked weight
+    gradient is also summed chunk by chunk into a bf16 tensor: one more such rounding per chunk."""
+    model = from_pretrained(tiny_ckpt_untied, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, model.args.hidden_size, generator=gen).bfloat16().requires_grad_()
+    targets = torch.randint(0, model.args.vocab_size, (23,), generator=gen)
+    upstream = torch.randn(23, generator=gen)
+
+    def run(token_logprobs):
+        model.zero_grad()
+        hidden.grad = None
+        logprobs, entropy = token_logprobs()
+        (logprobs * upstream).sum().backward()
+        return logprobs.detach(), entropy.detach(), hidden.grad, model.lm_head.weight.grad
+
+    def reference(chunk_size):  # the logits of the same chunks: a BLAS may round a row per chunk shape
+        logits = torch.cat([model.logits(rows) for rows in hidden.split(chunk_size)])
+        logprobs = logits.float().log_softmax(-1)
+        return logprobs.gather(-1, targets[:, None]).squeeze(-1), -(logprobs.exp() * logprobs).sum(-1)
+
+    for chunk_size in (5, 23, 64):
+        expected = run(lambda: reference(chunk_size))  # noqa: B023
+        got = run(lambda: model.token_logprobs_and_entropy(hidden, targets, chunk_size))  # noqa: B023
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got[1], expected[1], rtol=0, atol=1e-5)
+        chunks = math.ceil(23 / chunk_size)
+        assert relative_error(got[2].float(), expected[2].float()) < 2 ** -8
+        assert relative_error(got[3].float(), expected[3].float()) < 2 ** -9 * (1 + chunks)
 
 
 def test_token_logprobs_gradcheck_in_float64():
+    """fp64 logits stay fp64 in the plain log-softmax's kernels, so gradcheck's precision holds."""
     args = ModelArgs(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=4, tie_word_embeddings=False)
     model = DecoderForCausalLM(args).double()
-    model.log_softmax = Float64LogSoftmax()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         model.lm_head.weight.copy_(torch.randn(16, 8, generator=gen))

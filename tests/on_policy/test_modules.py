@@ -65,3 +65,38 @@ def test_each_side_runs_the_kernels_of_its_mode(tiny_ckpt):
     assert vllm.environment == {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
     with pytest.raises(ValueError, match="generator engine must be one of"):
         sides(True, "sglang", "cpu")
+
+
+@pytest.mark.parametrize("log_softmax", [modules.InvariantLogSoftmax, VLLMLogSoftmax])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_true_on_policy_head_values_come_from_the_generators_kernels_bit_for_bit(log_softmax, dtype, monkeypatch):
+    """The trainer's head (``at_targets``) in true on-policy mode: the targets' log-probabilities
+    are the generator's kernel's (batch-invariant ``ops.log_softmax``, or vLLM's per-row one), and
+    the logsumexp and entropy derive from them and from ``ops.log_softmax`` eagerly, not from the
+    plain class's fused kernels."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(9, 500, generator=gen)).to(dtype)
+    targets = torch.randint(0, 500, (9,), generator=gen)
+    full = modules.ops.log_softmax(logits)
+    expected = full.gather(-1, targets[:, None]).squeeze(-1)
+    if log_softmax is VLLMLogSoftmax:  # vLLM's kernel, stood in for by a value the others cannot give
+        expected = expected + 1
+        monkeypatch.setattr("rlactors.on_policy.vllm_model.vllm_token_logprobs", lambda *_: expected)
+    module = LogSoftmax()
+    modules.to_batch_invariant(module, log_softmax=log_softmax)
+    logprobs, logsumexp, entropy = module.at_targets(logits, targets, with_entropy=True)
+    assert torch.equal(logprobs, expected)
+    assert torch.equal(logsumexp, logits.gather(-1, targets[:, None]).squeeze(-1) - expected)
+    assert torch.equal(entropy, -(full.exp() * full).sum(-1))
+    assert module.at_targets(logits, targets)[2] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_true_on_policy_logit_gradients_are_the_plain_ones_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(9, 500, generator=gen)).to(dtype)
+    targets = torch.randint(0, 500, (9,), generator=gen)
+    grad = torch.randn(9, generator=gen)
+    logsumexp = logits.float().logsumexp(-1)
+    expected = LogSoftmax().grad_logits(logits, logsumexp, targets, grad)
+    assert torch.equal(modules.InvariantLogSoftmax().grad_logits(logits.clone(), logsumexp, targets, grad), expected)

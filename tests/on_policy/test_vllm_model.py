@@ -5,7 +5,7 @@ packed token in vLLM's page layout, and the model's hook for the generator's own
 import torch
 
 from rlactors.models.checkpoint import from_pretrained
-from rlactors.models.decoder import LogSoftmax
+from rlactors.on_policy.modules import InvariantLogSoftmax
 from rlactors.on_policy.vllm_model import PAGE_SIZE, TRUE_ON_POLICY_ENGINE_ARGS, PagedFlashAttention
 
 
@@ -51,8 +51,8 @@ def test_a_token_logprob_kernel_replaces_log_softmax_and_gather_with_the_same_gr
 
     calls = []
 
-    class KernelLogSoftmax(LogSoftmax):
-        def at_targets(self, logits, chunk_targets):
+    class KernelLogSoftmax(InvariantLogSoftmax):
+        def target_logprobs(self, logits, chunk_targets):
             calls.append(len(chunk_targets))
             logits = logits.float()
             return (logits - logits.logsumexp(-1, keepdim=True)).gather(-1, chunk_targets[:, None])[:, 0], None

@@ -3,7 +3,7 @@ after another on the first `--gpus` visible GPUs; every tool adds dated, commit-
 own table in benchmarks/results/ (index: benchmarks/results/README.md).
 
     python benchmarks/gpu_benchmarks.py generation               # 1 GPU: router vs raw vLLM
-    python benchmarks/gpu_benchmarks.py training [--gpus 2]      # trainer MFU; 2 GPUs: FSDP2 too
+    python benchmarks/gpu_benchmarks.py training [--gpus 2]      # trainer MFU, 1.7B and 4B; 2 GPUs: FSDP2 too
     python benchmarks/gpu_benchmarks.py weight-sync [--gpus 4]   # 2 GPUs: 1 -> 1; 4 GPUs: 2 -> 2 too
     python benchmarks/gpu_benchmarks.py end-to-end [--gpus 2|4]  # sync vs async, configs/alphabet_sort_<N>gpu.toml
     python benchmarks/gpu_benchmarks.py on-policy-cost           # 1 GPU: true on-policy cost, matmul vs cuBLAS
@@ -43,6 +43,7 @@ GENERATOR = [PY, "benchmarks/generator_throughput.py", "--device", "cuda"]
 TRAINER = [PY, "benchmarks/trainer_throughput.py", "--device", "cuda"]
 SYNC = [PY, "benchmarks/weight_sync.py", "--iters", "5"]
 SYNC_DATA_PATH = [PY, "benchmarks/weight_sync_data_path.py", "--iters", "9"]
+SCALE_CHECKPOINTS = Path(tempfile.gettempdir()) / "rlactors_scale_checkpoints"  # colocated_scale.py's default
 COST = [PY, "benchmarks/on_policy_cost.py", "--device", "cuda", "--engines", "vllm", "--repeats", "3",
         "--train-steps", "2"]
 
@@ -61,7 +62,10 @@ def generation(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
 
 
 def training(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
-    steps = [("0.6b and 1.7b", [*TRAINER, "--sizes", "0.6b", "1.7b"])]
+    """Trainer MFU of Qwen3-1.7B and 4B in one run (issue #59 asks for 4B >= 45% beside 1.7B), on
+    the checkpoints the scale modes keep (4B peaks near 131 GiB: a 141 GB GPU); on 2 GPUs, 1.7B
+    with FSDP2 over both too. Needs neither vLLM nor Monarch."""
+    steps = [("1.7b and 4b", [*TRAINER, "--sizes", "1.7b", "4b", "--ckpt-root", str(SCALE_CHECKPOINTS)])]
     if gpus == 2:
         steps.append(("1.7b, FSDP2 over 2 GPUs", [PY, "-m", "torch.distributed.run", "--standalone",
                                                   "--nproc-per-node", "2", *TRAINER[1:], "--sizes", "1.7b"]))
@@ -93,7 +97,7 @@ def lora(gpus: int, _: bool) -> list[tuple[str, list[str]]]:
     steps.append(("8b LoRA training, one GPU", within(220, [
         *TRAINER, "--sizes", "8b", "--lora-rank", "16", "--row-tokens", "4096", "--microbatches", "2",
         "--steps", "2", "--warmup", "1", "--no-compile",
-        "--ckpt-root", str(Path(tempfile.gettempdir()) / "rlactors_scale_checkpoints")])))
+        "--ckpt-root", str(SCALE_CHECKPOINTS)])))
     return steps
 
 

@@ -135,14 +135,14 @@ class GpuMemoryPoll:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        gpu = ["-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]]
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
         while not self._stop.is_set():
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", *gpu],
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", gpu],
                                  capture_output=True, text=True)
             if out.returncode == 0 and out.stdout.strip() and float(out.stdout.split()[0]) > self.peak_mib:
                 self.peak_mib = float(out.stdout.split()[0])
                 self.at_peak = "; ".join(f"{pid}, {mib} MiB ({command[:80]})"
-                                         for pid, (mib, command) in gpu_processes(gpu[1]).items())
+                                         for pid, (mib, command) in gpu_processes(gpu).items())
             self._stop.wait(self.every_s)
 
     def __enter__(self) -> GpuMemoryPoll:

@@ -88,9 +88,8 @@ def build_sharded_model(
     shards stay the master weights and gradients are reduced in fp32. `compile_layers` compiles
     each decoder layer and the LM head's log-softmax kernels (CUDA: eager, both are bound by their
     elementwise passes). `convert` (true on-policy's module swap) is applied to the plain model
-    first. With `expert_mesh`, the
-    experts are sharded by expert within each of its expert-parallel groups, outside FSDP
-    (`rlactors.trainer.expert_parallel`).
+    first. With `expert_mesh`, the experts are sharded by expert within each of its
+    expert-parallel groups, outside FSDP (`rlactors.trainer.expert_parallel`).
     """
     with torch.device("meta"):
         model = DecoderForCausalLM(args)

@@ -28,7 +28,7 @@ EXPECTED = {"1.7b": [], "4b": ["trainer.activation_checkpointing=true"],
 # vLLM's share, by hand: its bf16 weights, 2 GiB of runtime and a KV cache (K and V of 36 layers
 # (1.7B: 28) x 8 heads x 128 in bf16 a token) for a step's rollouts at once, up to 64 of them
 # (less than the largest share the plan leaves with 4 GiB to spare, in every cell)
-SHARES = {"1.7b:2048": 0.13, "4b:2048": 0.19, "4b:2048:5:onpolicy": 0.19, "8b:2048:5:onpolicy": 0.24,
+SHARES = {"1.7b:2048": 0.13, "4b:2048": 0.19, "4b:2048:5:onpolicy": 0.11, "8b:2048:5:onpolicy": 0.16,
           "1.7b:8192": 0.09, "4b:8192": 0.14, "8b:2048": 0.24, "8b:8192": 0.19, "1.7b:16384": 0.14,
           "4b:16384": 0.2, "8b:16384": 0.26}
 
@@ -36,11 +36,15 @@ SHARES = {"1.7b:2048": 0.13, "4b:2048": 0.19, "4b:2048:5:onpolicy": 0.19, "8b:20
 @pytest.mark.parametrize("mode", ["scale", "scale-on-policy"])
 def test_every_cell_fits_one_h200_with_the_knobs_it_needs(mode, shapes, tmp_path):
     (_, command), = gpu_benchmarks.MODES[mode].steps(1, False)
-    assert command[:3] == ["timeout", "--kill-after", "30"] and int(command[3]) == gpu_benchmarks.SCALE_BUDGET_S + 60
-    cells = command[command.index("--cells") + 1:command.index("--budget-s")]
-    assert len(cells) == {"scale": 11, "scale-on-policy": 2}[mode]
+    budget = {"scale": gpu_benchmarks.SCALE_BUDGET_S, "scale-on-policy": gpu_benchmarks.ON_POLICY_BUDGET_S}[mode]
+    assert command[:4] == ["timeout", "--kill-after", "30", str(budget + 60)]
+    assert command[5] == "benchmarks/colocated_scale.py"
+    start, end = command.index("--cells") + 1, command.index("--budget-s")
+    cells, shared = command[start:end], command[6:start - 1]  # the options every cell runs with
+    assert len(cells) == {"scale": 9, "scale-on-policy": 2}[mode]
+    assert shared == {"scale": [], "scale-on-policy": ["--prompts", "2"]}[mode]
     for cell in cells:
-        opts = colocated_scale.parser().parse_args(colocated_scale.parse_cell(cell))
+        opts = colocated_scale.parser().parse_args(colocated_scale.parse_cell(cell) + shared)
         config, knobs, memory = colocated_scale.fitting_config(opts, shapes[opts.size], tmp_path)
         assert memory.problems() == [], cell
         gib, rollouts = 2**30, config.rollout.prompts_per_step * config.rollout.group_size
@@ -52,9 +56,9 @@ def test_every_cell_fits_one_h200_with_the_knobs_it_needs(mode, shapes, tmp_path
         assert config.generator.weight_sync == "shared"
         assert config.rollout.max_tokens_per_turn == opts.rollout_tokens
         assert config.batcher.row_tokens >= config.rollout.max_total_tokens
-        # about 131k tokens a step (8 x 16384), at least one group
+        # about 131k tokens a step (8 x 16384), at least one group; 16 rollouts in the on-policy runs
         rollouts = config.rollout.prompts_per_step * config.rollout.group_size
-        assert rollouts == 8 * max(1, 131072 // (8 * (opts.rollout_tokens + 16))), cell
+        assert rollouts == 8 * (opts.prompts or max(1, 131072 // (8 * (opts.rollout_tokens + 16)))), cell
         assert opts.steps == (5 if opts.true_on_policy else 2)
 
 

@@ -80,8 +80,11 @@ class Controller:
         self.tokenizer, self.samples, self.rollouter = inputs.tokenizer, inputs.samples, inputs.rollouter
         self.evaluator, self.batcher = inputs.evaluator, inputs.batcher
 
+        spawned = time.monotonic()
         self.trainer, self.router, ranks = await self.meshes.spawn(self.run_dir.path / SLURM_DIR)
-        print(placement_line(ranks, await self.meshes.router_stats(self.router)), flush=True)
+        stats = await self.meshes.router_stats(self.router)  # once every replica has started
+        print(f"{placement_line(ranks, stats)} (the trainer ready after {self.meshes.trainer_ready_s:.0f} s, "
+              f"the generators after {time.monotonic() - spawned:.0f} s)", flush=True)
         self.gateway = await serve_gateway(inputs.env, c, self.tokenizer)
 
         if c.generator.sleep:

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -47,6 +48,7 @@ class Meshes:
         self._trainer_watch: list[Any] = []  # the trainer ranks' WatchedProcs
         self.teacher: Any = None  # the Teacher mesh, guarded, with teacher.path
         self._kernels: Any = None  # what the trainer runs (rlactors.on_policy.sides)
+        self.trainer_ready_s: float | None = None  # seconds from `spawn` until every trainer rank answered
 
     async def spawn(self, slurm_log_dir: Path) -> tuple[Any, Any, list[dict[str, Any]]]:
         """The trainer and the router, each guarded by the watcher, and the trainer's ranks."""
@@ -59,12 +61,14 @@ class Meshes:
         # the loop can stop cleanly (the failing call raises too).
         monarch.actor.unhandled_fault_hook = lambda failure: logger.error("unhandled Monarch fault: %s", failure)
         c = self.config
+        start = time.monotonic()
         try:
             self.hosts = await allocate_hosts(c.job, gpus=c.controller.device == "cuda", log_dir=slurm_log_dir)
         except NoHosts as e:
             raise TrainingError(f"job.scheduler: {e}") from None
         self._kernels = sides(c.model.true_on_policy, c.generator.engine, c.controller.device).trainer
         trainer_procs, trainer, ranks = await self._spawn_trainer(c)
+        self.trainer_ready_s = time.monotonic() - start
         teacher_procs = await self._spawn_teacher(c) if c.teacher.path else None
         router_procs, router = spawn_router(c, self.hosts.generators)
         self._procs = [trainer_procs, *([teacher_procs] if teacher_procs else []), router_procs]

@@ -44,9 +44,14 @@ VLLM_OVERSHOOT_BYTES_PER_LAYER_HIDDEN2 = 14
 # the compiler recomputes the norms' fp32 copies and the activations' elementwise products instead
 # of keeping them. Fitted to the 1.7B and 4B shapes' measured peaks (trainer_throughput_gpu.md).
 COMPILED_ACTIVATION_SHARE = 0.70
-# Bytes per vocabulary entry of one LM-head chunk's token, at most live at once (forward with the
-# entropy): bf16 logits, fp32 log-probabilities, their exp and its product with them.
-LOGPROB_CHUNK_BYTES = 2 + 4 + 4 + 4
+# Bytes per vocabulary entry of one LM-head chunk's token at most live at once (`_TokenLogprobs`
+# in rlactors.models.decoder: one chunk's logits at a time, recomputed in backward). Eager, the
+# forward with the entropy holds the most: the bf16 logits and three fp32 [chunk, vocab] tensors
+# (the upcast or the product, the log-probabilities, their exp); backward holds 9.
+EAGER_LOGPROB_CHUNK_BYTES = 2 + 4 + 4 + 4
+# Compiled (`LogSoftmax.compile_kernels`), the forward's reductions read the bf16 logits and write
+# per-token results only, and backward's one elementwise pass writes their bf16 gradient beside them.
+COMPILED_LOGPROB_CHUNK_BYTES = 2 + 2
 
 
 def saved_bytes_per_token_layer(args: ModelArgs, dtype_bytes: int = 2, lora: LoraConfig | None = None) -> int:
@@ -118,11 +123,13 @@ def frozen_forward_bytes(args: ModelArgs, dtype_bytes: int, ranks: int, tokens: 
     """The working set of a no-grad forward of a frozen copy sharded over `ranks` (the reference
     policy, the teacher) on a microbatch of `tokens`, beside its weights: the gathered root unit
     and two layers (over ranks), one layer's intermediates (at most what it would save for
-    backward), the final hidden states, per-token logprobs and one LM-head chunk."""
+    backward), the final hidden states, per-token logprobs and one LM-head chunk as the eager
+    head holds it (these copies are never compiled; computing no entropy, a chunk holds at most
+    10 of its 14 bytes an entry)."""
     _, root, largest_layer, _ = _param_counts(args)
     copies = dtype_bytes * (root + 2 * largest_layer) if ranks > 1 else 0
     layer = tokens * saved_bytes_per_token_layer(args, dtype_bytes)
-    chunk = min(chunk_tokens, tokens) * args.vocab_size * LOGPROB_CHUNK_BYTES
+    chunk = min(chunk_tokens, tokens) * args.vocab_size * EAGER_LOGPROB_CHUNK_BYTES
     head = tokens * (dtype_bytes * args.hidden_size + 4) + chunk
     return copies + layer + head
 
@@ -442,6 +449,13 @@ def teacher_memory(config: Config) -> TeacherMemory:
                          frozen_forward_bytes(args, dtype.itemsize, hosts, tokens, config.trainer.logprob_chunk_tokens))
 
 
+def trainer_compiles(config: Config) -> bool:
+    """Whether the trainer compiles its decoder layers and its LM head's kernels: with
+    `trainer.compile_layers` on CUDA, outside true on-policy mode, whose kernels run eager
+    (`PolicyTrainerCore`)."""
+    return config.trainer.compile_layers and config.controller.device == "cuda" and not config.model.true_on_policy
+
+
 def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
     """One trainer rank's bytes. With `model.lora` only the adapters have fp32 masters, gradients
     and moments; the base is frozen in the compute dtype (rlactors.lora.adapters.to_lora)."""
@@ -460,7 +474,7 @@ def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
     copies = compute_bytes * (root + 2 * (layer + adapters_layer)) if (mixed or ranks > 1) else 0.0
     tokens = b.rows_per_microbatch * b.row_tokens
     per_layer = saved_bytes_per_token_layer(args, compute_bytes, lora)
-    if t.compile_layers and not config.model.true_on_policy:
+    if trainer_compiles(config):
         per_layer *= COMPILED_ACTIVATION_SHARE
     layers = args.num_hidden_layers
     if t.activation_checkpointing:  # each layer's input kept, one layer's activations recomputed at a time
@@ -470,7 +484,8 @@ def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
     chunk = min(t.logprob_chunk_tokens, tokens)
     # The final hidden states (kept for backward), per token fp32 logprob, logsumexp and entropy,
     # and one chunk's logits at a time.
-    head = tokens * (compute_bytes * args.hidden_size + 12) + chunk * args.vocab_size * LOGPROB_CHUNK_BYTES
+    chunk_bytes = COMPILED_LOGPROB_CHUNK_BYTES if trainer_compiles(config) else EAGER_LOGPROB_CHUNK_BYTES
+    head = tokens * (compute_bytes * args.hidden_size + 12) + chunk * args.vocab_size * chunk_bytes
     sync_buffer, sync_gather = sync_memory(config, args)
     reference = {}
     if config.loss.kl_coef > 0:

@@ -121,7 +121,8 @@ def test_plan_of_4b_on_one_gpu_colocated_with_sleep_and_offload(shapes):
     eager = 2 * (8 * 2560 + 4) + (6 * (4096 + 1024) + 4 * 40) + (2 * (2 * 4096 + 2 * 1024) + 4 * 32) + 8 * 9728
     assert eager == 170_280
     assert t.activations == pytest.approx(8192 * 36 * eager * 0.70)  # compiled layers keep 70% of it
-    assert t.logprob_head == 8192 * (2 * 2560 + 12) + 1024 * V * 14
+    # The compiled head's chunk: its bf16 logits and their bf16 gradient, 4 bytes a vocabulary entry.
+    assert t.logprob_head == 8192 * (2 * 2560 + 12) + 1024 * V * 4
     # By messages (colocated): rank 0 gathers the bf16 policy a 512 MiB chunk at a time, and keeps nothing.
     assert (t.sync_buffer, t.sync_gather) == (0, 512 * 2**20)
     peak = 4 * params * 2 + 8 * V * 2560 + 2 * (root + 2 * layer) + 8192 * 36 * eager * 0.70 + t.logprob_head + GIB
@@ -136,7 +137,7 @@ def test_plan_of_4b_on_one_gpu_colocated_with_sleep_and_offload(shapes):
     assert phases["training"] == (pytest.approx(peak), 2 * GIB)
     assert phases["syncing"] == (4 * params + GIB + GIB / 2, 2 * GIB + 2 * params)
     assert phases["generation"] == (4 * params + GIB, share + beyond)
-    assert sum(phases["training"]) / GIB == pytest.approx(71.8, abs=0.05)
+    assert sum(phases["training"]) / GIB == pytest.approx(70.3, abs=0.05)
     assert p.largest_share() == math.floor(100 * (80 * GIB - 4 * params - GIB - beyond) / (80 * GIB)) / 100 == 0.77
     assert p.host_bytes == 8 * params + 2 * params  # the offloaded moments, vLLM's weights asleep
     assert p.problems() == []
@@ -169,13 +170,29 @@ def test_plan_of_8b_on_two_trainer_gpus_apart_from_the_generators(shapes):
     assert p.problems() == []
 
 
+@pytest.mark.parametrize("overrides, chunk_bytes", [
+    ([], 4),  # compiled: the chunk's bf16 logits and their bf16 gradient
+    (["trainer.compile_layers=false"], 14),  # eager: bf16 logits and three fp32 [chunk, vocab] tensors
+    (["model.true_on_policy=true"], 14),  # its kernels run eager
+    (['controller.device="cpu"', 'generator.engine="native"'], 14),  # compiled on CUDA only
+])
+def test_the_lm_heads_chunk_is_the_compiled_heads_only_where_the_trainer_compiles(shapes, overrides, chunk_bytes):
+    c = cuda_config(shapes["4b"], "trainer.ranks=1", "generator.replicas=1", "batcher.row_tokens=8192",
+                    "batcher.rows_per_microbatch=1", "loss.kl_coef=0.1", *overrides, gpus=2)
+    t = plan(c, load_args(c.model.path)).trainer
+    # Per token the final bf16 hidden states and fp32 logprob, logsumexp and entropy; one chunk of 1024.
+    assert t.logprob_head == 8192 * (2 * 2560 + 12) + 1024 * V * chunk_bytes
+    # The reference's forward is never compiled: its chunk is the eager head's in every mode.
+    assert t.reference_forward == 8192 * qwen3_eager_bytes(2560, 9728, 32, 8) + 8192 * (2 * 2560 + 4) + 1024 * V * 14
+
+
 def test_the_32b_config_fits_eight_80gb_gpus(tmp_path):
     checkpoint = make_tiny_checkpoint(tmp_path / "32b", size="32b", weights=False)
     c = load_config(ROOT / "configs" / "qwen3_32b_8gpu.toml", [f'model.path="{checkpoint}"'], available_gpus=8)
     p = plan(c, load_args(checkpoint), gpu_gib(c))
     assert p.gpu_bytes == 79.6 * GIB
     phases = {name: round(sum(bytes) / GIB, 1) for name, bytes in p.phases().items()}
-    assert phases == {"training": 55.2, "syncing": 49.8, "generation": 62.0} and p.problems() == []
+    assert phases == {"training": 53.7, "syncing": 49.8, "generation": 62.0} and p.problems() == []
     # The sync by messages stages a 512 MiB chunk on rank 0's GPU, and gathers every rank's slot of it.
     assert p.trainer.sync_gather == 512 * 2**20 * (2 + 1 / 8)
     assert p.largest_share() == 0.77 and p.config.generator.gpu_memory_utilization == 0.55
@@ -190,14 +207,14 @@ def test_a_run_that_cannot_fit_fails_in_one_line_naming_the_keys(shapes):
         plan(c, load_args(c.model.path), gpu_gib=139.8).check()
     message = str(error.value)
     assert "\n" not in message
-    assert message.startswith("memory plan: 176.6 GiB needed per GPU of 139.8 (both: trainer 129.6 + vllm 47.0): set "
+    assert message.startswith("memory plan: 175.2 GiB needed per GPU of 139.8 (both: trainer 128.2 + vllm 47.0): set "
                               "trainer.offload_optimizer = true, generator.sleep = true, "
                               "trainer.activation_checkpointing = true, lower generator.gpu_memory_utilization")
     # vLLM's share too small for one sequence of max_model_len
     c = cuda_config(shapes["8b"], "trainer.ranks=1", "generator.replicas=1", "generator.gpu_memory_utilization=0.2",
                     "generator.max_model_len=16384", "rollout.max_total_tokens=16384", gpus=2)
-    with pytest.raises(ConfigError, match=r"^memory plan: 164\.1 GiB needed per GPU of 80\.0 \(trainer GPUs: trainer "
-                                          r"164\.1 \+ vllm 0\.0\): set .*; vLLM's share \(16\.0 GiB\) leaves KV cache "
+    with pytest.raises(ConfigError, match=r"^memory plan: 162\.7 GiB needed per GPU of 80\.0 \(trainer GPUs: trainer "
+                                          r"162\.7 \+ vllm 0\.0\): set .*; vLLM's share \(16\.0 GiB\) leaves KV cache "
                                           r"for 0 tokens after its weights \(15\.3 GiB\), fewer than "
                                           r"generator\.max_model_len = 16384: raise "
                                           r"generator\.gpu_memory_utilization or generator\.tp$"):
@@ -217,7 +234,7 @@ def test_plan_command_prints_the_table_and_refuses_what_cannot_fit(shapes, capsy
     assert train.main(base) == 2
     captured = capsys.readouterr()
     assert "does NOT fit" in captured.out
-    assert captured.err.count("\n") == 1 and captured.err.startswith("error: memory plan: 176.6 GiB needed per GPU")
+    assert captured.err.count("\n") == 1 and captured.err.startswith("error: memory plan: 175.2 GiB needed per GPU")
 
 
 def write_sparse_weights(checkpoint):
@@ -306,7 +323,7 @@ def test_the_reference_policy_is_counted_on_each_trainer_rank(shapes):
     t = p.trainer
     assert t.reference == 2 * params  # a frozen bf16 copy, one rank: all of it
     # Its no-grad forward, before the policy's: one layer's intermediates, the final hidden states
-    # and logprobs, one LM-head chunk (one rank: nothing gathered).
+    # and logprobs, one chunk of the eager head (never compiled; one rank: nothing gathered).
     assert t.reference_forward == 8192 * eager + 8192 * (2 * 2560 + 4) + 1024 * V * 14
     assert t.reference_logprobs == 4 * 8192  # fp32, kept for the KL term
     policy = t.compute_copies + t.activations + t.logprob_head + 4 * 8192
@@ -350,8 +367,8 @@ def test_the_teacher_is_counted_on_the_trainers_first_gpu(tmp_path):
     assert str(error.value) == (
         "memory plan: 21.6 GiB needed per GPU of 16.0 while vLLM generates: generator.gpu_memory_utilization = 0.3 "
         "(4.8 GiB, 2.0 beyond it) is too big beside the trainer and teacher's 14.8 GiB kept between steps: set "
-        "trainer.offload_optimizer = true or more trainer.ranks; 32.1 GiB needed per GPU of 16.0 (training: trainer "
-        "and teacher 30.1 + vllm 2.0): set trainer.offload_optimizer = true, trainer.activation_checkpointing = true, "
+        "trainer.offload_optimizer = true or more trainer.ranks; 30.7 GiB needed per GPU of 16.0 (training: trainer "
+        "and teacher 28.7 + vllm 2.0): set trainer.offload_optimizer = true, trainer.activation_checkpointing = true, "
         "more trainer.ranks or lower batcher.rows_per_microbatch or batcher.row_tokens")
 
 

@@ -48,6 +48,7 @@ class Meshes:
         self._trainer_watch: list[Any] = []  # the trainer ranks' WatchedProcs
         self.teacher: Any = None  # the Teacher mesh, guarded, with teacher.path
         self._kernels: Any = None  # what the trainer runs (rlactors.on_policy.sides)
+        self._router: Any = None  # the GeneratorRouter, once spawned (unguarded)
         self.trainer_ready_s: float | None = None  # seconds from `spawn` until every trainer rank answered
 
     async def spawn(self, slurm_log_dir: Path) -> tuple[Any, Any, list[dict[str, Any]]]:
@@ -67,15 +68,27 @@ class Meshes:
         except NoHosts as e:
             raise TrainingError(f"job.scheduler: {e}") from None
         self._kernels = sides(c.model.true_on_policy, c.generator.engine, c.controller.device).trainer
+        # On GPUs of their own the replicas start (load, compile) while the trainer loads; colocated,
+        # an engine starts beside a trainer that already holds its memory.
+        if not c.controller.colocate:
+            self._spawn_router()
         trainer_procs, trainer, ranks = await self._spawn_trainer(c)
         self.trainer_ready_s = time.monotonic() - start
         teacher_procs = await self._spawn_teacher(c) if c.teacher.path else None
-        router_procs, router = spawn_router(c, self.hosts.generators)
+        if self._router is None:
+            self._spawn_router()
+        router_procs = self._procs[-1]
         self._procs = [trainer_procs, *([teacher_procs] if teacher_procs else []), router_procs]
         # Calls to a proc that exits (or stays unresponsive past the timeout) fail at once with ProcLost.
         trainer = await self._watch_trainer(trainer_procs, trainer, ranks)
         router_watch = await watch_procs(self.watcher, router_procs, ["generator router"])
-        return trainer, self.watcher.guard(router, router_watch), ranks
+        return trainer, self.watcher.guard(self._router, router_watch), ranks
+
+    def _spawn_router(self) -> None:
+        """The router (unguarded) and its procs, which `stop` closes and stops from here on, also
+        when the trainer fails to start."""
+        router_procs, self._router = spawn_router(self.config, self.hosts.generators)
+        self._procs = [router_procs]
 
     async def _spawn_teacher(self, c: Config) -> Any:
         """The teacher's procs; sets `teacher`, whose calls fail with ProcLost once one exits."""
@@ -184,9 +197,11 @@ class Meshes:
         return self.watcher.lost(*watched) or " ".join(str(error).split())
 
     async def stop(self, router: Any) -> None:
-        """Closes `router` (if any) and stops the procs, the trainer's and the router's at once;
-        once the job's hosts are lost, only the procs on this host (the router's): nothing on the
-        lost hosts answers, and a call there would wait for Monarch's timeouts."""
+        """Closes `router` (None: the router spawned, if any, which `spawn` did not return) and stops
+        the procs, the trainer's and the router's at once; once the job's hosts are lost, only the
+        procs on this host (the router's): nothing on the lost hosts answers, and a call there
+        would wait for Monarch's timeouts."""
+        router = router if router is not None else self._router
         if router is not None and not self.hosts_lost:
             try:
                 await router.close.call_one()

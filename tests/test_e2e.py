@@ -4,6 +4,7 @@ run of support.demo_runs, whose reference run the `short_run` fixture shares wit
 import asyncio
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -142,7 +143,8 @@ def test_meshes_on_the_hosts_of_a_process_job_train_like_one_host(tmp_path, shor
     hosts = ('job.scheduler="process"', "job.trainer_hosts=2", "job.generator_hosts=2")
     on_hosts = _run(_config(WARM_CHECKPOINT, tmp_path / "hosts", "controller.steps=2", *hosts))
     out = capsys.readouterr().out
-    assert "trainer ranks on trainers_0, trainers_1; generator replicas on generators_0, generators_1" in out
+    assert re.search(r"trainer ranks on trainers_0 \(pid \d+\), trainers_1 \(pid \d+\); "
+                     r"generator replicas on generators_0 \(pid \d+\), generators_1 \(pid \d+\)", out), out
     assert [m["policy/version"] for m in on_hosts] == [1.0, 2.0]
     for local, remote in zip(one_host, on_hosts):
         assert remote["generator/serving_replicas"] == 2

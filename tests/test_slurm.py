@@ -188,7 +188,8 @@ def test_a_run_on_slurm_trains_like_one_host_a_scancel_stops_it_and_resume_conti
     code, out, err = run.wait()
     assert code == 2, f"exit code {code}; stdout:\n{out[-1500:]}\nstderr:\n{err[-3000:]}"
     node = socket.gethostname()  # the cluster's only node
-    assert f"trainer ranks on {node}, {node}; generator replicas on {node}, {node}" in out
+    on_node = rf"{re.escape(node)} \(pid \d+\)"
+    assert re.search(rf"trainer ranks on {on_node}, {on_node}; generator replicas on {on_node}, {on_node}", out), out
     done = len(read_metrics(run.run_dir))  # step 1, or 2 if it completed before the scancel
     last = latest_checkpoint(run.run_dir / "checkpoints")
     assert done < 3 and last is not None and last.name == f"step_{done:08d}"

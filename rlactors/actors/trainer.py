@@ -12,6 +12,7 @@ collectives. Endpoints that take microbatches get all ranks' (`microbatches[r]` 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ class PolicyTrainer(Actor):
         device = init_distributed(self.device_type)
         self.core = PolicyTrainerCore(self.model_config, self.trainer_config, device, self.kernels, self.reference,
                                       self.teacher)
-        return {"rank": self.core.rank, "world_size": self.core.world_size, "host": host_name(),
+        return {"rank": self.core.rank, "world_size": self.core.world_size, "host": host_name(), "pid": os.getpid(),
                 "policy_version": self.core.version}
 
     @endpoint

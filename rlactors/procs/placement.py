@@ -152,7 +152,9 @@ def host_name() -> str:
 
 
 def placement_line(ranks: Sequence[dict[str, Any]], router_stats: dict[str, Any]) -> str:
-    """The host of each trainer rank and of each generator replica (its state while it has no
-    engine), in order."""
-    replica_hosts = [r["engine"]["host"] if r["engine"] else r["state"] for r in router_stats["replicas"]]
-    return f"trainer ranks on {', '.join(r['host'] for r in ranks)}; generator replicas on {', '.join(replica_hosts)}"
+    """The host and process id of each trainer rank and of each generator replica (its state while
+    it has no engine), in order: where to look at a run (py-spy, top) or stop one part of it."""
+    trainer = [f"{r['host']} (pid {r['pid']})" for r in ranks]
+    replicas = [f"{r['engine']['host']} (pid {r['engine']['pid']})" if r["engine"] else r["state"]
+                for r in router_stats["replicas"]]
+    return f"trainer ranks on {', '.join(trainer)}; generator replicas on {', '.join(replicas)}"

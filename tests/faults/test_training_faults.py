@@ -14,13 +14,14 @@ import asyncio
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import time
 
 import pytest
 import torch
-from faultkit import CliProcess, child_pids, kill_replica, run_cli, small_run_overrides, wait_until
+from faultkit import CliProcess, kill_replica, run_cli, small_run_overrides, wait_until
 from support.stand_ins import ActorWith
 
 from rlactors.config import load_config
@@ -168,8 +169,8 @@ def test_ctrl_c_before_the_first_step_says_nothing_is_saved_and_the_dir_takes_a_
 
 
 def _trainer_pid(cli: CliProcess) -> int:
-    # The controller spawns the trainer procs first (before the router and its replicas).
-    return child_pids(cli.proc.pid)[0]
+    """Trainer rank 0's process, as the run's placement line names it."""
+    return int(re.search(r"trainer ranks on [^ ]+ \(pid (\d+)\)", cli.text("stdout")).group(1))
 
 
 def test_trainer_killed_in_step_2_stops_cleanly_and_resume_matches_an_uninterrupted_run(

@@ -13,6 +13,7 @@ import asyncio
 import os
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
 
 TRAINER_MESH = "trainers"
 GENERATOR_MESH = "generators"
+# How long a proc's death under a Slurm job waits for squeue to say whether the job ended (a
+# scancel, a time limit) before the proc alone is blamed.
+SLURM_SETTLE_S = 10.0
 
 
 def cuda_visible_devices(gpu_ids: Sequence[int]) -> str:
@@ -72,6 +76,19 @@ class Hosts:
         from rlactors.procs.slurm import SlurmJob
 
         return self.job.ended() if isinstance(self.job, SlurmJob) else None
+
+    async def lost_by_now(self, within_s: float = SLURM_SETTLE_S, every_s: float = 0.5) -> str | None:
+        """`lost`, asked again for up to `within_s` seconds where the hosts are a Slurm job's: a
+        proc of a cancelled job can die (SIGTERM) before squeue says that the job ended, or while
+        slurmctld is too busy to answer; None when they still hold then, or are of another kind."""
+        from rlactors.procs.slurm import SlurmJob
+
+        if not isinstance(self.job, SlurmJob):
+            return None
+        deadline = time.monotonic() + within_s
+        while (reason := await asyncio.to_thread(self.lost)) is None and time.monotonic() < deadline:
+            await asyncio.sleep(every_s)
+        return reason
 
     async def wait_lost(self, every_s: float = 2.0) -> str:
         """What took the hosts away (`lost`), once it has happened, checked every `every_s`

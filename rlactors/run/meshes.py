@@ -184,10 +184,11 @@ class Meshes:
             raise
 
     async def cause(self, error: BaseException) -> str:
-        """What `error` (a SupervisionError or ProcLost) lost: the job's hosts, else the watcher's
-        verdict ("trainer rank 0 (pid 7) exited (signal 9)"), which Monarch's own SupervisionError
-        may precede by a moment; else Monarch's words."""
-        if lost := self.hosts.lost():
+        """What `error` (a SupervisionError or ProcLost) lost: the job's hosts (then also
+        `hosts_lost`), else the watcher's verdict ("trainer rank 0 (pid 7) exited (signal 9)"),
+        which Monarch's own SupervisionError may precede by a moment; else Monarch's words."""
+        if lost := await self.hosts.lost_by_now():
+            self.hosts_lost = lost
             return lost
         if isinstance(error, ProcLost):
             return str(error)

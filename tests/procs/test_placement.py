@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ import pytest
 
 import rlactors.procs.slurm
 from rlactors.config import JobConfig
-from rlactors.procs.placement import NoHosts, allocate_hosts, host_name
+from rlactors.procs.placement import Hosts, NoHosts, allocate_hosts, host_name
 from rlactors.procs.slurm import job_info
 
 LOGS = Path("/runs/r/slurm")
@@ -129,3 +130,32 @@ def test_what_ended_a_slurm_job_is_read_from_squeue(monkeypatch, job, returncode
     slurm_job = rlactors.procs.slurm.SlurmJob.__new__(rlactors.procs.slurm.SlurmJob)
     slurm_job._slurm_job_id = job
     assert slurm_job.ended() == ended
+
+
+class EndingSlurmJob(RecordingSlurmJob):
+    """A Slurm job whose squeue says it ended only from the `answers`-th question on (None before:
+    still running, or slurmctld too busy to tell)."""
+
+    def __init__(self, answers: int | None):
+        super().__init__({})
+        self.answers, self.asked = answers, 0
+
+    def ended(self):
+        self.asked += 1
+        return "the Slurm job 7 ended: CANCELLED" if self.answers and self.asked >= self.answers else None
+
+
+def test_a_proc_death_under_a_cancelled_slurm_job_is_the_jobs_end_once_squeue_says_so(slurm):
+    job = EndingSlurmJob(answers=3)  # the procs died (SIGTERM) before squeue told of the scancel
+    hosts = Hosts("trainers", "generators", job)
+    assert asyncio.run(hosts.lost_by_now(within_s=30, every_s=0.01)) == "the Slurm job 7 ended: CANCELLED"
+    assert job.asked == 3
+
+
+def test_a_proc_death_under_a_running_slurm_job_is_the_procs_after_the_settling_time(slurm):
+    job = EndingSlurmJob(answers=None)
+    hosts = Hosts("trainers", "generators", job)
+    start = time.monotonic()
+    assert asyncio.run(hosts.lost_by_now(within_s=0.2, every_s=0.01)) is None
+    assert time.monotonic() - start >= 0.2 and job.asked > 1
+    assert asyncio.run(Hosts("this host", "this host").lost_by_now(within_s=30)) is None  # not a job's: at once

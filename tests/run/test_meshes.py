@@ -1,5 +1,6 @@
-"""The order in which `Meshes.spawn` starts the trainer and the generators, and what `stop` stops
-when the trainer fails to start. Hosts, procs and actors are stand-ins that record the calls."""
+"""The order in which `Meshes.spawn` starts the trainer and the generators, what `stop` stops when
+the trainer fails to start, and what `cause` blames for a proc's death under a Slurm job. Hosts,
+procs and actors are stand-ins that record the calls."""
 
 import asyncio
 from types import SimpleNamespace
@@ -7,6 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from rlactors.config import load_config
+from rlactors.procs.liveness import ProcLost
+from rlactors.procs.placement import Hosts
 from rlactors.run import meshes as meshes_module
 from rlactors.run.meshes import Meshes
 
@@ -87,3 +90,22 @@ def test_a_trainer_that_fails_to_start_leaves_no_generator_running(monkeypatch, 
 
     asyncio.run(spawn_then_stop())
     assert events == ["router spawned", "trainer starting", "router closed", "router procs stopped"]
+
+
+class CancelledSlurmJob:
+    """Ended (a scancel), as squeue tells only from its second answer on."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def ended(self):
+        self.asked += 1
+        return "the Slurm job 7 ended: CANCELLED" if self.asked >= 2 else None
+
+
+def test_a_proc_killed_by_a_scancel_is_blamed_on_the_slurm_job_and_no_host_is_left(monkeypatch, tiny_ckpt):
+    monkeypatch.setattr("rlactors.procs.slurm.SlurmJob", CancelledSlurmJob)
+    meshes = Meshes(load_config(None, [f'model.path="{tiny_ckpt}"'], available_gpus=0))
+    meshes.hosts = Hosts("trainers", "generators", CancelledSlurmJob())
+    cause = asyncio.run(meshes.cause(ProcLost("trainer rank 0 (pid 7) exited (signal 15)")))
+    assert cause == meshes.hosts_lost == "the Slurm job 7 ended: CANCELLED"

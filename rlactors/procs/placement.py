@@ -10,6 +10,7 @@ stay on this host.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import socket
 import sys
@@ -86,6 +87,7 @@ class Hosts:
         if not isinstance(self.job, SlurmJob):
             return None
         deadline = time.monotonic() + within_s
+        # squeue runs off the event loop
         while (reason := await asyncio.to_thread(self.lost)) is None and time.monotonic() < deadline:
             await asyncio.sleep(every_s)
         return reason
@@ -93,12 +95,9 @@ class Hosts:
     async def wait_lost(self, every_s: float = 2.0) -> str:
         """What took the hosts away (`lost`), once it has happened, checked every `every_s`
         seconds; never returns for hosts that are not a Slurm job's."""
-        from rlactors.procs.slurm import SlurmJob
-
-        if not isinstance(self.job, SlurmJob):
-            await asyncio.get_running_loop().create_future()  # never done
-        while (reason := await asyncio.to_thread(self.lost)) is None:  # squeue: off the event loop
-            await asyncio.sleep(every_s)
+        reason = await self.lost_by_now(within_s=math.inf, every_s=every_s)
+        if reason is None:  # not a Slurm job's: never lost
+            await asyncio.get_running_loop().create_future()
         return reason
 
     def release(self) -> None:

@@ -217,8 +217,7 @@ class Controller:
             # A proc died or stayed unresponsive (trainer or router), or the job's hosts went away:
             # stop with which, how, and where to resume from.
             cause, step = await self.meshes.cause(e), self.step + 1
-            lost_rank = None if self.meshes.hosts_lost else self.meshes.trainer_lost()  # no host to restart on
-            raise self.trainer_restarts.failure(cause, lost_rank,
+            raise self.trainer_restarts.failure(cause, self.meshes.trainer_lost(),
                                                 lambda why: self.run_dir.resumable(f"step {step}: {why}")) from None
         finally:
             self.watchdog.stop()

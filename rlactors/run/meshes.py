@@ -70,25 +70,24 @@ class Meshes:
         self._kernels = sides(c.model.true_on_policy, c.generator.engine, c.controller.device).trainer
         # On GPUs of their own the replicas start (load, compile) while the trainer loads; colocated,
         # an engine starts beside a trainer that already holds its memory.
-        if not c.controller.colocate:
-            self._spawn_router()
+        router_procs = None if c.controller.colocate else self._spawn_router()
         trainer_procs, trainer, ranks = await self._spawn_trainer(c)
         self.trainer_ready_s = time.monotonic() - start
         teacher_procs = await self._spawn_teacher(c) if c.teacher.path else None
-        if self._router is None:
-            self._spawn_router()
-        router_procs = self._procs[-1]
+        if router_procs is None:
+            router_procs = self._spawn_router()
         self._procs = [trainer_procs, *([teacher_procs] if teacher_procs else []), router_procs]
         # Calls to a proc that exits (or stays unresponsive past the timeout) fail at once with ProcLost.
         trainer = await self._watch_trainer(trainer_procs, trainer, ranks)
         router_watch = await watch_procs(self.watcher, router_procs, ["generator router"])
         return trainer, self.watcher.guard(self._router, router_watch), ranks
 
-    def _spawn_router(self) -> None:
-        """The router (unguarded) and its procs, which `stop` closes and stops from here on, also
-        when the trainer fails to start."""
+    def _spawn_router(self) -> Any:
+        """Spawns the router (kept unguarded); its procs, which `stop` closes and stops from here
+        on, also when the trainer fails to start."""
         router_procs, self._router = spawn_router(self.config, self.hosts.generators)
         self._procs = [router_procs]
+        return router_procs
 
     async def _spawn_teacher(self, c: Config) -> Any:
         """The teacher's procs; sets `teacher`, whose calls fail with ProcLost once one exits."""
@@ -109,8 +108,9 @@ class Meshes:
         return self.watcher.guard(trainer, self._trainer_watch)
 
     def trainer_lost(self) -> str | None:
-        """The verdict of a trainer rank that was lost (rlactors.procs.liveness), else None."""
-        return self.watcher.lost(*self._trainer_watch)
+        """The verdict of a trainer rank that was lost (rlactors.procs.liveness), else None; None
+        too once the job's hosts are lost, where no trainer can be rebuilt."""
+        return None if self.hosts_lost else self.watcher.lost(*self._trainer_watch)
 
     async def respawn_trainer(self) -> tuple[Any, list[dict[str, Any]]]:
         """Replaces the trainer mesh, one of whose ranks was lost, with a new one on the same hosts

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from support.stand_ins import SlurmJobEndingLate
 
 import rlactors.procs.slurm
 from rlactors.config import JobConfig
@@ -132,28 +133,20 @@ def test_what_ended_a_slurm_job_is_read_from_squeue(monkeypatch, job, returncode
     assert slurm_job.ended() == ended
 
 
-class EndingSlurmJob(RecordingSlurmJob):
-    """A Slurm job whose squeue says it ended only from the `answers`-th question on (None before:
-    still running, or slurmctld too busy to tell)."""
-
-    def __init__(self, answers: int | None):
-        super().__init__({})
-        self.answers, self.asked = answers, 0
-
-    def ended(self):
-        self.asked += 1
-        return "the Slurm job 7 ended: CANCELLED" if self.answers and self.asked >= self.answers else None
+@pytest.fixture
+def late_slurm(monkeypatch):
+    monkeypatch.setattr(rlactors.procs.slurm, "SlurmJob", SlurmJobEndingLate)
 
 
-def test_a_proc_death_under_a_cancelled_slurm_job_is_the_jobs_end_once_squeue_says_so(slurm):
-    job = EndingSlurmJob(answers=3)  # the procs died (SIGTERM) before squeue told of the scancel
+def test_a_proc_death_under_a_cancelled_slurm_job_is_the_jobs_end_once_squeue_says_so(late_slurm):
+    job = SlurmJobEndingLate(answers=3)  # the procs died (SIGTERM) before squeue told of the scancel
     hosts = Hosts("trainers", "generators", job)
     assert asyncio.run(hosts.lost_by_now(within_s=30, every_s=0.01)) == "the Slurm job 7 ended: CANCELLED"
     assert job.asked == 3
 
 
-def test_a_proc_death_under_a_running_slurm_job_is_the_procs_after_the_settling_time(slurm):
-    job = EndingSlurmJob(answers=None)
+def test_a_proc_death_under_a_running_slurm_job_is_the_procs_after_the_settling_time(late_slurm):
+    job = SlurmJobEndingLate(answers=None)
     hosts = Hosts("trainers", "generators", job)
     start = time.monotonic()
     assert asyncio.run(hosts.lost_by_now(within_s=0.2, every_s=0.01)) is None

@@ -3,9 +3,11 @@ the trainer fails to start, and what `cause` blames for a proc's death under a S
 procs and actors are stand-ins that record the calls."""
 
 import asyncio
+import concurrent.futures
 from types import SimpleNamespace
 
 import pytest
+from support.stand_ins import SlurmJobEndingLate
 
 from rlactors.config import load_config
 from rlactors.procs.liveness import ProcLost
@@ -92,20 +94,15 @@ def test_a_trainer_that_fails_to_start_leaves_no_generator_running(monkeypatch, 
     assert events == ["router spawned", "trainer starting", "router closed", "router procs stopped"]
 
 
-class CancelledSlurmJob:
-    """Ended (a scancel), as squeue tells only from its second answer on."""
-
-    def __init__(self):
-        self.asked = 0
-
-    def ended(self):
-        self.asked += 1
-        return "the Slurm job 7 ended: CANCELLED" if self.asked >= 2 else None
-
-
 def test_a_proc_killed_by_a_scancel_is_blamed_on_the_slurm_job_and_no_host_is_left(monkeypatch, tiny_ckpt):
-    monkeypatch.setattr("rlactors.procs.slurm.SlurmJob", CancelledSlurmJob)
+    monkeypatch.setattr("rlactors.procs.slurm.SlurmJob", SlurmJobEndingLate)
     meshes = Meshes(load_config(None, [f'model.path="{tiny_ckpt}"'], available_gpus=0))
-    meshes.hosts = Hosts("trainers", "generators", CancelledSlurmJob())
-    cause = asyncio.run(meshes.cause(ProcLost("trainer rank 0 (pid 7) exited (signal 15)")))
+    meshes.hosts = Hosts("trainers", "generators", SlurmJobEndingLate(answers=2))  # squeue tells late
+    died = "trainer rank 0 (pid 7) exited (signal 15)"
+    verdict = concurrent.futures.Future()
+    verdict.set_result(died)
+    meshes._trainer_watch = [SimpleNamespace(verdict=verdict)]  # the rank the watcher saw die
+    assert meshes.trainer_lost() == died
+    cause = asyncio.run(meshes.cause(ProcLost(died)))
     assert cause == meshes.hosts_lost == "the Slurm job 7 ended: CANCELLED"
+    assert meshes.trainer_lost() is None  # no trainer restart on hosts that are gone

@@ -22,3 +22,16 @@ class Rank0:
 
     def item(self, **_):
         return self.value
+
+
+class SlurmJobEndingLate:
+    """Stands in for rlactors.procs.slurm.SlurmJob: a job whose squeue says that it ended only from
+    the `answers`-th question on (None before: still running, or slurmctld too busy to tell);
+    never, with `answers` None."""
+
+    def __init__(self, answers: int | None):
+        self.answers, self.asked = answers, 0
+
+    def ended(self):
+        self.asked += 1
+        return "the Slurm job 7 ended: CANCELLED" if self.answers and self.asked >= self.answers else None

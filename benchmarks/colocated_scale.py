@@ -9,10 +9,11 @@ with `generator.sleep`, sync mode, on a random-init checkpoint of the shape (rla
 kept under --ckpt-root for the next case). Each rollout is one turn of exactly --rollout-tokens
 (random weights never stop early) and earns a random reward (the parity of its tokens' sum). A
 step trains on about 131k tokens (8 x 16384, as trainer_throughput.py measures MFU): the prompts
-per step follow the rollout length. The memory knobs are the first set the memory plan says fits
+per step follow the rollout length, and a packed row holds as many whole rollouts as fit in
+--row-tokens. The memory knobs are the first set the memory plan says fits with MARGIN_GIB spare
 (none; activation checkpointing; the optimizer offloaded; both), and vLLM gets the share whose KV
-cache (sized by the plan) holds a step's rollouts at once, or the largest the plan
-leaves with MARGIN_GIB spare in every phase when that is less (or --gpu-memory-utilization).
+cache (sized by the plan) holds a step's rollouts at once, or the largest the plan leaves with
+MARGIN_GIB spare in every phase when that is less (or --gpu-memory-utilization).
 
 `--cells SIZE:TOKENS[:STEPS][:onpolicy] ...` runs cases one after another, each in its own process
 within what is left of --budget-s; a case that ends without its row (killed at the budget, or
@@ -50,7 +51,9 @@ from rlactors.rollout import Observation, StepResult, TokenEnv  # noqa: E402
 from rlactors.run.memory_plan import GIB, gpu_gib, gpu_processes, plan  # noqa: E402
 
 PROMPT_TOKENS = 16
-MARGIN_GIB = 4.0  # left free in every phase of the plan: vLLM's share and the knobs are chosen so
+# GiB left free in every phase of the plan when the knobs and vLLM's share are chosen: about 10% of
+# an H200, more than the plan has missed any measured peak by (results/notes/colocated_scale.md)
+MARGIN_GIB = 14.0
 STEP_TOKENS = 8 * 16384  # a step's tokens: trainer_throughput.py's step, where MFU was measured
 
 
@@ -76,7 +79,9 @@ def prompts_per_step(opts: argparse.Namespace) -> int:
 
 def overrides(opts: argparse.Namespace, ckpt: Path, run_dir: Path, knobs: list[str]) -> list[str]:
     total = opts.rollout_tokens + PROMPT_TOKENS
-    row = max(opts.row_tokens, -(-total // 1024) * 1024)
+    # rows of as many whole rollouts as --row-tokens holds: every rollout here is `total` tokens
+    # long, so a longer row would never fill, and the plan sizes activations by the row
+    row = max(total, opts.row_tokens // total * total)
     device = ['controller.device="cpu"', 'generator.engine="native"'] if opts.dry_run else \
         ['controller.device="cuda"', 'generator.engine="vllm"', 'model.dtype="bfloat16"']
     return [f'model.path="{ckpt}"', f'controller.run_dir="{run_dir}"', f"controller.steps={opts.steps}",
@@ -205,7 +210,8 @@ def run_case(opts: argparse.Namespace) -> int:
         if poll is not None:
             print(f"GPU peak {poll.peak_mib:.0f} MiB; by process then: {poll.at_peak or 'not listed'}", flush=True)
         for step, metrics in enumerate(history, 1):
-            print(f"step {step}: trainer peak {metrics.get('memory/trainer_peak_gib', 0):.1f} GiB, held while "
+            print(f"step {step}: trainer peak {metrics.get('memory/trainer_peak_gib', 0):.1f} GiB (reserved "
+                  f"{metrics.get('memory/trainer_peak_reserved_gib', 0):.1f}), held while "
                   f"generating {metrics.get('memory/trainer_held_gib', 0):.1f} GiB", flush=True)
     _, trainer, generator = memory.needed
     last = history[-1] if history else {}
@@ -308,7 +314,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: a step of ~131k tokens)")
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--row-tokens", type=int, default=16384, help="at least (a rollout's tokens fit one row)")
+    parser.add_argument("--row-tokens", type=int, default=16384,
+                        help="rows hold as many whole rollouts as fit (at least one)")
     parser.add_argument("--offload", action="store_true", help="trainer.offload_optimizer first")
     parser.add_argument("--true-on-policy", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share (default: chosen)")

@@ -21,10 +21,11 @@ def shapes(tmp_path_factory):
     return {size: make_tiny_checkpoint(root / size, size=size, weights=False) for size in ("1.7b", "4b", "8b")}
 
 
-# size: the knobs the plan needs with 4 GiB to spare; the weights go by the shared buffer (one
-# replica on the trainer's GPU), which rank 0 keeps beside its state
-EXPECTED = {"1.7b": [], "4b": ["trainer.activation_checkpointing=true"],
-            "8b": ["trainer.offload_optimizer=true", "trainer.activation_checkpointing=true"]}
+# the knobs the plan needs with 14 GiB to spare, by size; 4B's rows of one 8k rollout need none.
+# The weights go by the shared buffer (one replica on the trainer's GPU), which rank 0 keeps
+# beside its state
+CHECKPOINTING, OFFLOAD = "trainer.activation_checkpointing=true", "trainer.offload_optimizer=true"
+EXPECTED = {"1.7b": [], "4b": [CHECKPOINTING], "4b:8192": [], "8b": [OFFLOAD, CHECKPOINTING]}
 # vLLM's share, by hand: its bf16 weights, 2 GiB of runtime and a KV cache (K and V of 36 layers
 # (1.7B: 28) x 8 heads x 128 in bf16 a token) for a step's rollouts at once, up to 64 of them
 # (less than the largest share the plan leaves with 4 GiB to spare, in every cell)
@@ -51,11 +52,14 @@ def test_every_cell_fits_one_h200_with_the_knobs_it_needs(mode, shapes, tmp_path
         kv_token = 2 * (28 if opts.size == "1.7b" else 36) * 8 * 128 * 2
         share = (memory.generator.weights + 2 * gib + min(64, rollouts) * (opts.rollout_tokens + 16) * kv_token)
         assert SHARES[cell] == math.ceil(100 * share / (139.8 * gib)) / 100, cell
-        assert knobs == [*EXPECTED[opts.size], f"generator.gpu_memory_utilization={SHARES[cell]}"], cell
+        share_knob = f"generator.gpu_memory_utilization={SHARES[cell]}"
+        assert knobs == [*EXPECTED.get(cell, EXPECTED[opts.size]), share_knob], cell
         assert (config.generator.sleep, config.controller.colocate, config.controller.mode) == (True, True, "sync")
         assert config.generator.weight_sync == "shared"
         assert config.rollout.max_tokens_per_turn == opts.rollout_tokens
-        assert config.batcher.row_tokens >= config.rollout.max_total_tokens
+        # whole rollouts of 16 + TOKENS a row, within 16384 tokens (a 16k rollout alone): the plan's
+        # microbatch is the one that runs
+        assert config.batcher.row_tokens == {2048: 7 * 2064, 8192: 8208, 16384: 16400}[opts.rollout_tokens], cell
         # about 131k tokens a step (8 x 16384), at least one group; 16 rollouts in the on-policy runs
         rollouts = config.rollout.prompts_per_step * config.rollout.group_size
         assert rollouts == 8 * (opts.prompts or max(1, 131072 // (8 * (opts.rollout_tokens + 16)))), cell

@@ -40,8 +40,8 @@ class NoTurns:
 class Turns(NoTurns):
     """The turns of `trainer` (a PolicyTrainer mesh) and `router` (the GeneratorRouter) on shared
     GPUs. Each returns metrics: the seconds it took, the trainer's peak allocated memory over its
-    step (`memory/trainer_peak_gib`) and what its allocator holds while the engines generate
-    (`memory/trainer_held_gib`; both 0 on CPU)."""
+    step (`memory/trainer_peak_gib`), the peak its allocator reserved (`memory/trainer_peak_reserved_gib`)
+    and what its allocator holds while the engines generate (`memory/trainer_held_gib`); all 0 on CPU."""
 
     def __init__(self, trainer: Any, router: Any):
         self.trainer, self.router = trainer, router
@@ -56,7 +56,8 @@ class Turns(NoTurns):
         released = first_value(await self.trainer.release_memory.call())
         await self.router.wake_up.call_one(["weights"])
         return {"turns/wake_weights_s": time.perf_counter() - start,
-                "memory/trainer_peak_gib": released["peak_allocated_gib"]}
+                "memory/trainer_peak_gib": released["peak_allocated_gib"],
+                "memory/trainer_peak_reserved_gib": released["peak_reserved_gib"]}
 
     async def generating(self) -> dict[str, float]:
         start = time.perf_counter()

@@ -371,14 +371,17 @@ class PolicyTrainerCore:
 
     def release_memory(self) -> dict[str, float]:
         """Gives the GPU memory this rank's allocator caches but no tensor uses back to the device,
-        for the engines that wake on it; returns the peak this rank allocated since the last call
-        (`peak_allocated_gib`) and what its allocator still holds after (`held_gib`; 0 on CPU)."""
+        for the engines that wake on it; returns the peaks this rank allocated and its allocator
+        reserved since the last call (`peak_allocated_gib`, `peak_reserved_gib`: the gap is the
+        allocator's slack, which the GPU holds too) and what its allocator still holds after
+        (`held_gib`); all 0 on CPU."""
         if self.device.type != "cuda":
-            return {"peak_allocated_gib": 0.0, "held_gib": 0.0}
-        peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+            return {"peak_allocated_gib": 0.0, "peak_reserved_gib": 0.0, "held_gib": 0.0}
+        peaks = {"peak_allocated_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
+                 "peak_reserved_gib": torch.cuda.max_memory_reserved(self.device) / 2**30}
         torch.cuda.reset_peak_memory_stats(self.device)
         torch.cuda.empty_cache()
-        return {"peak_allocated_gib": peak, "held_gib": torch.cuda.memory_reserved(self.device) / 2**30}
+        return {**peaks, "held_gib": torch.cuda.memory_reserved(self.device) / 2**30}
 
     # ------------------------------------------------------------------------------------------
     # Weights: HF load, checkpoints, sync

@@ -83,7 +83,8 @@ def test_colocated_turns_sleep_for_training_and_load_weights_before_the_kv_cache
     engine, calls, weights = replica
     router = SimpleNamespace(sleep=endpoint(engine.sleep), wake_up=endpoint(engine.wake_up))
 
-    released = iter([{"peak_allocated_gib": 1.5, "held_gib": 0.5}, {"peak_allocated_gib": 0.25, "held_gib": 0.75}])
+    released = iter([{"peak_allocated_gib": 1.5, "peak_reserved_gib": 2.0, "held_gib": 0.5},
+                     {"peak_allocated_gib": 0.25, "peak_reserved_gib": 0.5, "held_gib": 0.75}])
 
     async def release_memory():
         calls.append("release_memory")
@@ -96,8 +97,10 @@ def test_colocated_turns_sleep_for_training_and_load_weights_before_the_kv_cache
     assert update.trained == {"loss": 0.5} and update.synced["version"] == 1
     # the step's peak (not the sync's), and what the trainer holds while the KV cache is awake
     assert update.turns["memory/trainer_peak_gib"] == 1.5 and update.turns["memory/trainer_held_gib"] == 0.75
+    assert update.turns["memory/trainer_peak_reserved_gib"] == 2.0
     assert set(update.turns) == {"turns/sleep_s", "turns/wake_weights_s", "turns/wake_kv_cache_s",
-                                 "memory/trainer_peak_gib", "memory/trainer_held_gib"}
+                                 "memory/trainer_peak_gib", "memory/trainer_peak_reserved_gib",
+                                 "memory/trainer_held_gib"}
     assert set(update.seconds) == {"train", "checkpoint", "sync"}
 
 

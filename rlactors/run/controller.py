@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import ActorError
 
 from rlactors.config import Config
 from rlactors.procs.liveness import ProcLost
@@ -29,6 +30,7 @@ from rlactors.rollout.types import Episode, RolloutGroup
 from rlactors.run.evaluation import EvalSchedule, Evaluator
 from rlactors.run.generation import generate, replicas_lost, serve_gateway
 from rlactors.run.inputs import load_inputs
+from rlactors.run.memory_plan import MemoryPlan, out_of_memory
 from rlactors.run.meshes import HostsLost, Meshes
 from rlactors.run.metrics import (
     EnvErrorLog,
@@ -71,6 +73,7 @@ class Controller:
         self.watchdog = LoopWatchdog(after_s=config.rollout.step_timeout_s)
         self.gateway = None  # an AgentEnv's harnesses call the policy through it (rlactors.gateway)
         self.trainer_restarts = TrainerRestarts(config.controller.restart_trainer)
+        self.memory_plan: MemoryPlan | None = None  # on CUDA, once start() has checked it
         self.errored_steps = ErroredSteps(config.controller.max_errored_steps)
 
     async def start(self) -> None:
@@ -78,7 +81,7 @@ class Controller:
         resume_from = self.run_dir.check(c, self.resume)  # fails (or finds the run complete) before any proc starts
         inputs = await load_inputs(c, self.generate)
         self.tokenizer, self.samples, self.rollouter = inputs.tokenizer, inputs.samples, inputs.rollouter
-        self.evaluator, self.batcher = inputs.evaluator, inputs.batcher
+        self.evaluator, self.batcher, self.memory_plan = inputs.evaluator, inputs.batcher, inputs.memory
 
         spawned = time.monotonic()
         self.trainer, self.router, ranks = await self.meshes.spawn(self.run_dir.path / SLURM_DIR)
@@ -128,6 +131,15 @@ class Controller:
         print(self.trainer_restarts.recovered_line(lost_in, cause, point, time.monotonic() - start), flush=True)
         return self.step
 
+    def _ran_out_line(self, call: str, said: str) -> str:
+        """The error line of a run stopped by `call` running out of GPU memory. Nothing is saved:
+        a call that failed part way (the optimizer's step, a layer group at a time) leaves the
+        trainer in no step's state, so the run resumes from its last complete checkpoint."""
+        where = f"step {self.step + 1}" if self.producer is not None else "starting"
+        what = (self.memory_plan.ran_out_line(call, said) if self.memory_plan is not None
+                else f"{call} ran out of GPU memory ({said})")
+        return self.run_dir.resumable(f"{where}: {what}")
+
     async def shutdown(self) -> None:
         """Stops the gateway, the router and the procs (`Meshes.shutdown`: killed if they hang)."""
         await self.meshes.shutdown(self._stop)
@@ -171,6 +183,10 @@ class Controller:
             return []
         except ProcLost as e:  # while starting: no step to name
             raise TrainingError(f"{e}; {self.run_dir.last_checkpoint()}") from None
+        except ActorError as e:
+            if (ran_out := out_of_memory(e)) is None:
+                raise
+            raise TrainingError(self._ran_out_line(*ran_out)) from None
         except OSError as e:  # a record, sample or plot that the disk refused (a checkpoint: save_checkpoint)
             if is_storage_fault(e):
                 raise TrainingError(self.run_dir.storage_error(e)) from None

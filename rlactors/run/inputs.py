@@ -11,7 +11,7 @@ from rlactors.rollout.batcher import Batcher
 from rlactors.rollout.env import SampleStream, TokenEnv, load_env
 from rlactors.rollout.rollouter import GenerateFn, Rollouter, prompts_too_long_line
 from rlactors.run.evaluation import Evaluator, training_evaluator
-from rlactors.run.memory_plan import gpu_gib, plan
+from rlactors.run.memory_plan import MemoryPlan, gpu_gib, plan
 from rlactors.run.metrics import check_wandb
 from rlactors.run.run_dir import TrainingError
 
@@ -24,11 +24,13 @@ class RunInputs:
     rollouter: Rollouter
     evaluator: Evaluator | None  # with controller.eval_every
     batcher: Batcher
+    memory: MemoryPlan | None  # with controller.device "cuda"
 
 
 async def load_inputs(c: Config, generate: GenerateFn) -> RunInputs:
-    """The inputs of a run of `c` whose completions come from `generate`; an empty train split
-    is a TrainingError, and prompts too long to sample from are counted in one printed line."""
+    """The inputs of a run of `c` whose completions come from `generate`, and on CUDA its memory
+    plan; a plan that does not fit is a ConfigError, an empty train split a TrainingError, and
+    prompts too long to sample from are counted in one printed line."""
     from rlactors.models import load_checked_tokenizer
     from rlactors.models.checkpoint import load_args
     from rlactors.trainer.teacher import check_teacher_tokenizer
@@ -38,8 +40,9 @@ async def load_inputs(c: Config, generate: GenerateFn) -> RunInputs:
     check_model_keys(c.model, c.trainer, args)
     if c.teacher.path:
         check_teacher_tokenizer(c.teacher.path, c.model.path)
-    if c.controller.device == "cuda":  # a run that cannot fit stops here, before any proc starts
-        plan(c, args, gpu_gib(c)).check()
+    memory = plan(c, args, gpu_gib(c)) if c.controller.device == "cuda" else None
+    if memory is not None:  # a run that cannot fit stops here, before any proc starts
+        memory.check()
     env = load_env(c.env, tokenizer)
     dataset = env.dataset("train")
     if len(dataset) == 0:
@@ -53,4 +56,4 @@ async def load_inputs(c: Config, generate: GenerateFn) -> RunInputs:
         check_wandb()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return RunInputs(tokenizer, env, SampleStream(dataset, seed=c.controller.seed), rollouter, evaluator,
-                     Batcher(c.batcher, dp_size=c.trainer.ranks, pad_token_id=pad_id))
+                     Batcher(c.batcher, dp_size=c.trainer.ranks, pad_token_id=pad_id), memory)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,6 +311,23 @@ class MemoryPlan:
         keys.append("lower batcher.rows_per_microbatch or batcher.row_tokens")
         return ", ".join(keys[:-1]) + " or " + keys[-1]
 
+    def ran_out_line(self, call: str, said: str) -> str:
+        """What to say when `call` (an actor call: the trainer's, or the router's for the engines)
+        ran out of GPU memory with `said`, though the plan fits: the plan's phase (the engines':
+        generation, where they take turns; else the largest) and the keys that lower what that
+        side holds."""
+        engines = call.startswith(("router.", "generator"))
+        phases = self.phases()
+        name = "generation" if engines and "generation" in phases else self.needed[0]
+        trainer, generator = phases[name]
+        fixes = self._fixes(resident_only=True) if engines else self._fixes()
+        if engines and self.config.generator.engine == "vllm":
+            fixes = f"lower generator.gpu_memory_utilization or {fixes}"
+        where = "" if self.gpu_bytes is None else f" of {_gib(self.gpu_bytes)}"
+        return (f"{call} ran out of GPU memory ({said}); the memory plan put a GPU at {_gib(trainer + generator)} GiB"
+                f"{where} ({name}: trainer {_gib(trainer)} + {self.generator.engine} {_gib(generator)}), and it counts "
+                f"tensors, not what the allocators keep besides: set {fixes}")
+
     def check(self) -> None:
         """Raises ConfigError, one line, when the run cannot fit (`problems`)."""
         found = self.problems()
@@ -569,3 +587,21 @@ def vllm_beyond_share(args: ModelArgs, tp: int, planned_kv_cache: bool = False) 
     overshoot = 0.0 if planned_kv_cache else \
         VLLM_OVERSHOOT_BYTES_PER_LAYER_HIDDEN2 * args.num_hidden_layers * args.hidden_size**2 / tp
     return VLLM_OUTSIDE_SHARE_GIB * GIB + overshoot
+
+
+def out_of_memory(error: BaseException) -> tuple[str, str] | None:
+    """`(call, said)` when `error`, a failed actor call (Monarch's ActorError, maybe around another
+    actor's), failed for want of GPU memory: torch's OutOfMemoryError, or a CUDA allocation of
+    vLLM's sleep-mode allocator. `call` is the call the controller made, `said` the error's first
+    sentences (what was asked and what was free); None for any other failure."""
+    import torch
+
+    call = re.match(r"Actor call (\S+) failed", getattr(error, "message", ""))
+    cause = error
+    while hasattr(cause, "exception"):
+        cause = cause.exception
+    text = str(cause)
+    if not (isinstance(cause, torch.OutOfMemoryError) or "CUDA Error: out of memory" in text):
+        return None
+    said = ". ".join(text.splitlines()[0].split(". ")[:3]).rstrip(".")
+    return (call.group(1) if call else "an actor call"), said

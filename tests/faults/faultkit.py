@@ -1,5 +1,5 @@
 """Helpers of the fault-injection suite: the CLI in a subprocess, small run configs, /proc reads, a
-controller that SIGKILLs its trainer's ranks."""
+controller that SIGKILLs its trainer's ranks, and one whose trainer runs out of GPU memory."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+from gpu_full import GpuFullTrainer
+from monarch.actor import this_host
+from support.stand_ins import ActorWith
 
 from rlactors.run.controller import Controller
 from rlactors.run.metrics import read_metrics
@@ -170,3 +175,29 @@ class TrainerKilledAsStepsBegin(Controller):
         step = await super().recover_trainer(cause)
         self.rebuilt_at.append(time.monotonic())
         return step
+
+
+
+class TrainerOutOfMemoryAtStep(Controller):
+    """The trainer's forward_backward calls of step `oom_step` go to a GpuFullTrainer named as the
+    trainer is, in a proc of its own: they fail as Monarch reports a trainer rank's CUDA OOM."""
+
+    def __init__(self, config, oom_step: int):
+        super().__init__(config)
+        self.oom_step, self._full_procs = oom_step, None
+
+    async def start(self) -> None:
+        await super().start()
+        self._full_procs = this_host().spawn_procs(per_host={"gpus": 1})
+        full = self._full_procs.spawn("policy_trainer", GpuFullTrainer).forward_backward
+        real = self.trainer.forward_backward
+
+        def call(*args):
+            return (full if self.step + 1 == self.oom_step else real).call(*args)
+
+        self.trainer = ActorWith(self.trainer, forward_backward=SimpleNamespace(call=call))
+
+    async def _stop(self) -> None:
+        await super()._stop()
+        if self._full_procs is not None:
+            await self._full_procs.stop()

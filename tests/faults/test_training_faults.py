@@ -21,7 +21,14 @@ import time
 
 import pytest
 import torch
-from faultkit import CliProcess, kill_replica, run_cli, small_run_overrides, wait_until
+from faultkit import (
+    CliProcess,
+    TrainerOutOfMemoryAtStep,
+    kill_replica,
+    run_cli,
+    small_run_overrides,
+    wait_until,
+)
 from support.stand_ins import ActorWith
 
 from rlactors.config import load_config
@@ -787,3 +794,18 @@ def test_shared_weight_sync_survives_a_death_mid_push_maps_again_on_restart_and_
                  "after the trainer checksummed step 3's", None,
                  "step 1: the survivor loaded it, the restarted replica mapped the buffer again and loaded step 2's; "
                  f"step 3: both kept version 2 and the run stopped with `{message[:100]}...`")
+
+
+def test_a_trainer_out_of_gpu_memory_stops_the_run_in_one_line_naming_the_keys(tiny_ckpt, tmp_path, fault_record):
+    config = load_config(None, small_run_overrides(tiny_ckpt, tmp_path))
+    with pytest.raises(TrainingError) as raised:
+        asyncio.run(TrainerOutOfMemoryAtStep(config, oom_step=2).run())
+    message = str(raised.value)
+    # On CPU the run has no memory plan to quote: the call, torch's first sentences, where it resumes.
+    assert message == ("step 2: policy_trainer.forward_backward ran out of GPU memory (CUDA out of memory. Tried to "
+                       "allocate 2.66 GiB. GPU 0 has a total capacity of 139.81 GiB of which 1.92 GiB is free); the "
+                       f"last complete checkpoint is {checkpoint_dir(tmp_path / 'checkpoints', 1)}; continue with "
+                       "--resume")
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1]
+    fault_record("trainer out of GPU memory", "torch's OutOfMemoryError from the trainer's forward_backward at "
+                 "step 2", None, f"step 2 only: the run stopped with `{message.replace(str(tmp_path), '<run_dir>')}`")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from monarch.actor import ActorError
 
 from rlactors import train
 from rlactors.config import LORA_TARGETS, ConfigError, LoraConfig, load_config
@@ -23,6 +24,7 @@ from rlactors.run.memory_plan import (
     GIB,
     generator_memory,
     gpu_gib,
+    out_of_memory,
     plan,
     saved_bytes_per_token_layer,
     sync_memory,
@@ -312,6 +314,37 @@ def plan_of_4b_in_turns_on_80gb(shapes, *overrides):
                     "generator.max_model_len=8192", "generator.sleep=true", "controller.colocate=true",
                     'controller.mode="sync"', "batcher.row_tokens=8192", "batcher.rows_per_microbatch=1")
     return plan(c, load_args(c.model.path), gpu_gib=80)
+
+
+def test_an_actor_call_out_of_gpu_memory_is_said_with_the_plans_phase_and_the_keys(shapes):
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.66 GiB. GPU 0 has a total capacity of "
+                                 "79.25 GiB of which 1.92 GiB is free. Including non-PyTorch memory, this process "
+                                 "has 77.3 GiB memory in use.")
+    trainer = ActorError(oom, "Actor call policy_trainer.forward_backward failed.")
+    said = ("CUDA out of memory. Tried to allocate 2.66 GiB. GPU 0 has a total capacity of 79.25 GiB of which 1.92 GiB "
+            "is free")
+    assert out_of_memory(trainer) == ("policy_trainer.forward_backward", said)
+    # vLLM's sleep-mode allocator waking the KV cache, under the router's call to the replica
+    cumem = "CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:62"
+    engines = ActorError(ActorError(RuntimeError(cumem), "Actor call generator.wake_up failed."),
+                         "Actor call router.wake_up failed.")
+    assert out_of_memory(engines) == ("router.wake_up", cumem)
+    for other in (ValueError("bad"), RuntimeError("DefaultCPUAllocator: can't allocate memory")):
+        assert out_of_memory(ActorError(other, "Actor call policy_trainer.forward_backward failed.")) is None
+
+    p = plan_of_4b_in_turns_on_80gb(shapes)  # its training phase by hand: test_plan_of_4b_on_one_gpu_...
+    params = 4_022_468_096
+    assert p.ran_out_line("policy_trainer.forward_backward", said) == (
+        f"policy_trainer.forward_backward ran out of GPU memory ({said}); the memory plan put a GPU at 71.3 GiB of "
+        "80.0 (training: trainer 69.3 + vllm 2.0), and it counts tensors, not what the allocators keep besides: set "
+        "trainer.activation_checkpointing = true, more trainer.ranks or lower batcher.rows_per_microbatch or "
+        "batcher.row_tokens")
+    # the engines: the generation phase, the trainer's fp32 weights and context beside vLLM's share and 2 GiB
+    assert (4 * params + GIB) / GIB == pytest.approx(15.98, abs=0.005)
+    assert p.ran_out_line("router.wake_up", "CUDA Error: out of memory") == (
+        "router.wake_up ran out of GPU memory (CUDA Error: out of memory); the memory plan put a GPU at 42.0 GiB of "
+        "80.0 (generation: trainer 16.0 + vllm 26.0), and it counts tensors, not what the allocators keep besides: "
+        "set lower generator.gpu_memory_utilization or more trainer.ranks")
 
 
 def test_the_reference_policy_is_counted_on_each_trainer_rank(shapes):

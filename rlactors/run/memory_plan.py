@@ -313,16 +313,19 @@ class MemoryPlan:
 
     def ran_out_line(self, call: str, said: str) -> str:
         """What to say when `call` (an actor call: the trainer's, or the router's for the engines)
-        ran out of GPU memory with `said`, though the plan fits: the plan's phase (the engines':
-        generation, where they take turns; else the largest) and the keys that lower what that
-        side holds."""
-        engines = call.startswith(("router.", "generator"))
+        ran out of GPU memory with `said`, though the plan fits: the plan's phase where that side
+        holds most (the engines': generation in turns, their own GPUs apart) and the keys that
+        lower it."""
         phases = self.phases()
-        name = "generation" if engines and "generation" in phases else self.needed[0]
+        if not call.startswith(("router.", "generator")):
+            name, fixes = self.needed[0], self._fixes()
+        elif self.sleeps:
+            name, fixes = "generation", f"lower generator.gpu_memory_utilization or {self._fixes(resident_only=True)}"
+        elif self.colocated:
+            name, fixes = "both", self._fixes()
+        else:
+            name, fixes = "generator GPUs", "lower generator.gpu_memory_utilization or raise generator.tp"
         trainer, generator = phases[name]
-        fixes = self._fixes(resident_only=True) if engines else self._fixes()
-        if engines and self.config.generator.engine == "vllm":
-            fixes = f"lower generator.gpu_memory_utilization or {fixes}"
         where = "" if self.gpu_bytes is None else f" of {_gib(self.gpu_bytes)}"
         return (f"{call} ran out of GPU memory ({said}); the memory plan put a GPU at {_gib(trainer + generator)} GiB"
                 f"{where} ({name}: trainer {_gib(trainer)} + {self.generator.engine} {_gib(generator)}), and it counts "

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 import struct
 from pathlib import Path
 
@@ -345,6 +346,11 @@ def test_an_actor_call_out_of_gpu_memory_is_said_with_the_plans_phase_and_the_ke
         "router.wake_up ran out of GPU memory (CUDA Error: out of memory); the memory plan put a GPU at 42.0 GiB of "
         "80.0 (generation: trainer 16.0 + vllm 26.0), and it counts tensors, not what the allocators keep besides: "
         "set lower generator.gpu_memory_utilization or more trainer.ranks")
+    # replicas on GPUs of their own: theirs, and the keys of their share
+    apart = cuda_config(shapes["8b"], "trainer.ranks=1", "generator.replicas=1", gpus=2)
+    line = plan(apart, load_args(apart.model.path), gpu_gib=80).ran_out_line("router.wake_up", "CUDA Error")
+    assert re.search(r"put a GPU at [\d.]+ GiB of 80\.0 \(generator GPUs: trainer 0\.0 \+ vllm [\d.]+\), .*: set lower "
+                     r"generator\.gpu_memory_utilization or raise generator\.tp$", line), line
 
 
 def test_the_reference_policy_is_counted_on_each_trainer_rank(shapes):

@@ -400,7 +400,10 @@ class MemoryPlan:
             lines.append("GPU size unknown: set controller.gpu_memory_gib (or plan on a machine with the GPU) to check")
         else:
             found = self.problems()
-            verdict = "fits" if not found else "does NOT fit: " + "; ".join(found)
+            name, trainer, generator = self.needed
+            spare = (f"fits, {_gib(self.gpu_bytes - trainer - generator)} GiB spare in phase '{name}' (the plan "
+                     "counts tensors, not what the allocators keep besides: keep some spare)")
+            verdict = spare if not found else "does NOT fit: " + "; ".join(found)
             lines.append(f"GPU of {_gib(self.gpu_bytes)} GiB: {verdict}")
         return "\n".join(lines)
 

@@ -286,8 +286,8 @@ class MemoryPlan:
             fixes = (f"the weight sync by {c.generator.weight_sync} gathers {_gib(self.trainer.sync_gather)} GiB on "
                      "trainer rank 0's GPU: set controller.colocate = false or raise generator.tp"
                      if name == "syncing" else "set " + self._fixes())
-            found.append(f"{_gib(trainer + generator)} GiB needed per GPU of {_gib(self.gpu_bytes)} ({name}: {who} "
-                         f"{_gib(trainer)} + {g.engine} {_gib(generator)}): {fixes}")
+            found.append(f"{_gib(trainer + generator)} GiB needed per GPU of {_gib(self.gpu_bytes)} "
+                         f"({self._split(name, trainer, generator)}): {fixes}")
         if g.engine == "vllm" and g.kv_tokens < c.generator.max_model_len:
             found.append(f"vLLM's share ({_gib(g.share - g.beyond)} GiB) leaves KV cache for {g.kv_tokens} tokens "
                          f"after its weights ({_gib(g.weights)} GiB), fewer than generator.max_model_len = "
@@ -328,8 +328,13 @@ class MemoryPlan:
         trainer, generator = phases[name]
         where = "" if self.gpu_bytes is None else f" of {_gib(self.gpu_bytes)}"
         return (f"{call} ran out of GPU memory ({said}); the memory plan put a GPU at {_gib(trainer + generator)} GiB"
-                f"{where} ({name}: trainer {_gib(trainer)} + {self.generator.engine} {_gib(generator)}), and it counts "
-                f"tensors, not what the allocators keep besides: set {fixes}")
+                f"{where} ({self._split(name, trainer, generator)}), and it counts tensors, not what the allocators "
+                f"keep besides: set {fixes}")
+
+    def _split(self, name: str, trainer: float, generator: float) -> str:
+        """Phase `name`'s bytes by side: "training: trainer 69.3 + vllm 2.0"."""
+        who = "trainer and teacher" if self.teacher else "trainer"
+        return f"{name}: {who} {_gib(trainer)} + {self.generator.engine} {_gib(generator)}"
 
     def check(self) -> None:
         """Raises ConfigError, one line, when the run cannot fit (`problems`)."""
@@ -499,7 +504,8 @@ def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
     copies = compute_bytes * (root + 2 * (layer + adapters_layer)) if (mixed or ranks > 1) else 0.0
     tokens = b.rows_per_microbatch * b.row_tokens
     per_layer = saved_bytes_per_token_layer(args, compute_bytes, lora)
-    if trainer_compiles(config):
+    compiles = trainer_compiles(config)
+    if compiles:
         per_layer *= COMPILED_ACTIVATION_SHARE
     layers = args.num_hidden_layers
     if t.activation_checkpointing:  # each layer's input kept, one layer's activations recomputed at a time
@@ -509,7 +515,7 @@ def trainer_memory(config: Config, args: ModelArgs) -> TrainerMemory:
     chunk = min(t.logprob_chunk_tokens, tokens)
     # The final hidden states (kept for backward), per token fp32 logprob, logsumexp and entropy,
     # and one chunk's logits at a time.
-    chunk_bytes = COMPILED_LOGPROB_CHUNK_BYTES if trainer_compiles(config) else EAGER_LOGPROB_CHUNK_BYTES
+    chunk_bytes = COMPILED_LOGPROB_CHUNK_BYTES if compiles else EAGER_LOGPROB_CHUNK_BYTES
     head = tokens * (compute_bytes * args.hidden_size + 12) + chunk * args.vocab_size * chunk_bytes
     sync_buffer, sync_gather = sync_memory(config, args)
     reference = {}

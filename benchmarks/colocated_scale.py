@@ -51,8 +51,8 @@ from rlactors.rollout import Observation, StepResult, TokenEnv  # noqa: E402
 from rlactors.run.memory_plan import GIB, gpu_gib, gpu_processes, plan  # noqa: E402
 
 PROMPT_TOKENS = 16
-# GiB left free in every phase of the plan when the knobs and vLLM's share are chosen: about 10% of
-# an H200, more than the plan has missed any measured peak by (results/notes/colocated_scale.md)
+# GiB left free in every phase of the plan when the knobs and vLLM's share are chosen: more than
+# the plan has missed any measured peak by (results/notes/colocated_scale.md)
 MARGIN_GIB = 14.0
 STEP_TOKENS = 8 * 16384  # a step's tokens: trainer_throughput.py's step, where MFU was measured
 

@@ -156,7 +156,7 @@ class VLLMEngine(Engine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
         if generator_config.sleep:  # vLLM checks the variable; the allocator may be running already
             without_expandable_segments(os.environ)
-            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+            torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
         kernels = sides(model_config.true_on_policy, "vllm", "cuda").generator
         os.environ.update(kernels.environment)  # read by vLLM's import
         model_args = load_args(model_config.path)

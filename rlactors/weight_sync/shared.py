@@ -108,9 +108,9 @@ def _plain_segments() -> Iterator[None]:
     through file descriptors that another process must be allowed to take (ptrace rights)."""
     expandable = expandable_segments()
     if expandable:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
     try:
         yield
     finally:
         if expandable:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            torch._C._accelerator_setAllocatorSettings("expandable_segments:True")

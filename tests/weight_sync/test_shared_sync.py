@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import warnings
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from rlactors.models.checkpoint import load_state_dict
 from rlactors.types import SamplingParams
 from rlactors.weight_sync.checksum import ChecksumMismatch
 from rlactors.weight_sync.packed import PackedLayout
-from rlactors.weight_sync.shared import SharedBuffer, SharedReceiver, map_buffer
+from rlactors.weight_sync.shared import SharedBuffer, SharedReceiver, _plain_segments, map_buffer
 from rlactors.weight_sync.sync import NoReplicaUp, SharedSync, WeightSyncError
 
 
@@ -47,6 +48,21 @@ def test_a_mapped_shared_buffer_gives_the_packed_weights_and_refuses_a_flipped_b
     assert receiver.buffer is mapping  # mapped once per buffer
     with pytest.raises(RuntimeError, match="on host another-host, this replica on .*: shared weight sync needs one"):
         map_buffer(dataclasses.replace(shared.handle, host="another-host"))
+
+
+def test_the_shared_buffer_is_allocated_in_plain_segments_under_expandable_ones(monkeypatch):
+    # CUDA IPC hands out an expandable segment only by file descriptor, which another process may not take
+    settings, before = torch._C._accelerator_getAllocatorSettings, torch._C._accelerator_getAllocatorSettings()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing deprecated on the way
+            with _plain_segments():
+                assert settings() == "expandable_segments:False"
+        assert settings() == "expandable_segments:True"
+    finally:
+        torch._C._accelerator_setAllocatorSettings(before or "expandable_segments:False")
 
 
 def test_a_replica_returns_from_a_shared_load_once_its_model_holds_a_copy_of_the_weights(tiny_ckpt):

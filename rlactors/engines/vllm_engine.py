@@ -33,7 +33,7 @@ from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.base import Engine, check_request
 from rlactors.lora.adapters import initial_adapters_of, scale
 from rlactors.lora.replica import load_adapters
-from rlactors.procs.placement import expandable_segments
+from rlactors.procs.placement import expandable_segments, set_expandable_segments
 from rlactors.types import Completion, SamplingParams, TokenDelta
 from rlactors.weight_sync.broadcast import VLLMReceiver
 from rlactors.weight_sync.updates import stages_concurrently
@@ -156,7 +156,7 @@ class VLLMEngine(Engine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
         if generator_config.sleep:  # vLLM checks the variable; the allocator may be running already
             without_expandable_segments(os.environ)
-            torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+            set_expandable_segments(False)
         kernels = sides(model_config.true_on_policy, "vllm", "cuda").generator
         os.environ.update(kernels.environment)  # read by vLLM's import
         model_args = load_args(model_config.path)

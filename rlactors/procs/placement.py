@@ -54,6 +54,14 @@ def expandable_segments(alloc_conf: str | None = None) -> bool:
     return settings.get("expandable_segments") == "True"
 
 
+def set_expandable_segments(enabled: bool) -> None:
+    """Has this process's CUDA caching allocator grow expandable segments (or plain ones) from its
+    next allocation on."""
+    import torch  # placement is read by processes that never touch a GPU
+
+    torch._C._accelerator_setAllocatorSettings(f"expandable_segments:{enabled}")
+
+
 def local_address() -> str:
     """This host's address as the other hosts of the job reach it."""
     return socket.gethostbyname(socket.gethostname())

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rlactors.procs.placement import expandable_segments
+from rlactors.procs.placement import expandable_segments, set_expandable_segments
 from rlactors.weight_sync.checksum import ChecksumMismatch
 from rlactors.weight_sync.packed import PackedLayout
 
@@ -108,9 +108,9 @@ def _plain_segments() -> Iterator[None]:
     through file descriptors that another process must be allowed to take (ptrace rights)."""
     expandable = expandable_segments()
     if expandable:
-        torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+        set_expandable_segments(False)
     try:
         yield
     finally:
         if expandable:
-            torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+            set_expandable_segments(True)

@@ -21,6 +21,7 @@ from rlactors.config import GeneratorConfig, ModelConfig
 from rlactors.engines.async_engine import AsyncEngine
 from rlactors.engines.native import NativeEngine
 from rlactors.models.checkpoint import load_state_dict
+from rlactors.procs.placement import set_expandable_segments
 from rlactors.types import SamplingParams
 from rlactors.weight_sync.checksum import ChecksumMismatch
 from rlactors.weight_sync.packed import PackedLayout
@@ -52,9 +53,10 @@ def test_a_mapped_shared_buffer_gives_the_packed_weights_and_refuses_a_flipped_b
 
 def test_the_shared_buffer_is_allocated_in_plain_segments_under_expandable_ones(monkeypatch):
     # CUDA IPC hands out an expandable segment only by file descriptor, which another process may not take
-    settings, before = torch._C._accelerator_getAllocatorSettings, torch._C._accelerator_getAllocatorSettings()
+    settings = torch._C._accelerator_getAllocatorSettings
+    before = settings()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+    set_expandable_segments(True)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # nothing deprecated on the way

@@ -1,7 +1,7 @@
 # Two commands: `make run` trains alphabet_sort on this machine, `make test` lints (ruff), builds the docs
 # (mkdocs, strict: a broken link fails) and runs the tests.
 # Each creates .venv and installs what is missing. TORCH pins the CPU-compatible torch
-# (GPU nodes: docs/gpu.md; vLLM 0.26 needs torch==2.11.0).
+# (GPU nodes: docs/gpu.md; vLLM 0.31 pins the same torch, built for CUDA).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED = ("0.26.0", "0.27.0")  # the lowest vLLM supported, and the first release that is not
+SUPPORTED = ("0.31.0", "0.32.0")  # the lowest vLLM supported, and the first release that is not
 
 # Every vLLM name rlactors uses, and the module it comes from.
 NAMES: dict[str, str] = {
@@ -31,7 +31,7 @@ NAMES: dict[str, str] = {
     # true on-policy (rlactors.on_policy.vllm_model)
     "ModelRegistry": "vllm",
     "Attention": "vllm.model_executor.layers.attention.attention",
-    "override_envs_for_invariance": "vllm.model_executor.layers.batch_invariant",
+    "override_envs_for_invariance": "vllm.model_executor.determinism.batch_invariant",
     "compute_token_logprobs": "vllm.v1.worker.gpu.sample.logprob",
     "flash_attn_varlen_func": "vllm.v1.attention.backends.fa_utils",
     "get_flash_attn_version": "vllm.v1.attention.backends.fa_utils",

@@ -109,15 +109,15 @@ def test_each_name_comes_from_its_declared_module(monkeypatch):
 
 
 def test_an_unsupported_vllm_fails_at_its_first_use_naming_the_range(monkeypatch):
-    fake_vllm(monkeypatch, "0.29.0", names=False)  # no logprob module: imported before the check, it would fail
+    fake_vllm(monkeypatch, "0.26.0", names=False)  # no logprob module: imported before the check, it would fail
     with pytest.raises(vllm_api.UnsupportedVLLM) as failed:
         from rlactors.vllm_api import compute_token_logprobs  # noqa: F401
-    assert str(failed.value) == "rlactors supports vLLM >=0.26.0,<0.27.0; vLLM 0.29.0 is installed"
+    assert str(failed.value) == "rlactors supports vLLM >=0.31.0,<0.32.0; vLLM 0.26.0 is installed"
 
 
 @pytest.mark.parametrize(("version", "supported"), [
-    ("0.26.0", True), ("0.26.2", True), ("0.26.1.dev3+g0123abc", True),
-    ("0.25.9", False), ("0.27.0", False), ("0.27.0rc1", False), ("0.31.0", False), ("1.0.0", False), ("dev", False)])
+    ("0.31.0", True), ("0.31.2", True), ("0.31.1.dev3+g0123abc", True),
+    ("0.30.9", False), ("0.32.0", False), ("0.32.0rc1", False), ("0.26.0", False), ("1.0.0", False), ("dev", False)])
 def test_the_supported_range(version, supported):
     if supported:
         vllm_api.check_version(version)

@@ -147,7 +147,7 @@ def _torch_varlen_attn():
     """torch's varlen_attn with causal masking bound, and whether it takes ``enable_gqa``.
 
     torch 2.10 spells causal ``is_causal=True``; 2.11+ spells it ``window_size=(-1, 0)``.
-    torch 2.11 (the GPU nodes' vLLM pin) has no ``enable_gqa``, so kv heads are repeated there.
+    torch 2.11 has no ``enable_gqa``, so kv heads are repeated there.
     """
     from torch.nn.attention.varlen import varlen_attn
 

@@ -1,4 +1,4 @@
-"""The vLLM engine (GPU): vLLM 0.26's LLMEngine run in-process behind the Engine interface.
+"""The vLLM engine (GPU): vLLM's LLMEngine run in-process behind the Engine interface.
 
 In true on-policy mode vLLM runs our own model (`rlactors.on_policy.vllm_model`), so that every
 logprob it returns is the trainer's bit for bit.

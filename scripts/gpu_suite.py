@@ -9,9 +9,10 @@ the next, and a group stopped at its timeout takes its processes with it; inside
 tests/conftest.py checks that each module gives the GPU memory back. `1gpu` runs its groups
 side by side when more GPUs are visible (one GPU each, by CUDA_VISIBLE_DEVICES); `2gpu` runs its
 groups one after another on the first two GPUs, and fails a test that skips for want of GPUs.
-Prints a table of groups, counts and seconds, appends a row per group to
-benchmarks/results/gpu_suite.md with the machine, date and commit, and exits non-zero when any
-group failed. Expects vLLM and Monarch importable (docs/gpu.md).
+Appends a row per group to benchmarks/results/gpu_suite.md with the machine, date and commit as
+the group ends (a suite stopped partway keeps the rows of the groups that ended), prints a table
+of groups, counts and seconds at the end, and exits non-zero when any group failed. Expects vLLM
+and Monarch importable (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -150,11 +152,15 @@ def table(groups: list[Group], mode: str) -> str:
     return "\n".join([row(COLUMNS), "|---" * len(COLUMNS) + "|", *(row(cells(g, mode)) for g in groups)])
 
 
-def append_rows(groups: list[Group], mode: str, stamp: list[object]) -> None:
-    """One row per group at the end of RESULTS, whose table has the header `STAMP + COLUMNS`."""
+def check_results_table() -> None:
+    """Stops, before any group runs, unless RESULTS ends in a table headed `STAMP + COLUMNS`."""
     header = row([*STAMP, *COLUMNS])
     if header not in RESULTS.read_text().splitlines():
         raise SystemExit(f"error: {RESULTS} has no table headed {header}")
+
+
+def append_rows(groups: list[Group], mode: str, stamp: list[object]) -> None:
+    """One row per group at the end of RESULTS."""
     with RESULTS.open("a") as f:
         f.writelines(row([*stamp, mode, *cells(g, mode)]) + "\n" for g in groups)
 
@@ -175,6 +181,20 @@ def main() -> None:
     names = gpu_names()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(len(names))]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    machine = f"{len(names)} x {names[0]}" if names else "no GPU"
+    command = "python scripts/gpu_suite.py " + shlex.join(sys.argv[1:])
+    stamp = [datetime.date.today(), machine, commit, f"`{command}`"]
+    check_results_table()
+    recording = threading.Lock()  # 1gpu groups end in threads of their own
+
+    def run_and_record(group: Group, on: str) -> Group:
+        run_group(group, on, args.log, args.timeout)
+        with recording:
+            append_rows([group], args.mode, stamp)
+        return group
+
     start = time.monotonic()
     if args.mode == "1gpu":
         free: queue.Queue[str] = queue.Queue()
@@ -184,7 +204,7 @@ def main() -> None:
         def on_a_free_gpu(group: Group) -> Group:  # one group per GPU at a time
             device = free.get()
             try:
-                return run_group(group, device, args.log, args.timeout)
+                return run_and_record(group, device)
             finally:
                 free.put(device)
 
@@ -194,16 +214,11 @@ def main() -> None:
         if len(devices) < 2:
             sys.exit(f"error: 2gpu needs two visible GPUs, found {len(devices)}")
         for g in groups:
-            run_group(g, ",".join(devices[:2]), args.log, args.timeout)
+            run_and_record(g, ",".join(devices[:2]))
     wall = time.monotonic() - start
     result = table(groups, args.mode)
     print("\n" + result)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    machine = f"{len(names)} x {names[0]}" if names else "no GPU"
-    command = "python scripts/gpu_suite.py " + shlex.join(sys.argv[1:])
     print(f"{wall:.0f} s in all")
-    append_rows(groups, args.mode, [datetime.date.today(), machine, commit, f"`{command}`"])
     sys.exit(1 if any(failed(g, args.mode) for g in groups) else 0)
 
 

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from support.linux import running
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,15 +61,28 @@ def test_a_group_past_its_timeout_takes_the_processes_it_started_and_names_the_r
         raise AssertionError(f"the group's process {child} outlived its timeout")
 
 
-def test_a_run_appends_one_row_per_group_to_the_results_table(tmp_path, monkeypatch):
+def test_each_group_appends_its_row_as_it_ends(tmp_path, monkeypatch):
+    """A suite stopped partway (a device machine taken back) keeps the rows of the groups that
+    ended: the second group's test finds the first group's row already written."""
     header = gpu_suite.row([*gpu_suite.STAMP, *gpu_suite.COLUMNS])
     assert header in gpu_suite.RESULTS.read_text().splitlines()  # the table a run appends to
     results = tmp_path / "gpu_suite.md"
     results.write_text(f"# title\n\n{header}\n|---|\n")
+    first, second = tmp_path / "test_first.py", tmp_path / "test_second.py"
+    first.write_text("def test_passes():\n    pass\n")
+    second.write_text("from pathlib import Path\n\n\ndef test_the_first_groups_row_is_written():\n"
+                      f"    assert '| 1gpu | first |' in Path({str(results)!r}).read_text()\n\n\n"
+                      "def test_fails():\n    assert False\n")
     monkeypatch.setattr(gpu_suite, "RESULTS", results)
-    groups = [gpu_suite.Group("kernels", [], 1, {"passed": 3, "errors": 0}, 12.4, returncode=0),
-              gpu_suite.Group("system", [], 1, {"passed": 1, "failed": 1, "errors": 0}, 30.0, returncode=1)]
-    gpu_suite.append_rows(groups, "1gpu", ["2026-12-01", "1 x GPU", "abc1234", "`cmd`"])
-    assert results.read_text().splitlines()[-2:] == [
-        "| 2026-12-01 | 1 x GPU | abc1234 | `cmd` | 1gpu | kernels | 1 | 3 | 0 | 0 | 0 | 12 | ok |",
-        "| 2026-12-01 | 1 x GPU | abc1234 | `cmd` | 1gpu | system | 1 | 1 | 1 | 0 | 0 | 30 | FAIL |"]
+    monkeypatch.setattr(gpu_suite, "SINGLE", [gpu_suite.Group("first", [str(first)], 1),
+                                              gpu_suite.Group("second", [str(second)], 1)])
+    monkeypatch.setattr(gpu_suite, "gpu_names", lambda: ["Fake GPU, 1 MiB"])
+    monkeypatch.setattr(sys, "argv", ["gpu_suite.py", "1gpu"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        gpu_suite.main()
+    assert stopped.value.code == 1  # a group failed
+    rows = [line.split(" | ") for line in results.read_text().splitlines()[-2:]]
+    assert [r[1] for r in rows] == ["1 x Fake GPU, 1 MiB"] * 2
+    assert [(r[4], r[5], r[7], r[8], r[9], r[12]) for r in rows] == [
+        ("1gpu", "first", "1", "0", "0", "ok |"), ("1gpu", "second", "1", "1", "0", "FAIL |")]

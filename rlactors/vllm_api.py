@@ -76,6 +76,22 @@ def worker_model(worker: Any) -> torch.nn.Module:
     return worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
 
 
+def pause_scheduler(llm_engine: Any) -> None:
+    """Pauses an in-process LLMEngine's scheduler, keeping its requests: its next steps only
+    finish the steps already in flight (their outputs come from `step()`)."""
+    llm_engine.engine_core.engine_core.pause_scheduler(mode="keep", clear_cache=False)
+
+
+def steps_in_flight(llm_engine: Any) -> bool:
+    """Whether an in-process LLMEngine has scheduled steps whose outputs it has not returned (under
+    async scheduling, the step after the one `step()` returned)."""
+    return bool(llm_engine.engine_core.engine_core.batch_queue)
+
+
+def resume_scheduler(llm_engine: Any) -> None:
+    llm_engine.engine_core.engine_core.resume_scheduler()
+
+
 def shut_down(llm_engine: Any) -> None:
     """Shuts an in-process LLMEngine down and gives back what vLLM keeps past its shutdown.
 

@@ -131,7 +131,9 @@ class VLLMEngine(Engine):
         self.stages_concurrently = stages_concurrently(tp)
         self.version = version
         self.requests: dict[str, _Request] = {}
-        self.aborted: list[Completion] = []
+        # Completions the next step() returns besides its own: aborted ones, and those finished
+        # while a weight load waited for the steps in flight.
+        self.ready: list[Completion] = []
         self.counters = {"steps": 0, "finished": 0, "aborted": 0, "generated_tokens": 0}
         # With LoRA (`lora_scale` alpha / r): loads carry the adapters alone, `adapters` their
         # first values, merged now into the checkpoint's base (rlactors.lora.replica).
@@ -212,16 +214,24 @@ class VLLMEngine(Engine):
         self.requests[request_id] = _Request(prompt, self.version)
 
     def step(self) -> list[Completion]:
-        finished, self.aborted = self.aborted, []
+        finished, self.ready = self.ready, []
         now = time.perf_counter()
-        for output in self.engine.step():
+        finished += self._take(self.engine.step(), now)
+        self.counters["steps"] += 1
+        return finished
+
+    def _take(self, outputs: list[Any], started: float) -> list[Completion]:
+        """The requests' new tokens from the `outputs` of one vLLM step, begun at `started`; the
+        completions it finished."""
+        finished = []
+        for output in outputs:
             request = self.requests.get(output.request_id)
             if request is None:
                 continue
             out = output.outputs[0]
             new = list(out.token_ids)  # this step's tokens (DELTA), or all of them once finished
             if new and request.first_token is None and self.hot_swaps:
-                request.first_token = now
+                request.first_token = started
             request.token_ids += new
             request.logprobs += [entry[token].logprob for token, entry in zip(new, out.logprobs)]
             request.versions += [self.version if self.hot_swaps else request.version] * len(new)
@@ -231,7 +241,6 @@ class VLLMEngine(Engine):
                 finished.append(self._completion(output.request_id, request, out.finish_reason,
                                                  self._routed_experts(request, out.routed_experts)))
                 self.counters["finished"] += 1
-        self.counters["steps"] += 1
         return finished
 
     def sampled(self, request_id: str, start: int = 0) -> TokenDelta | None:
@@ -245,12 +254,12 @@ class VLLMEngine(Engine):
         if request is None:
             return False
         self.engine.abort_request([request_id])
-        self.aborted.append(self._completion(request_id, request, "abort"))
+        self.ready.append(self._completion(request_id, request, "abort"))
         self.counters["aborted"] += 1
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests or self.aborted)
+        return bool(self.requests or self.ready)
 
     def check_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         super().check_weights(named_tensors)
@@ -261,30 +270,57 @@ class VLLMEngine(Engine):
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
         self.check_weights(named_tensors)
-        self.engine.apply_model(functools.partial(_load_into_model, list(named_tensors.items()),
-                                                  lora_scale=self.lora_scale))
-        self._weights_loaded(version)
+        with self._loading(version):
+            self.engine.apply_model(functools.partial(_load_into_model, list(named_tensors.items()),
+                                                      lora_scale=self.lora_scale))
 
     def broadcast_receiver(self) -> VLLMReceiver:
         """The trainer's NCCL weight broadcast, received by every TP worker."""
-        return VLLMReceiver(self.engine, self._weights_loaded, self.lora_scale)
+        return VLLMReceiver(self.engine, self._loading, self.lora_scale)
 
-    def _weights_loaded(self, version: int) -> None:
-        self.version = version
-        self.reset_prefix_cache()
+    @contextlib.contextmanager
+    def _loading(self, version: int) -> Iterator[None]:
+        """Around a weight load: after it, the engine's version is `version` and no cached prefix
+        or running request keeps KV of the old weights."""
+        with self._no_step_in_flight():
+            yield
+            self.version = version
+            self._reset_running_requests()
 
     def reset_prefix_cache(self) -> None:
+        with self._no_step_in_flight():
+            self._reset_running_requests()
+
+    def _reset_running_requests(self) -> None:
         # Running requests (hot swap) are preempted and recomputed on the new weights; their
         # sampled tokens of a step still in flight are dropped and resampled, so every returned
         # token is tagged with the version that produced it.
         self.engine.reset_prefix_cache(reset_running_requests=True)
 
+    @contextlib.contextmanager
+    def _no_step_in_flight(self) -> Iterator[None]:
+        """vLLM resets the running requests of an engine that returns routed experts only while
+        its scheduler is paused with no step in flight (its routed experts of a step in flight
+        would be lost): those steps finish first, on the weights that started them, and their
+        tokens keep the version they were sampled at."""
+        if self.sparse_layers is None:
+            yield
+            return
+        vllm_api.pause_scheduler(self.engine)
+        try:
+            while vllm_api.steps_in_flight(self.engine):
+                started = time.perf_counter()
+                self.ready += self._take(self.engine.step(), started)
+            yield
+        finally:
+            vllm_api.resume_scheduler(self.engine)
+
     def sleep(self) -> None:
-        # Level 1: weights to host memory, KV cache dropped. Level 2 would drop the weights too,
-        # but outputs after its wake were seen to differ from before (something besides the
-        # checkpoint's tensors is lost), so it is not used.
-        self.engine.reset_prefix_cache()
-        self.engine.sleep(level=1)
+        # Level 1: weights to host memory, KV cache and prefix cache dropped. Level 2 would drop
+        # the weights too, but outputs after its wake were seen to differ from before (something
+        # besides the checkpoint's tensors is lost), so it is not used. The scheduler pauses
+        # keeping its (no) requests: an engine returning routed experts resets only so.
+        self.engine.sleep(level=1, mode="keep")
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self.engine.wake_up(tags=None if tags is None else list(tags))
@@ -295,7 +331,7 @@ class VLLMEngine(Engine):
     def close(self) -> None:
         for request_id in list(self.requests):
             self.abort(request_id)
-        self.aborted = []
+        self.ready = []
         vllm_api.shut_down(self.engine)
         self.engine = None
         gc.collect()

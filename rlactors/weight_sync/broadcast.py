@@ -426,13 +426,15 @@ class LocalReceiver:
 
 class VLLMReceiver:
     """The receiving end in a vLLM engine: a BufferReceiver in each TP worker, reached through
-    `collective_rpc` (the worker functions below); `loaded(version)` tells the engine that its
-    model holds new weights. With `lora_scale` (alpha / r) the broadcast carries LoRA adapters,
-    which each worker merges into its base (rlactors.lora.replica)."""
+    `collective_rpc` (the worker functions below); the load runs inside `loading(version)`, the
+    engine's context for a weight load (`VLLMEngine._loading`). With `lora_scale` (alpha / r)
+    the broadcast carries LoRA adapters, which each worker merges into its base
+    (rlactors.lora.replica)."""
 
-    def __init__(self, llm_engine: Any, loaded: Callable[[int], None], lora_scale: float | None = None):
+    def __init__(self, llm_engine: Any, loading: Callable[[int], contextlib.AbstractContextManager[None]],
+                 lora_scale: float | None = None):
         self.llm_engine = llm_engine
-        self.loaded = loaded
+        self.loading = loading
         self.lora_scale = lora_scale
 
     def join(self, host: str, port: int, rank_offset: int, world_size: int, layout: PackedLayout) -> list[int]:
@@ -443,9 +445,8 @@ class VLLMReceiver:
 
     def load(self, version: int) -> dict[str, float]:
         args = () if self.lora_scale is None else (self.lora_scale,)
-        timings = self.llm_engine.collective_rpc(worker_load_staged, args=args)[0]
-        self.loaded(version)
-        return timings
+        with self.loading(version):
+            return self.llm_engine.collective_rpc(worker_load_staged, args=args)[0]
 
 
 # -- vLLM worker side: run through LLM.collective_rpc, `worker` is vLLM's worker object ----------

@@ -4,7 +4,8 @@ scaling; Qwen3-MoE, served by vLLM's own FusedMoE, its experts synced in the tra
 layout, each sampled token's routed experts returned): vLLM's raw logprobs of its own completions
 match our fp32 model's; the broadcast path's load (`rlactors.weight_sync.broadcast.worker_load_staged`)
 of a received buffer first goes through vLLM's `load_weights` and proves a copy plan, and the next
-weights, copied by that plan, serve the logprobs of our model with those weights. Skipped without CUDA and vLLM."""
+weights, copied by that plan, serve the logprobs of our model with those weights; a load while requests
+run tags each of their tokens with the version that sampled it. Skipped without CUDA and vLLM."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from rlactors.weight_sync.packed import PackedLayout
 pytestmark = NEEDS_VLLM_GPU
 
 CONFIG = GeneratorConfig(engine="vllm", replicas=1, max_num_seqs=32, max_num_tokens=2048, max_model_len=512,
-                         gpu_memory_utilization=0.3)
+                         gpu_memory_utilization=0.3, update_mode="hot_swap")
 
 
 def generate(engine, batch: list[list[int]]) -> list:
@@ -81,5 +82,23 @@ def test_vllm_serves_each_family_and_loads_weights_by_the_copy_plan(family, tie,
         assert all(set(c.versions) == {2} for c in after_second)
         assert ckpt_logprob_error(ckpts[2], after_second) < LOGPROB_ATOL
         assert any(a.token_ids != b.token_ids for a, b in zip(after_first, after_second))
+
+        # A load while requests run (hot swap): each request's tokens before it carry version 2,
+        # those after it version 3, and a MoE's routed experts still cover every token.
+        sampling = SamplingParams(max_tokens=48, temperature=1.0, seed=7)
+        for i, p in enumerate(batch):
+            engine.add_request(f"h{i}", p, sampling)
+        done = {}
+        while any(len(engine.sampled(f"h{i}").token_ids) < 8 for i in range(len(batch))):
+            done.update({c.request_id: c for c in engine.step()})
+        layout.pack(weights[0], buffer)
+        engine.broadcast_receiver().load(3)
+        while engine.has_unfinished():
+            done.update({c.request_id: c for c in engine.step()})
+        for c in done.values():
+            assert len(c.token_ids) == 48 and c.versions == sorted(c.versions), c.request_id
+            assert c.versions.count(2) >= 8 and c.versions[-1] == 3, c.versions
+            if args.moe is not None:
+                assert torch.tensor(c.routed_experts).shape == (48, sparse_layers, args.moe.num_experts_per_tok)
     finally:
         engine.close()

@@ -11,6 +11,7 @@ over its TP workers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import queue
@@ -142,10 +143,10 @@ def test_a_receive_before_the_replica_joined_a_group_is_refused_and_loads_nothin
     assert loads == [] and receiver.buffer_receiver is None
 
 
-def test_a_vllm_receiver_reaches_every_tp_worker_and_tells_the_engine_after_a_load():
+def test_a_vllm_receiver_reaches_every_tp_worker_and_loads_inside_the_engines_load_context():
     """The calls a vLLM engine's receiver makes (its NCCL run is on the GPU machines): each one a
-    `collective_rpc` over the TP workers, the first worker's timings returned, and the engine
-    told of the new version only once the load is done."""
+    `collective_rpc` over the TP workers, the first worker's timings returned, and the load alone
+    inside the engine's context for a weight load, entered with the new version."""
     events = []
 
     class Engine:
@@ -153,12 +154,18 @@ def test_a_vllm_receiver_reaches_every_tp_worker_and_tells_the_engine_after_a_lo
             events.append((method, args))
             return [{"worker": 0}, {"worker": 1}] if method is not worker_join else [1, 2]
 
-    receiver = VLLMReceiver(Engine(), loaded=lambda version: events.append(("loaded", version)))
+    @contextlib.contextmanager
+    def loading(version):
+        events.append(("loading", version))
+        yield
+        events.append(("loaded", version))
+
+    receiver = VLLMReceiver(Engine(), loading)
     assert receiver.join("10.0.0.1", 29500, 1, 3, "layout") == [1, 2]
     assert receiver.receive(4) == {"worker": 0}
     assert receiver.load(4) == {"worker": 0}
     assert events == [(worker_join, ("10.0.0.1", 29500, 1, 3, "layout")), (worker_stage, (4,)),
-                      (worker_load_staged, ()), ("loaded", 4)]
+                      ("loading", 4), (worker_load_staged, ()), ("loaded", 4)]
 
 
 class _TwoMembers:

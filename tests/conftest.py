@@ -65,6 +65,23 @@ def torch_threads_kept():
 GPU_MEMORY_KEPT_BYTES = 2 << 30
 
 
+def _held_by_this_process() -> str:
+    """Where this process's share of kept GPU memory is: its caching allocator's tensors and
+    reserve, and its largest CUDA tensors that Python still reaches (what the allocator does not
+    hold is kept beside it: NCCL, CUDA graphs' pools, libraries)."""
+    tensors = []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                tensors.append(obj)
+        except Exception:  # noqa: BLE001 - an object whose isinstance check fails is no tensor of ours
+            continue
+    largest = sorted(tensors, key=lambda t: t.untyped_storage().nbytes(), reverse=True)[:5]
+    return (f"this process's allocator: {torch.cuda.memory_allocated() / 2**30:.2f} GiB in tensors, "
+            f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved; {len(tensors)} CUDA tensors reachable"
+            + "".join(f", {tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2**20:.0f} MiB" for t in largest))
+
+
 def _free_gpu_bytes() -> list[int]:
     gc.collect()
     torch.cuda.empty_cache()
@@ -97,7 +114,8 @@ def gpu_memory_given_back(request):
         f"{request.module.__name__} kept GPU memory: " + ", ".join(f"GPU {d}: {h / 2**30:.2f} GiB" for d, h in
                                                                    enumerate(held) if h > GPU_MEMORY_KEPT_BYTES)
         + f"; processes on the GPUs (this one is {os.getpid()}): "
-        + ("; ".join(f"{pid} {mib} MiB {command!r}" for pid, (mib, command) in now.items()) or "none listed"))
+        + ("; ".join(f"{pid} {mib} MiB {command!r}" for pid, (mib, command) in now.items()) or "none listed")
+        + f"; {_held_by_this_process()}")
 
 
 @pytest.fixture(scope="session")

@@ -66,8 +66,8 @@ def custom_all_reduce_works(tp: int, alloc_conf: str | None = None) -> bool:
     """Whether vLLM's custom all-reduce can run for a replica of `tp` GPUs under PyTorch's
     allocator settings `alloc_conf` (by default this process's; `placement.expandable_segments`).
     It shares its buffers between GPUs by CUDA IPC handles, which memory from expandable segments
-    cannot give: with those, vLLM 0.26's TP workers exit at CUDA graph capture
-    ('custom_all_reduce.cuh: invalid argument')."""
+    cannot give: with those, vLLM's TP workers exit at CUDA graph capture
+    ('custom_all_reduce.cuh: invalid argument', seen on vLLM 0.26)."""
     return tp == 1 or not expandable_segments(alloc_conf)
 
 

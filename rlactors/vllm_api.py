@@ -92,6 +92,11 @@ def resume_scheduler(llm_engine: Any) -> None:
     llm_engine.engine_core.engine_core.resume_scheduler()
 
 
+def scheduler_paused(llm_engine: Any) -> bool:
+    """Whether an in-process LLMEngine's scheduler is paused (`pause_scheduler`, or asleep)."""
+    return llm_engine.engine_core.engine_core.is_scheduler_paused()
+
+
 def shut_down(llm_engine: Any) -> None:
     """Shuts an in-process LLMEngine down and gives back what vLLM keeps past its shutdown.
 

@@ -302,8 +302,9 @@ class VLLMEngine(Engine):
         """vLLM resets the running requests of an engine that returns routed experts only while
         its scheduler is paused with no step in flight (its routed experts of a step in flight
         would be lost): those steps finish first, on the weights that started them, and their
-        tokens keep the version they were sampled at."""
-        if self.sparse_layers is None:
+        tokens keep the version they were sampled at. A scheduler paused already (asleep, woken in
+        part) stays paused."""
+        if self.sparse_layers is None or vllm_api.scheduler_paused(self.engine):
             yield
             return
         vllm_api.pause_scheduler(self.engine)

@@ -38,6 +38,9 @@ class Core:
     def resume_scheduler(self) -> None:
         self.paused = False
 
+    def is_scheduler_paused(self) -> bool:
+        return self.paused
+
 
 class LLMEngine:
     def __init__(self, returns_routed_experts: bool):
@@ -144,3 +147,13 @@ def test_a_failed_load_leaves_the_scheduler_running_and_the_version_unchanged():
     with pytest.raises(RuntimeError, match="load failed"):
         engine.load_weights({"w": torch.tensor(1)}, version=1)
     assert not llm_engine.core.paused and engine.version == 0 and llm_engine.resets == 0
+
+
+def test_a_load_into_a_sleeping_engine_leaves_its_scheduler_paused():
+    """Colocated, weights load after the weights wake and before the KV cache does: vLLM keeps the
+    scheduler paused until the whole engine is awake, and the load must not resume it."""
+    llm_engine = LLMEngine(returns_routed_experts=True)
+    engine = VLLMEngine(llm_engine, vocab_size=16, max_model_len=64, sparse_layers=list(range(LAYERS)))
+    llm_engine.core.paused = True  # as vLLM's sleep(mode="keep") leaves it
+    engine.load_weights({"w": torch.tensor(1)}, version=1)
+    assert llm_engine.core.paused and llm_engine.resets == 1 and engine.version == 1

@@ -76,25 +76,30 @@ def worker_model(worker: Any) -> torch.nn.Module:
     return worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
 
 
+def _engine_core(llm_engine: Any) -> Any:
+    """The EngineCore of an in-process LLMEngine (its InprocClient's)."""
+    return llm_engine.engine_core.engine_core
+
+
 def pause_scheduler(llm_engine: Any) -> None:
     """Pauses an in-process LLMEngine's scheduler, keeping its requests: its next steps only
     finish the steps already in flight (their outputs come from `step()`)."""
-    llm_engine.engine_core.engine_core.pause_scheduler(mode="keep", clear_cache=False)
+    _engine_core(llm_engine).pause_scheduler(mode="keep", clear_cache=False)
 
 
 def steps_in_flight(llm_engine: Any) -> bool:
     """Whether an in-process LLMEngine has scheduled steps whose outputs it has not returned (under
     async scheduling, the step after the one `step()` returned)."""
-    return bool(llm_engine.engine_core.engine_core.batch_queue)
+    return bool(_engine_core(llm_engine).batch_queue)
 
 
 def resume_scheduler(llm_engine: Any) -> None:
-    llm_engine.engine_core.engine_core.resume_scheduler()
+    _engine_core(llm_engine).resume_scheduler()
 
 
 def scheduler_paused(llm_engine: Any) -> bool:
     """Whether an in-process LLMEngine's scheduler is paused (`pause_scheduler`, or asleep)."""
-    return llm_engine.engine_core.engine_core.is_scheduler_paused()
+    return _engine_core(llm_engine).is_scheduler_paused()
 
 
 def shut_down(llm_engine: Any) -> None:

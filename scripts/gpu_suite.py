@@ -159,10 +159,10 @@ def check_results_table() -> None:
         raise SystemExit(f"error: {RESULTS} has no table headed {header}")
 
 
-def append_rows(groups: list[Group], mode: str, stamp: list[object]) -> None:
-    """One row per group at the end of RESULTS."""
+def append_row(group: Group, mode: str, stamp: list[object]) -> None:
+    """The group's row at the end of RESULTS."""
     with RESULTS.open("a") as f:
-        f.writelines(row([*stamp, mode, *cells(g, mode)]) + "\n" for g in groups)
+        f.write(row([*stamp, mode, *cells(group, mode)]) + "\n")
 
 
 def main() -> None:
@@ -192,7 +192,7 @@ def main() -> None:
     def run_and_record(group: Group, on: str) -> Group:
         run_group(group, on, args.log, args.timeout)
         with recording:
-            append_rows([group], args.mode, stamp)
+            append_row(group, args.mode, stamp)
         return group
 
     start = time.monotonic()

@@ -141,4 +141,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlactors.procs.supervision import exit_after_client_shutdown
+
+    exit_after_client_shutdown(main())

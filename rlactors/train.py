@@ -163,4 +163,6 @@ def run_controller(controller: Controller) -> list[dict[str, float]]:
             signal.signal(signal.SIGINT, previous)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlactors.procs.supervision import exit_after_client_shutdown
+
+    exit_after_client_shutdown(main())

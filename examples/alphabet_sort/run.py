@@ -32,4 +32,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlactors.procs.supervision import exit_after_client_shutdown
+
+    exit_after_client_shutdown(main())

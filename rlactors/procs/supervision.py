@@ -12,11 +12,17 @@ which config.py bounds below the backstop).
   HYPERACTOR_MESH_ORPHAN_TIMEOUT: the backstop too, as their clocks run while a process is stopped.
 - HYPERACTOR_MESH_SUPERVISION_WATCHDOG_TIMEOUT: >= the poll frequency + both state-query waits.
 Why each: docs/ARCHITECTURE.md, "Failover".
+
+A controller ends through `exit_after_client_shutdown`: Monarch's own exit hook gives its client's
+shutdown one second, which a busy machine overruns with a TimeoutError traceback after the run's
+last line.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from typing import NoReturn
 
 from rlactors.config import MONARCH_STATE_QUERY_WAIT_S
 
@@ -38,3 +44,22 @@ def use_fast_supervision(force: bool = False) -> None:
             os.environ[name] = value
         else:
             os.environ.setdefault(name, value)
+
+
+CLIENT_SHUTDOWN_WAIT_S = 60.0
+HOST_FLUSH_WAIT_S = 1.0  # per final flush; one to a peer already gone (a cancelled Slurm job) waits it out
+
+
+def exit_after_client_shutdown(code: int) -> NoReturn:
+    """Shuts down this process's Monarch client (if it has one), allowing CLIENT_SHUTDOWN_WAIT_S
+    where Monarch's exit hook allows one second, then exits with `code`. A shutdown that overruns
+    even that is one stderr line, not a traceback; the procs end with this process either way."""
+    if "monarch._src.actor.actor_mesh" in sys.modules:  # else Monarch never started: nothing to shut down
+        from monarch.actor import shutdown_context
+
+        try:
+            shutdown_context(host_timeout=HOST_FLUSH_WAIT_S).get(timeout=CLIENT_SHUTDOWN_WAIT_S)
+        except TimeoutError:
+            print(f"warning: Monarch's client did not shut down within {CLIENT_SHUTDOWN_WAIT_S:g} s", file=sys.stderr)
+    sys.stdout.flush()
+    sys.exit(code)

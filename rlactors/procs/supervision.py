@@ -11,11 +11,7 @@ which config.py bounds below the backstop).
 - HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE, HYPERACTOR_MESSAGE_DELIVERY_TIMEOUT,
   HYPERACTOR_MESH_ORPHAN_TIMEOUT: the backstop too, as their clocks run while a process is stopped.
 - HYPERACTOR_MESH_SUPERVISION_WATCHDOG_TIMEOUT: >= the poll frequency + both state-query waits.
-Why each: docs/ARCHITECTURE.md, "Failover".
-
-A controller ends through `exit_after_client_shutdown`: Monarch's own exit hook gives its client's
-shutdown one second, which a busy machine overruns with a TimeoutError traceback after the run's
-last line.
+Why each: docs/ARCHITECTURE.md, "Failover". A controller exits through `exit_after_client_shutdown`.
 """
 
 from __future__ import annotations

@@ -50,12 +50,11 @@ def exit_after_client_shutdown(code: int) -> NoReturn:
     """Shuts down this process's Monarch client (if it has one), allowing CLIENT_SHUTDOWN_WAIT_S
     where Monarch's exit hook allows one second, then exits with `code`. A shutdown that overruns
     even that is one stderr line, not a traceback; the procs end with this process either way."""
-    if "monarch._src.actor.actor_mesh" in sys.modules:  # else Monarch never started: nothing to shut down
+    if "monarch.actor" in sys.modules:  # else Monarch never started: nothing to shut down
         from monarch.actor import shutdown_context
 
         try:
             shutdown_context(host_timeout=HOST_FLUSH_WAIT_S).get(timeout=CLIENT_SHUTDOWN_WAIT_S)
         except TimeoutError:
             print(f"warning: Monarch's client did not shut down within {CLIENT_SHUTDOWN_WAIT_S:g} s", file=sys.stderr)
-    sys.stdout.flush()
     sys.exit(code)
